@@ -1,0 +1,380 @@
+#pragma once
+/// \file
+/// comm::Mpi — collectives over MPI (OpenMPI, MPICH, ...) on CPU tensors.
+
+#include <ATen/core/Tensor.h>
+#include <boost/mpi/communicator.hpp>
+#include <boost/mpi/environment.hpp>
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/detail/mpi_types.hpp"
+#include "paratrain/detail/tensor_checks.hpp"
+#include "paratrain/error.hpp"
+
+namespace paratrain::comm {
+
+// Note [Segmented all-reduce]
+// One MPI_Allreduce of a large buffer is slow with OpenMPI 4.1 on one node
+// (0.7 GB/s at 64 MiB against 5 GB/s at 1 MiB, measured): its algorithms stream the
+// whole buffer through memory once per phase, while a segment that fits in cache is
+// reduced while it is still there. Buffers larger than Options::segment_bytes are
+// therefore reduced as consecutive segments. Small buffers take exactly one
+// MPI_Allreduce, as a raw call would. docs/benchmarks.md has the measurement.
+
+/// A group of MPI processes: `MPI_COMM_WORLD`, or a part of it made with `split`.
+///
+/// Every operation works in place on contiguous CPU tensors of float32, float64,
+/// bfloat16, float16, int32 or int64, and comes blocking (`all_reduce`) and
+/// non-blocking (`iall_reduce`, returning a Request with `wait()`/`test()`).
+/// The communicator is a duplicate of the group it was made from, so its traffic
+/// never matches a message of the application's own MPI calls. Copies of an `Mpi`
+/// share that duplicate; `duplicate()` gives an independent one (for a
+/// communication thread, say).
+///
+/// \code
+///   paratrain::comm::Mpi::Environment env(argc, argv);
+///   paratrain::comm::Mpi world;
+///   auto g = torch::ones({4});
+///   world.all_reduce(g, paratrain::reduce_op::average);
+/// \endcode
+class Mpi {
+ public:
+  struct Options {
+    /// All-reduces larger than this are done segment by segment: Note [Segmented all-reduce].
+    std::size_t segment_bytes = std::size_t{1} << 20;
+    /// Before each collective, check that every rank calls the same operation with the
+    /// same dtype, element count and root, and throw on every rank if not (instead of a
+    /// hang or a silently wrong result). Costs one small all-reduce per collective.
+    /// On by default when the environment has PARATRAIN_VALIDATE=1.
+    bool validate = env_flag("PARATRAIN_VALIDATE");
+  };
+
+  /// Initialises MPI for the lifetime of this object, asking for MPI_THREAD_MULTIPLE
+  /// (strategies that communicate from a second thread need it).
+  class Environment {
+   public:
+    Environment() : env_(boost::mpi::threading::multiple) {}
+    Environment(int& argc, char**& argv) : env_(argc, argv, boost::mpi::threading::multiple) {}
+    [[nodiscard]] bool thread_multiple() const { return env_.thread_level() >= boost::mpi::threading::multiple; }
+
+   private:
+    boost::mpi::environment env_;
+  };
+
+  /// A pending non-blocking operation. Dropping one waits for it: Note [Dropped requests].
+  class Request {
+   public:
+    Request() = default;
+    Request(Request&& o) noexcept { *this = std::move(o); }
+    Request& operator=(Request&& o) noexcept {
+      if (this != &o) {
+        finish_or_abandon();
+        requests_ = std::exchange(o.requests_, {});
+        keep_ = std::move(o.keep_);
+        then_ = std::move(o.then_);
+        op_ = o.op_;
+        rank_ = o.rank_;
+      }
+      return *this;
+    }
+    ~Request() { finish_or_abandon(); }
+
+    /// Blocks until the operation is complete; the buffer is then valid.
+    void wait() {
+      if (requests_.empty()) return;
+      check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE), op_, rank_);
+      complete();
+    }
+
+    /// Makes progress (MPI progresses only inside its calls) and says whether the
+    /// operation is complete.
+    [[nodiscard]] bool test() {
+      if (requests_.empty()) return true;
+      int done = 0;
+      check(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE), op_,
+            rank_);
+      if (done) complete();
+      return done != 0;
+    }
+
+   private:
+    friend class Mpi;
+    Request(const char* op, int rank, std::vector<at::Tensor> keep) : keep_(std::move(keep)), op_(op), rank_(rank) {}
+
+    void complete() {
+      requests_.clear();
+      if (then_) std::exchange(then_, {})();
+      keep_.clear();
+    }
+
+    // Note [Dropped requests]
+    // MPI forbids freeing a request of a non-blocking collective, and the buffer must
+    // outlive it, so a Request destroyed while pending waits. During stack unwinding
+    // it does not: a peer may have failed, and waiting could hang the rank that is
+    // about to report the error. The buffer is then leaked on purpose.
+    void finish_or_abandon() noexcept {
+      if (requests_.empty()) return;
+      if (std::uncaught_exceptions() > 0) {
+        new std::vector<at::Tensor>(std::move(keep_));
+        requests_.clear();
+        return;
+      }
+      MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+      requests_.clear();
+      if (then_) then_();
+    }
+
+    std::vector<MPI_Request> requests_;
+    std::vector<at::Tensor> keep_;
+    std::function<void()> then_;
+    const char* op_ = "";
+    int rank_ = -1;
+  };
+
+  /// A duplicate of MPI_COMM_WORLD. Throws if MPI is not initialised.
+  Mpi() : Mpi(Options{}) {}
+  explicit Mpi(Options options) : Mpi(world(), options) {}
+
+  /// A duplicate of `base`.
+  explicit Mpi(const boost::mpi::communicator& base) : Mpi(base, Options{}) {}
+  Mpi(const boost::mpi::communicator& base, Options options)
+      : state_(std::make_shared<State>(boost::mpi::communicator(base, boost::mpi::comm_duplicate), options)) {}
+
+  [[nodiscard]] int rank() const noexcept { return state_->rank; }
+  [[nodiscard]] int size() const noexcept { return state_->size; }
+  [[nodiscard]] const Options& options() const noexcept { return state_->options; }
+  [[nodiscard]] MPI_Comm native() const noexcept { return state_->native(); }
+  [[nodiscard]] const boost::mpi::communicator& boost() const noexcept { return state_->comm; }
+
+  /// An independent communicator over the same ranks.
+  [[nodiscard]] Mpi duplicate() const { return Mpi(state_->comm, state_->options); }
+
+  /// The ranks that pass the same `color`, ordered by `key` (then by rank).
+  /// Collective: every rank of this communicator must call it.
+  [[nodiscard]] Mpi split(int color, int key = 0) const {
+    if (color < 0) fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
+    return Mpi(std::make_shared<State>(state_->comm.split(color, key), state_->options));
+  }
+
+  void all_reduce(at::Tensor& t, reduce_op op) {
+    prepare_reduction("all_reduce", t, op);
+    const auto seg = segment_elements(t);
+    auto* p = static_cast<char*>(t.data_ptr());
+    for (std::int64_t off = 0; off < t.numel(); off += seg)
+      check(MPI_Allreduce(MPI_IN_PLACE, p + off * t.element_size(), static_cast<int>(std::min(seg, t.numel() - off)),
+                          datatype(t), state_->ops.op(t.scalar_type(), op), native()),
+            "all_reduce");
+    if (op == reduce_op::average) t.div_(size());
+  }
+
+  [[nodiscard]] Request iall_reduce(at::Tensor& t, reduce_op op) {
+    prepare_reduction("iall_reduce", t, op);
+    Request r("iall_reduce", rank(), {t});
+    const auto seg = segment_elements(t);
+    auto* p = static_cast<char*>(t.data_ptr());
+    for (std::int64_t off = 0; off < t.numel(); off += seg)
+      check(MPI_Iallreduce(MPI_IN_PLACE, p + off * t.element_size(), static_cast<int>(std::min(seg, t.numel() - off)),
+                           datatype(t), state_->ops.op(t.scalar_type(), op), native(), &r.requests_.emplace_back()),
+            "iall_reduce");
+    if (op == reduce_op::average) r.then_ = [t, n = size()]() mutable { t.div_(n); };
+    return r;
+  }
+
+  void broadcast(at::Tensor& t, int root) { ibroadcast(t, root).wait(); }
+
+  [[nodiscard]] Request ibroadcast(at::Tensor& t, int root) {
+    detail::check_buffer("broadcast", rank(), t);
+    check_peer("broadcast", root);
+    validate("broadcast", t, root);
+    Request r("broadcast", rank(), {t});
+    check(MPI_Ibcast(t.data_ptr(), count("broadcast", t), datatype(t), root, native(), &r.requests_.emplace_back()),
+          "broadcast");
+    return r;
+  }
+
+  /// Reduces `in` (size() equal parts, one per rank) and leaves part rank() in `out`.
+  void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) { ireduce_scatter(in, out, op).wait(); }
+
+  [[nodiscard]] Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
+    detail::check_reduction("reduce_scatter", rank(), in, op, "in");
+    if (in.numel() % size() != 0)
+      fail("reduce_scatter", "in has " + std::to_string(in.numel()) + " elements, not a multiple of the " +
+                                 std::to_string(size()) + " ranks; pad it to " +
+                                 std::to_string((in.numel() + size() - 1) / size() * size()) + " elements");
+    detail::check_pair("reduce_scatter", rank(), in, out, in.numel(), in.numel() / size(),
+                       "out must have in.numel() / size() elements");
+    validate("reduce_scatter", in, static_cast<int>(op));
+    Request r("reduce_scatter", rank(), {in, out});
+    check(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count("reduce_scatter", out), datatype(in),
+                                    state_->ops.op(in.scalar_type(), op), native(), &r.requests_.emplace_back()),
+          "reduce_scatter");
+    if (op == reduce_op::average) r.then_ = [out, n = size()]() mutable { out.div_(n); };
+    return r;
+  }
+
+  /// Concatenates every rank's `in`, in rank order, into `out` on every rank.
+  void all_gather(const at::Tensor& in, at::Tensor& out) { iall_gather(in, out).wait(); }
+
+  [[nodiscard]] Request iall_gather(const at::Tensor& in, at::Tensor& out) {
+    detail::check_pair("all_gather", rank(), in, out, in.numel(), in.numel() * size(),
+                       "out must have in.numel() * size() elements");
+    validate("all_gather", in, 0);
+    Request r("all_gather", rank(), {in, out});
+    check(MPI_Iallgather(in.data_ptr(), count("all_gather", in), datatype(in), out.data_ptr(),
+                         count("all_gather", in), datatype(in), native(), &r.requests_.emplace_back()),
+          "all_gather");
+    return r;
+  }
+
+  void send(const at::Tensor& t, int peer, int tag = 0) { isend(t, peer, tag).wait(); }
+
+  /// Receives a message of exactly t.numel() elements. A message of another length
+  /// is still taken off the wire (so the sender completes) and then reported: MPI
+  /// itself would accept a shorter one silently.
+  void recv(at::Tensor& t, int peer, int tag = 0) {
+    detail::check_buffer("recv", rank(), t);
+    check_peer("recv", peer);
+    MPI_Message message{};
+    MPI_Status status{};
+    check(MPI_Mprobe(peer, tag, native(), &message, &status), "recv");
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    const auto expected = t.numel() * t.element_size();
+    if (bytes != expected) {
+      std::vector<char> discard(static_cast<std::size_t>(bytes));
+      check(MPI_Mrecv(discard.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), "recv");
+      fail("recv", "rank " + std::to_string(peer) + " sent " + std::to_string(bytes) + " bytes (tag " +
+                       std::to_string(tag) + ") but the receiving tensor holds " + std::to_string(expected) +
+                       "; give both sides the same shape and dtype");
+    }
+    check(MPI_Mrecv(t.data_ptr(), count("recv", t), datatype(t), &message, MPI_STATUS_IGNORE), "recv");
+  }
+
+  [[nodiscard]] Request isend(const at::Tensor& t, int peer, int tag = 0) {
+    detail::check_buffer("send", rank(), t);
+    check_peer("send", peer);
+    Request r("send", rank(), {t});
+    check(MPI_Isend(t.data_ptr(), count("send", t), datatype(t), peer, tag, native(), &r.requests_.emplace_back()),
+          "send");
+    return r;
+  }
+
+  /// Receives at most t.numel() elements; a longer message fails the request
+  /// (MPI_ERR_TRUNCATE). The blocking recv also rejects a shorter one.
+  [[nodiscard]] Request irecv(at::Tensor& t, int peer, int tag = 0) {
+    detail::check_buffer("recv", rank(), t);
+    check_peer("recv", peer);
+    Request r("recv", rank(), {t});
+    check(MPI_Irecv(t.data_ptr(), count("recv", t), datatype(t), peer, tag, native(), &r.requests_.emplace_back()),
+          "recv");
+    return r;
+  }
+
+  void barrier() { check(MPI_Barrier(native()), "barrier"); }
+
+ private:
+  struct State {
+    State(boost::mpi::communicator c, Options o) : comm(std::move(c)), options(o) {
+      // Errors come back as codes that we turn into paratrain::error, rather than
+      // aborting the job from inside MPI.
+      MPI_Comm_set_errhandler(native(), MPI_ERRORS_RETURN);
+      rank = comm.rank();
+      size = comm.size();
+    }
+    [[nodiscard]] MPI_Comm native() const noexcept { return static_cast<MPI_Comm>(comm); }
+
+    boost::mpi::communicator comm;
+    detail::MpiOps ops;
+    Options options;
+    int rank = 0;
+    int size = 1;
+  };
+
+  explicit Mpi(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
+  static bool env_flag(const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && std::string_view(v) != "0" && std::string_view(v) != "";
+  }
+
+  static boost::mpi::communicator world() {
+    int initialised = 0, finalised = 0;
+    MPI_Initialized(&initialised);
+    MPI_Finalized(&finalised);
+    if (!initialised || finalised)
+      throw error("comm::Mpi", -1,
+                  finalised ? "MPI is already finalised; keep the Mpi::Environment alive while communicators exist"
+                            : "MPI is not initialised; create `paratrain::comm::Mpi::Environment env(argc, argv);` "
+                              "at the top of main (or a boost::mpi::environment)");
+    return boost::mpi::communicator();  // MPI_COMM_WORLD, attached
+  }
+
+  static void check(int rc, const char* op, int rank) {
+    if (rc == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, text, &len);
+    throw error(op, rank, "MPI failed: " + std::string(text, static_cast<std::size_t>(len)));
+  }
+  void check(int rc, const char* op) const { check(rc, op, rank()); }
+
+  [[noreturn]] void fail(const char* op, const std::string& message) const { throw error(op, rank(), message); }
+
+  void check_peer(const char* op, int peer) const {
+    if (peer < 0 || peer >= size())
+      fail(op, "rank " + std::to_string(peer) + " is not in this communicator of " + std::to_string(size()) +
+                   " ranks (0.." + std::to_string(size() - 1) + ")");
+  }
+
+  int count(const char* op, const at::Tensor& t) const {
+    if (t.numel() > INT_MAX)
+      fail(op, "tensor has " + std::to_string(t.numel()) + " elements; MPI counts stop at 2^31-1, so split it");
+    return static_cast<int>(t.numel());
+  }
+
+  static MPI_Datatype datatype(const at::Tensor& t) noexcept { return detail::MpiOps::datatype(t.scalar_type()); }
+
+  std::int64_t segment_elements(const at::Tensor& t) const noexcept {
+    const auto per = static_cast<std::int64_t>(options().segment_bytes) / t.element_size();
+    return std::clamp<std::int64_t>(per, 1, INT_MAX);
+  }
+
+  void prepare_reduction(const char* op, at::Tensor& t, reduce_op r) {
+    detail::check_reduction(op, rank(), t, r);
+    validate(op, t, static_cast<int>(r));
+  }
+
+  // Every rank contributes (operation, dtype, count, detail) and their negations to one
+  // MPI_MAX all-reduce: the maximum equals the negated minimum exactly when all ranks
+  // agree, so every rank reaches the same verdict and throws together, never hangs.
+  void validate(std::string_view op, const at::Tensor& t, int detail) {
+    if (!options().validate) return;
+    const std::int64_t mine[4] = {static_cast<std::int64_t>(std::hash<std::string_view>{}(op) & 0xffffffff),
+                                  static_cast<std::int64_t>(t.scalar_type()), t.numel(), detail};
+    std::int64_t both[8];
+    for (int i = 0; i < 4; ++i) both[i] = mine[i], both[i + 4] = -mine[i];
+    check(MPI_Allreduce(MPI_IN_PLACE, both, 8, MPI_INT64_T, MPI_MAX, native()), "validate");
+    static constexpr const char* what[] = {"the operation", "the dtype", "the element count", "the root or reduction"};
+    for (int i = 0; i < 4; ++i)
+      if (both[i] != -both[i + 4])
+        fail(std::string(op).c_str(),
+             "ranks disagree on " + std::string(what[i]) + (i == 0 ? "" : " (this rank: " + std::to_string(mine[i]) +
+                 ", range across ranks: " + std::to_string(-both[i + 4]) + ".." + std::to_string(both[i]) + ")") +
+                 "; every rank must issue the same collectives in the same order with matching tensors");
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace paratrain::comm

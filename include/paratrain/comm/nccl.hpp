@@ -1,0 +1,277 @@
+#pragma once
+/// \file
+/// comm::Nccl — collectives over NCCL on CUDA device buffers.
+
+#include <ATen/core/Tensor.h>
+#include <cuda_runtime.h>
+#include <mpi.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/detail/tensor_checks.hpp"
+#include "paratrain/error.hpp"
+
+namespace paratrain::comm {
+
+// Note [NCCL without CUDA-enabled LibTorch]
+// Debian's LibTorch (and many others) is built without CUDA, so this header uses no
+// LibTorch CUDA API: it works on raw device pointers (the `void*` overloads) and
+// takes at::Tensor only to read data_ptr(), numel() and dtype from a tensor whose
+// device is CUDA. It thus compiles and links wherever the CUDA toolkit and NCCL are
+// installed, and runs wherever a GPU is.
+
+/// A group of GPU ranks, one device each, communicating through NCCL.
+///
+/// It is made collectively from a comm::Mpi over the same processes, which carries
+/// NCCL's unique id from rank 0 to the others; after that MPI is not used. Each rank
+/// takes the GPU `Options::device`, by default its rank among the processes of its
+/// node modulo the node's GPU count. Operations are enqueued on the communicator's
+/// own stream; the blocking forms wait for it, the `i` forms return a Request.
+///
+/// Choose it for: CUDA tensors. Choose comm::Mpi for CPU tensors.
+class Nccl {
+ public:
+  struct Options {
+    /// The CUDA device of this rank; -1 picks the rank within its node.
+    int device = -1;
+  };
+
+  /// Completion of operations enqueued so far, through a CUDA event.
+  class Request {
+   public:
+    Request() = default;
+    Request(Request&& o) noexcept : event_(std::exchange(o.event_, nullptr)), rank_(o.rank_) {}
+    Request& operator=(Request&& o) noexcept {
+      std::swap(event_, o.event_);
+      rank_ = o.rank_;
+      return *this;
+    }
+    ~Request() {
+      if (event_ != nullptr) {
+        cudaEventSynchronize(event_);
+        cudaEventDestroy(event_);
+      }
+    }
+    void wait() {
+      if (event_ == nullptr) return;
+      cuda_check(cudaEventSynchronize(event_), "wait", rank_);
+      cudaEventDestroy(std::exchange(event_, nullptr));
+    }
+    [[nodiscard]] bool test() {
+      if (event_ == nullptr) return true;
+      const auto rc = cudaEventQuery(event_);
+      if (rc == cudaErrorNotReady) return false;
+      cuda_check(rc, "test", rank_);
+      cudaEventDestroy(std::exchange(event_, nullptr));
+      return true;
+    }
+
+   private:
+    friend class Nccl;
+    Request(cudaEvent_t e, int rank) : event_(e), rank_(rank) {}
+    cudaEvent_t event_ = nullptr;
+    int rank_ = -1;
+  };
+
+  /// Rank 0 makes NCCL's unique id and broadcasts it over `bootstrap`; works without a
+  /// GPU, so the bootstrap is testable on CPU machines.
+  [[nodiscard]] static ncclUniqueId unique_id(Mpi& bootstrap) {
+    ncclUniqueId id{};
+    if (bootstrap.rank() == 0) nccl_check(ncclGetUniqueId(&id), "unique_id", 0);
+    check_mpi(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, bootstrap.native()), "unique_id", bootstrap.rank());
+    return id;
+  }
+
+  /// The number of CUDA devices this process sees; 0 where there is no GPU or driver.
+  [[nodiscard]] static int device_count() noexcept {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  }
+
+  /// Collective over `bootstrap`'s ranks. Throws paratrain::error where there is no GPU.
+  explicit Nccl(Mpi& bootstrap) : Nccl(bootstrap, Options{}) {}
+  Nccl(Mpi& bootstrap, Options options) : state_(std::make_shared<State>()) {
+    auto& s = *state_;
+    s.rank = bootstrap.rank();
+    s.size = bootstrap.size();
+    const int devices = device_count();
+    const auto id = unique_id(bootstrap);
+    if (devices == 0)
+      throw error("comm::Nccl", s.rank,
+                  "no CUDA device is visible (cudaGetDeviceCount failed or found none); use comm::Mpi for CPU "
+                  "tensors, or check CUDA_VISIBLE_DEVICES and the driver");
+    s.device = options.device >= 0 ? options.device : local_rank(bootstrap) % devices;
+    cuda_check(cudaSetDevice(s.device), "comm::Nccl", s.rank);
+    cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "comm::Nccl", s.rank);
+    nccl_check(ncclCommInitRank(&s.comm, s.size, id, s.rank), "comm::Nccl", s.rank);
+  }
+
+  [[nodiscard]] int rank() const noexcept { return state_->rank; }
+  [[nodiscard]] int size() const noexcept { return state_->size; }
+  [[nodiscard]] int device() const noexcept { return state_->device; }
+  [[nodiscard]] cudaStream_t stream() const noexcept { return state_->stream; }
+
+  // ---- raw device buffers (Note [NCCL without CUDA-enabled LibTorch]) ----------
+  Request iall_reduce(void* data, std::size_t count, at::ScalarType dtype, reduce_op op) {
+    check_reduce_dtype("all_reduce", dtype, op);
+    nccl_check(ncclAllReduce(data, data, count, nccl_type(dtype), nccl_op(op), state_->comm, stream()), "all_reduce",
+               rank());
+    return record("all_reduce");
+  }
+  Request ibroadcast(void* data, std::size_t count, at::ScalarType dtype, int root) {
+    check_root("broadcast", root);
+    nccl_check(ncclBroadcast(data, data, count, nccl_type(dtype), root, state_->comm, stream()), "broadcast", rank());
+    return record("broadcast");
+  }
+  /// `in` has size() * count elements, `out` count.
+  Request ireduce_scatter(const void* in, void* out, std::size_t count, at::ScalarType dtype, reduce_op op) {
+    check_reduce_dtype("reduce_scatter", dtype, op);
+    nccl_check(ncclReduceScatter(in, out, count, nccl_type(dtype), nccl_op(op), state_->comm, stream()),
+               "reduce_scatter", rank());
+    return record("reduce_scatter");
+  }
+  /// `in` has count elements, `out` size() * count.
+  Request iall_gather(const void* in, void* out, std::size_t count, at::ScalarType dtype) {
+    nccl_check(ncclAllGather(in, out, count, nccl_type(dtype), state_->comm, stream()), "all_gather", rank());
+    return record("all_gather");
+  }
+  Request isend(const void* data, std::size_t count, at::ScalarType dtype, int peer) {
+    check_root("send", peer);
+    nccl_check(ncclSend(data, count, nccl_type(dtype), peer, state_->comm, stream()), "send", rank());
+    return record("send");
+  }
+  Request irecv(void* data, std::size_t count, at::ScalarType dtype, int peer) {
+    check_root("recv", peer);
+    nccl_check(ncclRecv(data, count, nccl_type(dtype), peer, state_->comm, stream()), "recv", rank());
+    return record("recv");
+  }
+
+  // ---- tensors whose device is CUDA ---------------------------------------------
+  Request iall_reduce(at::Tensor& t, reduce_op op) {
+    check_device("all_reduce", t);
+    return iall_reduce(t.data_ptr(), n(t), t.scalar_type(), op);
+  }
+  void all_reduce(at::Tensor& t, reduce_op op) { iall_reduce(t, op).wait(); }
+  Request ibroadcast(at::Tensor& t, int root) {
+    check_device("broadcast", t);
+    return ibroadcast(t.data_ptr(), n(t), t.scalar_type(), root);
+  }
+  void broadcast(at::Tensor& t, int root) { ibroadcast(t, root).wait(); }
+  void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
+    check_device("reduce_scatter", in);
+    check_device("reduce_scatter", out);
+    detail::check_pair("reduce_scatter", rank(), in, out, out.numel() * size(), out.numel(),
+                       "in must have size() * out.numel() elements");
+    ireduce_scatter(in.data_ptr(), out.data_ptr(), n(out), in.scalar_type(), op).wait();
+  }
+  void all_gather(const at::Tensor& in, at::Tensor& out) {
+    check_device("all_gather", in);
+    check_device("all_gather", out);
+    detail::check_pair("all_gather", rank(), in, out, in.numel(), in.numel() * size(),
+                       "out must have in.numel() * size() elements");
+    iall_gather(in.data_ptr(), out.data_ptr(), n(in), in.scalar_type()).wait();
+  }
+  void send(const at::Tensor& t, int peer, int /*tag*/ = 0) {
+    check_device("send", t);
+    isend(t.data_ptr(), n(t), t.scalar_type(), peer).wait();
+  }
+  void recv(at::Tensor& t, int peer, int /*tag*/ = 0) {
+    check_device("recv", t);
+    irecv(t.data_ptr(), n(t), t.scalar_type(), peer).wait();
+  }
+  /// Waits for everything enqueued on this communicator, on every rank.
+  void barrier() {
+    float* one = nullptr;
+    cuda_check(cudaMalloc(&one, sizeof(float)), "barrier", rank());
+    auto r = iall_reduce(one, 1, at::kFloat, reduce_op::sum);
+    r.wait();
+    cudaFree(one);
+  }
+
+ private:
+  struct State {
+    ~State() {
+      if (comm != nullptr) ncclCommDestroy(comm);
+      if (stream != nullptr) cudaStreamDestroy(stream);
+    }
+    ncclComm_t comm = nullptr;
+    cudaStream_t stream = nullptr;
+    int rank = 0, size = 1, device = 0;
+  };
+
+  static void nccl_check(ncclResult_t rc, const char* op, int rank) {
+    if (rc != ncclSuccess) throw error(op, rank, std::string("NCCL failed: ") + ncclGetErrorString(rc));
+  }
+  static void cuda_check(cudaError_t rc, const char* op, int rank) {
+    if (rc != cudaSuccess) throw error(op, rank, std::string("CUDA failed: ") + cudaGetErrorString(rc));
+  }
+  static void check_mpi(int rc, const char* op, int rank) {
+    if (rc != MPI_SUCCESS) throw error(op, rank, "MPI failed while broadcasting NCCL's unique id");
+  }
+
+  static int local_rank(Mpi& bootstrap) {
+    MPI_Comm node = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_split_type(bootstrap.native(), MPI_COMM_TYPE_SHARED, bootstrap.rank(), MPI_INFO_NULL, &node),
+              "comm::Nccl", bootstrap.rank());
+    int local = 0;
+    MPI_Comm_rank(node, &local);
+    MPI_Comm_free(&node);
+    return local;
+  }
+
+  static ncclDataType_t nccl_type(at::ScalarType t) {
+    switch (t) {
+      case at::kFloat: return ncclFloat32;
+      case at::kDouble: return ncclFloat64;
+      case at::kBFloat16: return ncclBfloat16;
+      case at::kHalf: return ncclFloat16;
+      case at::kInt: return ncclInt32;
+      default: return ncclInt64;  // the checks admit nothing else
+    }
+  }
+  static ncclRedOp_t nccl_op(reduce_op op) {
+    switch (op) {
+      case reduce_op::sum: return ncclSum;
+      case reduce_op::average: return ncclAvg;
+      case reduce_op::max: return ncclMax;
+      case reduce_op::min: return ncclMin;
+    }
+    return ncclSum;
+  }
+
+  void check_reduce_dtype(const char* op, at::ScalarType t, reduce_op r) const {
+    if (!detail::is_supported_dtype(t))
+      throw error(op, rank(), "dtype " + std::string(c10::toString(t)) + " is not supported by comm::Nccl");
+    if (r == reduce_op::average && !at::isFloatingType(t))
+      throw error(op, rank(), "average of an integer buffer would truncate; reduce with reduce_op::sum and divide");
+  }
+  void check_root(const char* op, int peer) const {
+    if (peer < 0 || peer >= size())
+      throw error(op, rank(), "rank " + std::to_string(peer) + " is not in this communicator of " +
+                                  std::to_string(size()) + " ranks");
+  }
+  void check_device(const char* op, const at::Tensor& t) const {
+    detail::check_buffer(op, rank(), t);
+    if (!t.is_cuda())
+      throw error(op, rank(), "comm::Nccl takes CUDA tensors; this one is on " + t.device().str() +
+                                  " (use comm::Mpi for CPU tensors)");
+  }
+  static std::size_t n(const at::Tensor& t) { return static_cast<std::size_t>(t.numel()); }
+
+  Request record(const char* op) {
+    cudaEvent_t e = nullptr;
+    cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), op, rank());
+    cuda_check(cudaEventRecord(e, stream()), op, rank());
+    return Request(e, rank());
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace paratrain::comm

@@ -1,0 +1,97 @@
+#pragma once
+/// \file
+/// The communicator concepts: what a strategy may ask of a transport.
+///
+/// | concept                      | adds                                   | needed by                  |
+/// |------------------------------|----------------------------------------|----------------------------|
+/// | `communicator`               | rank, size, all_reduce, broadcast, barrier | every strategy          |
+/// | `sharding_communicator`      | reduce_scatter, all_gather             | `Sharded` (ZeRO/FSDP)      |
+/// | `point_to_point_communicator`| send, recv                             | `Pipeline`                 |
+/// | `async_communicator`         | iall_reduce returning a `request`      | overlapped DDP buckets     |
+///
+/// Models: `comm::SingleDevice` (all of them, trivially), `comm::Mpi` (all of them),
+/// `comm::Nccl` (device buffers). A type of your own opts in by having the members;
+/// `static_assert(paratrain::explain_communicator<MyComm>())` says which one is missing.
+
+#include <ATen/core/Tensor.h>
+
+#include <concepts>
+
+#include "paratrain/comm/reduce_op.hpp"
+
+namespace paratrain {
+
+/// A handle to a non-blocking operation: `wait()` blocks until it is complete,
+/// `test()` makes progress and says whether it is.
+template <class R>
+concept request = std::movable<R> && requires(R& r) {
+  r.wait();
+  { r.test() } -> std::same_as<bool>;
+};
+
+/// A group of ranks that can reduce and broadcast tensors in place.
+template <class C>
+concept communicator = std::movable<C> &&
+    requires(C& c, const C& cc, at::Tensor& t) {
+      { cc.rank() } -> std::same_as<int>;
+      { cc.size() } -> std::same_as<int>;
+      c.all_reduce(t, reduce_op::sum);
+      c.broadcast(t, 0);
+      c.barrier();
+    };
+
+/// A communicator that can split a buffer across ranks and gather it back.
+template <class C>
+concept sharding_communicator = communicator<C> &&
+    requires(C& c, const at::Tensor& in, at::Tensor& out) {
+      c.reduce_scatter(in, out, reduce_op::sum);
+      c.all_gather(in, out);
+    };
+
+/// A communicator whose ranks can exchange tensors pairwise.
+template <class C>
+concept point_to_point_communicator = communicator<C> &&
+    requires(C& c, const at::Tensor& in, at::Tensor& out, int peer, int tag) {
+      c.send(in, peer, tag);
+      c.recv(out, peer, tag);
+    };
+
+/// A communicator whose all_reduce can run while the caller goes on computing.
+template <class C>
+concept async_communicator = communicator<C> && requires(C& c, at::Tensor& t) {
+  { c.iall_reduce(t, reduce_op::sum) } -> request;
+};
+
+/// Checks each requirement of `communicator` separately, so that a type that misses
+/// one gets a single message naming it. Use it in a `static_assert` at your API
+/// boundary; paratrain's strategies do.
+template <class C>
+consteval bool explain_communicator() {
+  static_assert(requires(const C& c) { { c.rank() } -> std::same_as<int>; },
+                "paratrain: not a communicator: it needs `int rank() const` (this process's index in the group)");
+  static_assert(requires(const C& c) { { c.size() } -> std::same_as<int>; },
+                "paratrain: not a communicator: it needs `int size() const` (the number of ranks)");
+  static_assert(requires(C& c, at::Tensor& t) { c.all_reduce(t, reduce_op::sum); },
+                "paratrain: not a communicator: it needs `all_reduce(at::Tensor&, paratrain::reduce_op)` (in place)");
+  static_assert(requires(C& c, at::Tensor& t) { c.broadcast(t, 0); },
+                "paratrain: not a communicator: it needs `broadcast(at::Tensor&, int root)` (in place)");
+  static_assert(requires(C& c) { c.barrier(); },
+                "paratrain: not a communicator: it needs `barrier()`");
+  static_assert(std::movable<C>, "paratrain: not a communicator: it must be movable (strategies hold it by value)");
+  return true;
+}
+
+/// Like explain_communicator, for the members `Sharded` needs on top.
+template <class C>
+consteval bool explain_sharding_communicator() {
+  static_assert(explain_communicator<C>());
+  static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.reduce_scatter(in, out, reduce_op::sum); },
+                "paratrain: this communicator cannot shard: it needs `reduce_scatter(const at::Tensor& in, "
+                "at::Tensor& out, paratrain::reduce_op)`; use comm::Mpi, comm::Nccl or comm::SingleDevice");
+  static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.all_gather(in, out); },
+                "paratrain: this communicator cannot shard: it needs `all_gather(const at::Tensor& in, at::Tensor& out)`;"
+                " use comm::Mpi, comm::Nccl or comm::SingleDevice");
+  return true;
+}
+
+}  // namespace paratrain

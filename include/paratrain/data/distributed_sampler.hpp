@@ -1,0 +1,155 @@
+#pragma once
+/// \file
+/// paratrain::data::DistributedSampler — PyTorch's DistributedSampler, index for index.
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/randperm.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "paratrain/error.hpp"
+
+namespace paratrain::data {
+
+/// Splits the indices 0..dataset_size-1 among `num_replicas` processes for training,
+/// yielding exactly what PyTorch 1.13's `torch.utils.data.DistributedSampler` yields
+/// for the same arguments, so a run can move between Python and C++ and see the same
+/// samples on the same ranks in the same order.
+///
+/// Every rank gets `size()` indices, the same count on all ranks (collectives such as
+/// the gradient all-reduce need every rank to take the same number of steps):
+/// - `drop_last == false`: size() = ceil(dataset_size / num_replicas); the order is
+///   padded by repeating it from the start, so a few samples appear twice in an epoch.
+/// - `drop_last == true`: size() = floor(dataset_size / num_replicas); the tail of the
+///   (shuffled) order is dropped.
+/// Rank r takes positions r, r + num_replicas, r + 2 num_replicas, ... of that order.
+///
+/// With `shuffle`, the order is `torch.randperm(dataset_size)` drawn from a CPU
+/// generator seeded with `seed + epoch`; call set_epoch() at the start of each epoch
+/// (as in PyTorch) or every epoch repeats the same order. For evaluation, where no
+/// sample may be repeated or lost, use ExactSampler.
+///
+/// \code
+/// auto sampler = paratrain::data::DistributedSampler(
+///     dataset_size, {.num_replicas = world_size, .rank = rank, .seed = 42});
+/// for (std::int64_t epoch = 0; epoch < epochs; ++epoch) {
+///   sampler.set_epoch(epoch);
+///   const auto indices = sampler.indices();
+///   for (auto batch : paratrain::data::batches(indices, 32)) { ... }
+/// }
+/// \endcode
+class DistributedSampler {
+ public:
+  /// num_replicas and rank have no usable default: a forgotten one would silently give
+  /// every process the same shard, so the sentinels below are rejected instead.
+  struct Options {
+    /// The number of processes sharing the dataset (the world size); at least 1.
+    std::int64_t num_replicas = 0;
+    /// This process's rank, in [0, num_replicas).
+    std::int64_t rank = -1;
+    /// Whether to draw a fresh permutation each epoch, as PyTorch's default does.
+    bool shuffle = true;
+    /// The same on every rank. PyTorch takes `seed + epoch` modulo 2^64 (a negative
+    /// Python seed s is the same as `std::uint64_t(s)` here).
+    std::uint64_t seed = 0;
+    /// Drop the tail so no index repeats, instead of padding so none is lost.
+    bool drop_last = false;
+  };
+
+  /// Throws paratrain::error if dataset_size < 0, num_replicas < 1, or rank lies
+  /// outside [0, num_replicas).
+  DistributedSampler(std::int64_t dataset_size, Options options)
+      : dataset_size_(dataset_size), options_(options) {
+    validate();
+    // PyTorch's formulas; in integers, ceil((n - N) / N) for a ragged n is floor(n / N).
+    const auto n = dataset_size_;
+    const auto replicas = options_.num_replicas;
+    num_samples_ = options_.drop_last ? n / replicas : (n + replicas - 1) / replicas;
+    total_size_ = num_samples_ * replicas;
+  }
+
+  /// Chooses the permutation of the next indices() call; a no-op unless shuffling.
+  void set_epoch(std::int64_t epoch) noexcept { epoch_ = epoch; }
+  [[nodiscard]] std::int64_t epoch() const noexcept { return epoch_; }
+
+  /// This rank's indices for the current epoch: size() of them, each in
+  /// [0, dataset_size). Costs O(dataset_size), since every rank draws the whole
+  /// permutation and keeps its share.
+  [[nodiscard]] std::vector<std::int64_t> indices() const {
+    const auto order = epoch_order();
+    std::vector<std::int64_t> mine;
+    mine.reserve(static_cast<std::size_t>(num_samples_));
+    // Note [Padding]: PyTorch pads by appending the order to itself (several times when
+    // the padding is longer than the dataset) and cuts it to total_size, which puts
+    // order[i % n] at position i. Without drop_last total_size >= n; with it
+    // total_size <= n, where i % n == i. An empty dataset has total_size 0, so the
+    // loop never divides by n == 0 (PyTorch yields nothing there too).
+    for (auto i = options_.rank; i < total_size_; i += options_.num_replicas) {
+      mine.push_back(order[static_cast<std::size_t>(i % dataset_size_)]);
+    }
+    return mine;
+  }
+
+  /// The number of indices each rank gets per epoch (PyTorch's `num_samples`, `len()`).
+  [[nodiscard]] std::int64_t size() const noexcept { return num_samples_; }
+  /// The length of the padded or truncated order shared out among ranks
+  /// (PyTorch's `total_size`): size() * num_replicas.
+  [[nodiscard]] std::int64_t total_size() const noexcept { return total_size_; }
+  [[nodiscard]] std::int64_t dataset_size() const noexcept { return dataset_size_; }
+  [[nodiscard]] const Options& options() const noexcept { return options_; }
+
+ private:
+  void validate() const {
+    const auto& o = options_;
+    const int rank_for_error =
+        o.rank >= 0 && o.rank < o.num_replicas ? static_cast<int>(o.rank) : -1;
+    auto fail = [&](const std::string& message) {
+      throw error("DistributedSampler", rank_for_error, message);
+    };
+    if (o.num_replicas < 1) {
+      fail("num_replicas is " + std::to_string(o.num_replicas) +
+           "; set Options::num_replicas to the number of processes (the world size), at least 1");
+    }
+    if (o.rank < 0 || o.rank >= o.num_replicas) {
+      fail("rank is " + std::to_string(o.rank) + "; set Options::rank to this process's rank, in [0, " +
+           std::to_string(o.num_replicas - 1) + "]");
+    }
+    if (dataset_size_ < 0) {
+      fail("dataset_size is " + std::to_string(dataset_size_) +
+           "; pass the number of samples in the dataset, 0 or more");
+    }
+  }
+
+  // The whole epoch's order, before padding or truncation.
+  [[nodiscard]] std::vector<std::int64_t> epoch_order() const {
+    std::vector<std::int64_t> order(static_cast<std::size_t>(dataset_size_));
+    if (!options_.shuffle) {
+      std::iota(order.begin(), order.end(), std::int64_t{0});
+      return order;
+    }
+    // Python's Generator.manual_seed(seed + epoch) keeps the sum modulo 2^64, which is
+    // what unsigned arithmetic does; the CPU generator and randperm kernel are the ones
+    // Python calls, so the permutation is the same.
+    const auto generator = at::make_generator<at::CPUGeneratorImpl>(
+        options_.seed + static_cast<std::uint64_t>(epoch_));
+    const auto permutation = at::randperm(dataset_size_, generator, at::kLong);
+    const auto* data = permutation.data_ptr<std::int64_t>();
+    std::copy(data, data + dataset_size_, order.begin());
+    return order;
+  }
+
+  std::int64_t dataset_size_;
+  Options options_;
+  std::int64_t epoch_ = 0;
+  std::int64_t num_samples_ = 0;
+  std::int64_t total_size_ = 0;
+};
+
+}  // namespace paratrain::data

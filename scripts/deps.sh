@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what paratrain needs from Debian 12 when it is missing; quiet when all is present.
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config
+  libtorch-dev libopenblas0-openmp libgloo-dev
+  libopenmpi-dev openmpi-bin libboost-mpi-dev
+  librange-v3-dev doctest-dev nlohmann-json3-dev zlib1g-dev
+  dataset-fashion-mnist
+)
+# The PyTorch peer is needed only to regenerate reference data and for the side-by-side benchmarks.
+[[ "${PARATRAIN_WITH_PEER:-0}" == 1 ]] && packages+=(python3-torch)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+((${#missing[@]} == 0)) && exit 0
+
+sudo=()
+if ((EUID != 0)); then
+  command -v sudo >/dev/null || { echo "paratrain: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+  sudo=(sudo)
+fi
+echo "paratrain: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" apt-get update -qq
+"${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

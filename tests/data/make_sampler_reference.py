@@ -1,0 +1,84 @@
+#!/usr/bin/python3
+"""Write tests/data/sampler_reference.json: what PyTorch's DistributedSampler yields.
+
+tests/unit/sampler_test.cpp checks paratrain::data::DistributedSampler against every
+case recorded here, so the C++ sampler is compared with PyTorch and never with itself.
+
+Rerun from the repository root, with the PyTorch peer installed
+(PARATRAIN_WITH_PEER=1 scripts/deps.sh installs python3-torch):
+
+    /usr/bin/python3 tests/data/make_sampler_reference.py
+
+The output is deterministic: the same PyTorch version writes the same bytes, so a
+diff of the JSON after a rerun shows exactly what changed upstream. It was made with
+PyTorch 1.13 (Debian's python3-torch); the version is recorded in the file.
+"""
+
+import json
+import pathlib
+
+import torch
+from torch.utils.data import DistributedSampler
+
+SIZES = [0, 1, 2, 7, 10, 11, 17, 100, 1001]
+REPLICAS = [1, 2, 3, 4, 8]
+# The large seed lies beyond int64, so the test also covers seeds only a uint64 holds.
+SEEDS = [0, 42, 2**63 + 2**40 + 7]
+EPOCHS = [0, 1, 5]
+
+
+def record(n, num_replicas, rank, shuffle, seed, epoch, drop_last):
+    # A range has the __len__ DistributedSampler needs and nothing else.
+    sampler = DistributedSampler(range(n), num_replicas=num_replicas, rank=rank,
+                                 shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    return {
+        "params": {"dataset_size": n, "num_replicas": num_replicas, "rank": rank,
+                   "shuffle": shuffle, "seed": seed, "epoch": epoch,
+                   "drop_last": drop_last},
+        "num_samples": sampler.num_samples,
+        "total_size": sampler.total_size,
+        "indices": list(sampler),
+    }
+
+
+def cases():
+    # Every size against every replica count, at the first and last rank (and a middle
+    # one for 8): once in order, once shuffled with seed, epoch and drop_last cycling.
+    step = 0
+    for n in SIZES:
+        for num_replicas in REPLICAS:
+            ranks = sorted({0, num_replicas - 1} | ({3} if num_replicas == 8 else set()))
+            for rank in ranks:
+                yield record(n, num_replicas, rank, False, 0, 0, step % 2 == 1)
+                yield record(n, num_replicas, rank, True, SEEDS[step % 3],
+                             EPOCHS[(step // 3) % 3], step % 2 == 0)
+                step += 1
+    # Every seed x epoch x drop_last at one point, so each pairing appears at least once.
+    for seed in SEEDS:
+        for epoch in EPOCHS:
+            for drop_last in (False, True):
+                yield record(17, 3, 1, True, seed, epoch, drop_last)
+    # Every rank of small datasets, including more replicas than samples, where padding
+    # repeats the dataset several times and drop_last leaves nothing.
+    for n in [1, 2, 7, 10, 11, 17]:
+        for num_replicas in [3, 4, 8]:
+            for rank in range(num_replicas):
+                for drop_last in (False, True):
+                    yield record(n, num_replicas, rank, True, 42, 1, drop_last)
+
+
+def main():
+    out = pathlib.Path(__file__).with_name("sampler_reference.json")
+    all_cases = list(cases())
+    # One case a line keeps the file small and its diffs readable.
+    lines = [json.dumps(c, sort_keys=True, separators=(",", ":")) for c in all_cases]
+    header = json.dumps({"generator": "tests/data/make_sampler_reference.py",
+                         "torch": torch.__version__}, sort_keys=True, separators=(",", ":"))
+    text = '{"about":' + header + ',\n"cases":[\n' + ",\n".join(lines) + "\n]}\n"
+    out.write_text(text)
+    print(f"wrote {len(all_cases)} cases to {out}")
+
+
+if __name__ == "__main__":
+    main()

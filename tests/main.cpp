@@ -1,0 +1,25 @@
+// The test driver: one binary that ctest runs under mpirun with 1, 2 and 4 ranks.
+// Debian's doctest has no doctest_mpi.h, so: every rank runs the whole suite, rank 0
+// reports in full, the others only their failures, and the exit status is the
+// maximum over ranks, so a failure on any rank fails the test.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <torch/torch.h>
+
+#include "paratrain/comm/mpi.hpp"
+#include "support/doctest.hpp"
+
+int main(int argc, char** argv) {
+  paratrain::comm::Mpi::Environment env(argc, argv);
+  torch::set_num_threads(1);  // ranks share 2 cores; intra-op threads would oversubscribe them
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+
+  doctest::Context context(argc, argv);
+  if (rank != 0) context.setOption("minimal", true);
+  int failed = context.run() != 0 ? 1 : 0;
+  if (context.shouldExit()) return failed;
+
+  int any_failed = 0;
+  MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  return any_failed;
+}
