@@ -25,12 +25,14 @@
 namespace paratrain::comm {
 
 // Note [Segmented all-reduce]
-// One MPI_Allreduce of a large buffer is slow with OpenMPI 4.1 on one node
-// (0.7 GB/s at 64 MiB against 5 GB/s at 1 MiB, measured): its algorithms stream the
-// whole buffer through memory once per phase, while a segment that fits in cache is
-// reduced while it is still there. Buffers larger than Options::segment_bytes are
-// therefore reduced as consecutive segments. Small buffers take exactly one
-// MPI_Allreduce, as a raw call would. docs/benchmarks.md has the measurement.
+// One MPI_Allreduce of a large buffer is slow with OpenMPI 4.1 on one node: 2.4 GB/s
+// bus bandwidth at 64 MiB against 7.7 GB/s at 16 MiB (2 ranks, measured): past some
+// size its algorithms stream the whole buffer through memory once per phase, while a
+// segment that fits in cache is reduced while it is still there. Buffers above
+// Options::segment_above_bytes are therefore reduced as consecutive segments of
+// Options::segment_bytes (about 2x raw at 64 MiB); smaller ones take exactly the one
+// MPI_Allreduce a raw call would, so they are never slower. docs/benchmarks.md has the
+// sweep that chose both numbers.
 
 /// A group of MPI processes: `MPI_COMM_WORLD`, or a part of it made with `split`.
 ///
@@ -51,8 +53,10 @@ namespace paratrain::comm {
 class Mpi {
  public:
   struct Options {
-    /// All-reduces larger than this are done segment by segment: Note [Segmented all-reduce].
-    std::size_t segment_bytes = std::size_t{1} << 20;
+    /// All-reduces of more than `segment_above_bytes` are done in segments of
+    /// `segment_bytes`: Note [Segmented all-reduce]. Smaller ones take one MPI call.
+    std::size_t segment_above_bytes = std::size_t{16} << 20;
+    std::size_t segment_bytes = std::size_t{2} << 20;
     /// Before each collective, check that every rank calls the same operation with the
     /// same dtype, element count and root, and throw on every rank if not (instead of a
     /// hang or a silently wrong result). Costs one small all-reduce per collective.
@@ -346,6 +350,8 @@ class Mpi {
   static MPI_Datatype datatype(const at::Tensor& t) noexcept { return detail::MpiOps::datatype(t.scalar_type()); }
 
   std::int64_t segment_elements(const at::Tensor& t) const noexcept {
+    const auto bytes = static_cast<std::size_t>(t.numel() * t.element_size());
+    if (bytes <= options().segment_above_bytes) return std::max<std::int64_t>(t.numel(), 1);
     const auto per = static_cast<std::int64_t>(options().segment_bytes) / t.element_size();
     return std::clamp<std::int64_t>(per, 1, INT_MAX);
   }

@@ -1,0 +1,50 @@
+#pragma once
+// The shared benchmark driver: timing with ranks in step, and the side-by-side table.
+//
+// Each measurement is taken `trials` times, alternating the candidate with its
+// reference so that drift (thermal, other load) hits both alike; the median trial
+// is reported. Only rank 0 prints.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace paratrain::bench {
+
+/// Seconds per call of `f`, the median over trials of `iterations` calls each,
+/// started together on every rank and ended by the slowest.
+inline std::vector<double> time_alternating(MPI_Comm comm, int trials, int iterations,
+                                            const std::vector<std::function<void()>>& candidates) {
+  std::vector<std::vector<double>> seconds(candidates.size());
+  for (auto& f : candidates) f();  // warm-up: first-touch pages, connections
+  for (int t = 0; t < trials; ++t)
+    for (std::size_t c = 0; c < candidates.size(); ++c) {
+      MPI_Barrier(comm);
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < iterations; ++i) candidates[c]();
+      double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, comm);
+      seconds[c].push_back(elapsed / iterations);
+    }
+  std::vector<double> median;
+  for (auto& s : seconds) {
+    std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
+    median.push_back(s[s.size() / 2]);
+  }
+  return median;
+}
+
+inline std::string human_bytes(double bytes) {
+  const char* unit[] = {"B", "KiB", "MiB", "GiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 3) bytes /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g %s", bytes, unit[u]);
+  return buf;
+}
+
+}  // namespace paratrain::bench

@@ -1,0 +1,187 @@
+#pragma once
+/// \file
+/// paratrain::DataParallel — distributed data parallelism (PyTorch's DDP) for LibTorch.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "paratrain/comm/single_device.hpp"
+#include "paratrain/concepts/communicator.hpp"
+#include "paratrain/concepts/module.hpp"
+#include "paratrain/concepts/optimizer.hpp"
+#include "paratrain/concepts/strategy.hpp"
+#include "paratrain/data/batch.hpp"
+#include "paratrain/detail/coalesce.hpp"
+#include "paratrain/detail/reducer.hpp"
+#include "paratrain/error.hpp"
+
+namespace paratrain {
+
+/// How DataParallel buckets, overlaps and synchronises; the defaults are PyTorch DDP's.
+struct DataParallelOptions {
+  /// Gradients are all-reduced in buckets of about this size (the first one smaller,
+  /// so that communication starts early in backward). Note [Bucket order].
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;
+  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
+  /// Allow parameters that receive no gradient in a step (a branch not taken, a frozen
+  /// head). Off, such a parameter is an error that names it, on every rank.
+  bool find_unused_parameters = false;
+  /// Copy rank 0's buffers (batch-norm running statistics, ...) to every rank before
+  /// each step, as PyTorch does, so that all replicas evaluate alike.
+  bool broadcast_buffers = true;
+  /// Let ranks with fewer batches keep matching the others' collectives (`join`)
+  /// instead of hanging them. Off, differing batch counts are an error on every rank.
+  bool join = true;
+};
+
+/// Data parallelism across the ranks of `Comm`: every rank holds a replica of `Model`,
+/// trains it on its own samples, and gradients are averaged so that the replicas stay
+/// identical and equal to single-device training on all ranks' samples together
+/// (Note [Exact averaging]).
+///
+/// - `DataParallel<Net, comm::Mpi>` is DDP across processes (mpirun, srun, ...);
+/// - `DataParallel<Net, comm::Nccl>` is DDP across GPUs;
+/// - `DataParallel<Net>` (comm::SingleDevice) is plain single-device training.
+///
+/// At construction rank 0's parameters and buffers are broadcast to every rank. During
+/// backward each bucket of gradients is all-reduced as soon as it is complete, while
+/// backward goes on with the earlier layers.
+///
+/// \code
+///   paratrain::comm::Mpi::Environment env(argc, argv);
+///   using Strategy = paratrain::DataParallel<Net, paratrain::comm::Mpi, torch::optim::Adam>;
+///   Strategy ddp(Net(), paratrain::comm::Mpi(), torch::optim::AdamOptions(1e-3));
+///   auto r = ddp.step({x, y}, torch::nn::functional::cross_entropy);
+/// \endcode
+template <class Model, class Comm = comm::SingleDevice, class Optim = torch::optim::SGD>
+class DataParallel {
+  static_assert(explain_model<Model>());
+  static_assert(explain_communicator<Comm>());
+  static_assert(async_communicator<Comm>,
+                "paratrain: DataParallel overlaps communication with backward and needs a communicator with "
+                "`iall_reduce(at::Tensor&, reduce_op)` returning a request; comm::Mpi, comm::Nccl and "
+                "comm::SingleDevice have it");
+  static_assert(explain_optimizer<Optim>());
+
+ public:
+  using model_type = Model;
+  using communicator_type = Comm;
+  using optimizer_type = Optim;
+  using Options = DataParallelOptions;
+
+  /// Collective: every rank of `comm` constructs its replica together.
+  template <class OptimOptions>
+    requires optimizer_from<Optim, OptimOptions>
+  DataParallel(Model model, Comm comm, OptimOptions optimizer_options, Options options = {})
+      : model_(std::move(model)), comm_(std::move(comm)), options_(options) {
+    detail::broadcast_coalesced(comm_, model_->parameters(), 0);
+    detail::broadcast_coalesced(comm_, model_->buffers(), 0);
+    reducer_ = std::make_unique<detail::Reducer<Comm>>(
+        *model_, comm_,
+        typename detail::Reducer<Comm>::Options{options.bucket_cap_bytes, options.first_bucket_cap_bytes,
+                                                options.find_unused_parameters});
+    optimizer_ = std::make_unique<Optim>(model_->parameters(), std::move(optimizer_options));
+  }
+
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  /// One training step over `batch` on this rank and the batches of all other ranks:
+  /// forward, backward with overlapped all-reduce, one optimizer step. `loss` returns
+  /// the *mean* loss of a batch. `has_next` says whether this rank has another batch
+  /// after this one (it lets `join` end every rank's loop together).
+  template <loss_function Loss>
+  StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
+    begin_step();
+    reducer_->prepare(/*sync=*/true);
+    const double l = batch.size() > 0 ? forward_backward(batch, loss) : 0.0;
+    return end_step(batch.size(), l, has_next, /*joined=*/batch.size() == 0);
+  }
+
+  /// Forward and backward over `batch` without communicating: gradients accumulate
+  /// until the next `step`, which then averages over all their samples. Returns the mean loss.
+  template <loss_function Loss>
+  double accumulate(const Batch& batch, Loss&& loss) {
+    if (!accumulating_) reducer_->zero_grad();
+    accumulating_ = true;
+    reducer_->prepare(/*sync=*/false);
+    if (batch.size() == 0) return 0.0;
+    pending_samples_ += static_cast<double>(batch.size());
+    return forward_backward(batch, loss);
+  }
+
+  /// For a rank that has no batch this step while others do: takes part in their
+  /// collectives with no samples, and applies the same update, so replicas stay equal.
+  StepResult join(bool has_next = false) {
+    begin_step();
+    reducer_->prepare(/*sync=*/true);
+    return end_step(0, 0.0, has_next, /*joined=*/true);
+  }
+
+  /// The model's output for `input`, in evaluation mode and without gradients.
+  at::Tensor predict(const at::Tensor& input) {
+    at::NoGradGuard no_grad;
+    const bool training = model_->is_training();
+    model_->eval();
+    auto out = model_->forward(input);
+    model_->train(training);
+    return out;
+  }
+
+  /// Reduces `t` in place over the ranks (for metrics).
+  void all_reduce(at::Tensor& t, reduce_op op) { comm_.all_reduce(t, op); }
+
+  [[nodiscard]] int rank() const { return comm_.rank(); }
+  [[nodiscard]] int world_size() const { return comm_.size(); }
+  [[nodiscard]] Model& model() noexcept { return model_; }
+  [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }
+  [[nodiscard]] Comm& communicator() noexcept { return comm_; }
+  [[nodiscard]] const Options& options() const noexcept { return options_; }
+  [[nodiscard]] std::size_t bucket_count() const noexcept { return reducer_->bucket_count(); }
+  /// Seconds the last step waited for communication after backward (not overlapped).
+  [[nodiscard]] double exposed_communication_seconds() const noexcept { return reducer_->exposed_seconds(); }
+
+ private:
+  void begin_step() {
+    if (!accumulating_) reducer_->zero_grad();
+    accumulating_ = false;
+    if (options_.broadcast_buffers) detail::broadcast_coalesced(comm_, model_->buffers(), 0);
+  }
+
+  template <class Loss>
+  double forward_backward(const Batch& batch, Loss& loss) {
+    model_->train();
+    at::Tensor l = loss(model_->forward(batch.input), batch.target);
+    // Note [Exact averaging]: the gradient of the sum over this rank's samples.
+    (l * static_cast<double>(batch.size())).backward();
+    return l.item<double>();
+  }
+
+  StepResult end_step(std::int64_t samples, double loss, bool has_next, bool joined) {
+    const double local = std::exchange(pending_samples_, 0.0) + static_cast<double>(samples);
+    const auto status = reducer_->finish(local, has_next, joined);
+    if (!options_.join && status.ranks_with_next != 0 && status.ranks_with_next != world_size())
+      throw error("DataParallel::step", rank(),
+                  std::to_string(status.ranks_with_next) + " of " + std::to_string(world_size()) +
+                      " ranks have another batch; give every rank the same number of batches (DistributedSampler "
+                      "does), or keep DataParallelOptions::join on (the default)");
+    if (status.samples > 0) optimizer_->step();
+    return {loss, samples, status.samples, status.ranks_with_next};
+  }
+
+  Model model_;
+  Comm comm_;
+  Options options_;
+  std::unique_ptr<detail::Reducer<Comm>> reducer_;  // its hooks point at it: a stable address
+  std::unique_ptr<Optim> optimizer_;
+  bool accumulating_ = false;
+  double pending_samples_ = 0;
+};
+
+}  // namespace paratrain
