@@ -14,6 +14,7 @@
 #include "paratrain/comm/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/local_data_parallel.hpp"
 #include "support/doctest.hpp"
 
 namespace {
@@ -199,4 +200,55 @@ TEST_CASE("DataParallel buckets follow the caps, in reverse parameter order") {
   paratrain::DataParallel<Mlp, comm::SingleDevice, torch::optim::SGD> each(
       make_model({}, 0), c, torch::optim::SGDOptions(0.1), {.bucket_cap_bytes = 1, .first_bucket_cap_bytes = 1});
   CHECK(each.bucket_count() == 4);
+}
+
+namespace {
+
+// LocalDataParallel clones its model: the same network, as a Cloneable.
+struct CloneableMlpImpl : torch::nn::Cloneable<CloneableMlpImpl> {
+  CloneableMlpImpl() { reset(); }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::tanh(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(CloneableMlp);
+
+template <class Optim, class Opts>
+void check_local(int replicas, std::int64_t batch, int micro_batches, Opts opts) {
+  CAPTURE(replicas);
+  CAPTURE(batch);
+  CAPTURE(micro_batches);
+  const Data data;
+  torch::manual_seed(5);
+  CloneableMlp reference_model;
+  torch::manual_seed(5);
+  paratrain::LocalDataParallel<CloneableMlp, Optim> dp(CloneableMlp(), opts, {.replicas = replicas});
+  REQUIRE(dp.replicas() == replicas);
+  Optim reference_optim(reference_model->parameters(), opts);
+  for (int k = 0; k < 20; ++k) {
+    const auto b = data.of(1, 0, k, batch);
+    const auto micro = batch / micro_batches;
+    for (int m = 0; m + 1 < micro_batches; ++m)
+      dp.accumulate({b.input.narrow(0, m * micro, micro), b.target.narrow(0, m * micro, micro)}, loss_fn);
+    const auto last = (micro_batches - 1) * micro;
+    dp.step({b.input.narrow(0, last, batch - last), b.target.narrow(0, last, batch - last)}, loss_fn);
+    reference_optim.zero_grad();
+    loss_fn(reference_model->forward(b.input), b.target).backward();
+    reference_optim.step();
+  }
+  CHECK(max_relative_difference(dp.model()->parameters(), reference_model->parameters()) <= 1e-5);
+}
+
+}  // namespace
+
+TEST_CASE("LocalDataParallel (DP) equals single-device training on the whole batch") {
+  for (int replicas : {1, 2, 3}) {
+    check_local<torch::optim::SGD>(replicas, 8, 1, torch::optim::SGDOptions(0.1).momentum(0.9));  // 3: split 3/3/2
+    check_local<torch::optim::Adam>(replicas, 8, 1, torch::optim::AdamOptions(1e-2));
+    check_local<torch::optim::Adam>(replicas, 8, 2, torch::optim::AdamOptions(1e-2));
+  }
+  check_local<torch::optim::SGD>(4, 2, 1, torch::optim::SGDOptions(0.1));  // fewer samples than replicas
 }

@@ -351,7 +351,7 @@ class Mpi {
 
   std::int64_t segment_elements(const at::Tensor& t) const noexcept {
     const auto bytes = static_cast<std::size_t>(t.numel() * t.element_size());
-    if (bytes <= options().segment_above_bytes) return std::max<std::int64_t>(t.numel(), 1);
+    if (bytes <= options().segment_above_bytes) return std::clamp<std::int64_t>(t.numel(), 1, INT_MAX);
     const auto per = static_cast<std::int64_t>(options().segment_bytes) / t.element_size();
     return std::clamp<std::int64_t>(per, 1, INT_MAX);
   }
@@ -375,9 +375,15 @@ class Mpi {
     for (int i = 0; i < 4; ++i)
       if (both[i] != -both[i + 4])
         fail(std::string(op).c_str(),
-             "ranks disagree on " + std::string(what[i]) + (i == 0 ? "" : " (this rank: " + std::to_string(mine[i]) +
-                 ", range across ranks: " + std::to_string(-both[i + 4]) + ".." + std::to_string(both[i]) + ")") +
+             "ranks disagree on " + std::string(what[i]) +
+                 (i == 0 ? "" : " (this rank: " + value(i, mine[i]) + "; across ranks from " + value(i, -both[i + 4]) +
+                                    " to " + value(i, both[i]) + ")") +
                  "; every rank must issue the same collectives in the same order with matching tensors");
+  }
+
+  // A validated field for a message: dtypes by name, the rest as numbers.
+  static std::string value(int field, std::int64_t v) {
+    return field == 1 ? std::string(c10::toString(static_cast<at::ScalarType>(v))) : std::to_string(v);
   }
 
   std::shared_ptr<State> state_;

@@ -32,7 +32,8 @@ namespace paratrain::comm {
 /// NCCL's unique id from rank 0 to the others; after that MPI is not used. Each rank
 /// takes the GPU `Options::device`, by default its rank among the processes of its
 /// node modulo the node's GPU count. Operations are enqueued on the communicator's
-/// own stream; the blocking forms wait for it, the `i` forms return a Request.
+/// own stream, after the work already on the default stream (Note [Stream order]);
+/// the blocking forms wait for them, the `i` forms return a Request.
 ///
 /// Choose it for: CUDA tensors. Choose comm::Mpi for CPU tensors.
 class Nccl {
@@ -46,9 +47,11 @@ class Nccl {
   class Request {
    public:
     Request() = default;
-    Request(Request&& o) noexcept : event_(std::exchange(o.event_, nullptr)), rank_(o.rank_) {}
+    Request(Request&& o) noexcept
+        : event_(std::exchange(o.event_, nullptr)), rank_(o.rank_), keep_(std::move(o.keep_)) {}
     Request& operator=(Request&& o) noexcept {
       std::swap(event_, o.event_);
+      std::swap(keep_, o.keep_);
       rank_ = o.rank_;
       return *this;
     }
@@ -62,6 +65,7 @@ class Nccl {
       if (event_ == nullptr) return;
       cuda_check(cudaEventSynchronize(event_), "wait", rank_);
       cudaEventDestroy(std::exchange(event_, nullptr));
+      keep_ = at::Tensor();
     }
     [[nodiscard]] bool test() {
       if (event_ == nullptr) return true;
@@ -69,6 +73,7 @@ class Nccl {
       if (rc == cudaErrorNotReady) return false;
       cuda_check(rc, "test", rank_);
       cudaEventDestroy(std::exchange(event_, nullptr));
+      keep_ = at::Tensor();
       return true;
     }
 
@@ -77,15 +82,21 @@ class Nccl {
     Request(cudaEvent_t e, int rank) : event_(e), rank_(rank) {}
     cudaEvent_t event_ = nullptr;
     int rank_ = -1;
+    at::Tensor keep_;  // the tensor's memory must outlive the operation (a caching allocator would reuse it)
   };
 
-  /// Rank 0 makes NCCL's unique id and broadcasts it over `bootstrap`; works without a
-  /// GPU, so the bootstrap is testable on CPU machines.
+  /// Rank 0 makes NCCL's unique id and broadcasts it over `bootstrap` (or its failure,
+  /// so that every rank throws rather than waits); works without a GPU, so the
+  /// bootstrap is testable on CPU machines. Collective over `bootstrap`.
   [[nodiscard]] static ncclUniqueId unique_id(Mpi& bootstrap) {
-    ncclUniqueId id{};
-    if (bootstrap.rank() == 0) nccl_check(ncclGetUniqueId(&id), "unique_id", 0);
-    check_mpi(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, bootstrap.native()), "unique_id", bootstrap.rank());
-    return id;
+    struct {
+      ncclUniqueId id;
+      ncclResult_t rc;
+    } message{{}, ncclSuccess};
+    if (bootstrap.rank() == 0) message.rc = ncclGetUniqueId(&message.id);
+    check_mpi(MPI_Bcast(&message, sizeof message, MPI_BYTE, 0, bootstrap.native()), "unique_id", bootstrap.rank());
+    nccl_check(message.rc, "unique_id", bootstrap.rank());
+    return message.id;
   }
 
   /// The number of CUDA devices this process sees; 0 where there is no GPU or driver.
@@ -102,13 +113,19 @@ class Nccl {
     s.size = bootstrap.size();
     const int devices = device_count();
     const auto id = unique_id(bootstrap);
-    if (devices == 0)
+    // Ranks without a GPU must not leave the others waiting in ncclCommInitRank.
+    int without = devices == 0 ? 1 : 0;
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &without, 1, MPI_INT, MPI_SUM, bootstrap.native()), "comm::Nccl", s.rank);
+    if (without > 0)
       throw error("comm::Nccl", s.rank,
-                  "no CUDA device is visible (cudaGetDeviceCount failed or found none); use comm::Mpi for CPU "
-                  "tensors, or check CUDA_VISIBLE_DEVICES and the driver");
+                  (devices == 0 ? std::string("no CUDA device is visible (cudaGetDeviceCount failed or found none)")
+                                : "no CUDA device is visible on " + std::to_string(without) + " of the " +
+                                      std::to_string(s.size) + " ranks") +
+                      "; use comm::Mpi for CPU tensors, or check CUDA_VISIBLE_DEVICES and the driver");
     s.device = options.device >= 0 ? options.device : local_rank(bootstrap) % devices;
     cuda_check(cudaSetDevice(s.device), "comm::Nccl", s.rank);
     cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "comm::Nccl", s.rank);
+    cuda_check(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming), "comm::Nccl", s.rank);
     nccl_check(ncclCommInitRank(&s.comm, s.size, id, s.rank), "comm::Nccl", s.rank);
   }
 
@@ -120,47 +137,59 @@ class Nccl {
   // ---- raw device buffers (Note [NCCL without CUDA-enabled LibTorch]) ----------
   Request iall_reduce(void* data, std::size_t count, at::ScalarType dtype, reduce_op op) {
     check_reduce_dtype("all_reduce", dtype, op);
-    nccl_check(ncclAllReduce(data, data, count, nccl_type(dtype), nccl_op(op), state_->comm, stream()), "all_reduce",
-               rank());
+    nccl_check(ncclAllReduce(data, data, count, nccl_type("all_reduce", dtype), nccl_op(op), state_->comm,
+                             after_default_stream("all_reduce")),
+               "all_reduce", rank());
     return record("all_reduce");
   }
   Request ibroadcast(void* data, std::size_t count, at::ScalarType dtype, int root) {
     check_root("broadcast", root);
-    nccl_check(ncclBroadcast(data, data, count, nccl_type(dtype), root, state_->comm, stream()), "broadcast", rank());
+    nccl_check(ncclBroadcast(data, data, count, nccl_type("broadcast", dtype), root, state_->comm,
+                             after_default_stream("broadcast")),
+               "broadcast", rank());
     return record("broadcast");
   }
   /// `in` has size() * count elements, `out` count.
   Request ireduce_scatter(const void* in, void* out, std::size_t count, at::ScalarType dtype, reduce_op op) {
     check_reduce_dtype("reduce_scatter", dtype, op);
-    nccl_check(ncclReduceScatter(in, out, count, nccl_type(dtype), nccl_op(op), state_->comm, stream()),
+    nccl_check(ncclReduceScatter(in, out, count, nccl_type("reduce_scatter", dtype), nccl_op(op), state_->comm,
+                                 after_default_stream("reduce_scatter")),
                "reduce_scatter", rank());
     return record("reduce_scatter");
   }
   /// `in` has count elements, `out` size() * count.
   Request iall_gather(const void* in, void* out, std::size_t count, at::ScalarType dtype) {
-    nccl_check(ncclAllGather(in, out, count, nccl_type(dtype), state_->comm, stream()), "all_gather", rank());
+    nccl_check(ncclAllGather(in, out, count, nccl_type("all_gather", dtype), state_->comm,
+                             after_default_stream("all_gather")),
+               "all_gather", rank());
     return record("all_gather");
   }
   Request isend(const void* data, std::size_t count, at::ScalarType dtype, int peer) {
     check_root("send", peer);
-    nccl_check(ncclSend(data, count, nccl_type(dtype), peer, state_->comm, stream()), "send", rank());
+    nccl_check(ncclSend(data, count, nccl_type("send", dtype), peer, state_->comm, after_default_stream("send")),
+               "send", rank());
     return record("send");
   }
   Request irecv(void* data, std::size_t count, at::ScalarType dtype, int peer) {
     check_root("recv", peer);
-    nccl_check(ncclRecv(data, count, nccl_type(dtype), peer, state_->comm, stream()), "recv", rank());
+    nccl_check(ncclRecv(data, count, nccl_type("recv", dtype), peer, state_->comm, after_default_stream("recv")),
+               "recv", rank());
     return record("recv");
   }
 
   // ---- tensors whose device is CUDA ---------------------------------------------
   Request iall_reduce(at::Tensor& t, reduce_op op) {
     check_device("all_reduce", t);
-    return iall_reduce(t.data_ptr(), n(t), t.scalar_type(), op);
+    auto r = iall_reduce(t.data_ptr(), n(t), t.scalar_type(), op);
+    r.keep_ = t;
+    return r;
   }
   void all_reduce(at::Tensor& t, reduce_op op) { iall_reduce(t, op).wait(); }
   Request ibroadcast(at::Tensor& t, int root) {
     check_device("broadcast", t);
-    return ibroadcast(t.data_ptr(), n(t), t.scalar_type(), root);
+    auto r = ibroadcast(t.data_ptr(), n(t), t.scalar_type(), root);
+    r.keep_ = t;
+    return r;
   }
   void broadcast(at::Tensor& t, int root) { ibroadcast(t, root).wait(); }
   void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
@@ -198,10 +227,12 @@ class Nccl {
   struct State {
     ~State() {
       if (comm != nullptr) ncclCommDestroy(comm);
+      if (ready != nullptr) cudaEventDestroy(ready);
       if (stream != nullptr) cudaStreamDestroy(stream);
     }
     ncclComm_t comm = nullptr;
     cudaStream_t stream = nullptr;
+    cudaEvent_t ready = nullptr;  // Note [Stream order]
     int rank = 0, size = 1, device = 0;
   };
 
@@ -225,14 +256,18 @@ class Nccl {
     return local;
   }
 
-  static ncclDataType_t nccl_type(at::ScalarType t) {
+  ncclDataType_t nccl_type(const char* op, at::ScalarType t) const {
     switch (t) {
       case at::kFloat: return ncclFloat32;
       case at::kDouble: return ncclFloat64;
       case at::kBFloat16: return ncclBfloat16;
       case at::kHalf: return ncclFloat16;
       case at::kInt: return ncclInt32;
-      default: return ncclInt64;  // the checks admit nothing else
+      case at::kLong: return ncclInt64;
+      default:
+        throw error(op, rank(), "dtype " + std::string(c10::toString(t)) +
+                                    " is not supported by comm::Nccl; supported are float32, float64, bfloat16, "
+                                    "float16, int32 and int64");
     }
   }
   static ncclRedOp_t nccl_op(reduce_op op) {
@@ -263,6 +298,19 @@ class Nccl {
                                   " (use comm::Mpi for CPU tensors)");
   }
   static std::size_t n(const at::Tensor& t) { return static_cast<std::size_t>(t.numel()); }
+
+  // Note [Stream order]
+  // The communicator's stream is non-blocking, so that compute on the default stream
+  // can overlap communication; but then nothing orders it after the kernels and copies
+  // that produced the buffer. Each operation therefore first makes the stream wait for
+  // the work already enqueued on the legacy default stream (cudaMemcpy, LibTorch's
+  // default stream), as ProcessGroupNCCL waits for the current stream. Work on other
+  // streams must be synchronised by the caller.
+  cudaStream_t after_default_stream(const char* op) {
+    cuda_check(cudaEventRecord(state_->ready, cudaStreamLegacy), op, rank());
+    cuda_check(cudaStreamWaitEvent(stream(), state_->ready, 0), op, rank());
+    return stream();
+  }
 
   Request record(const char* op) {
     cudaEvent_t e = nullptr;

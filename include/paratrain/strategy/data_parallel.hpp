@@ -7,6 +7,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
+#include <concepts>
 #include <memory>
 #include <string>
 #include <utility>
@@ -88,6 +89,13 @@ class DataParallel {
                                                 options.find_unused_parameters});
     optimizer_ = std::make_unique<Optim>(model_->parameters(), std::move(optimizer_options));
   }
+
+  /// With a default-constructed communicator (comm::Mpi: the world; comm::SingleDevice),
+  /// so that every strategy is made alike: `Strategy s(Net(), torch::optim::AdamOptions(1e-3));`.
+  template <class OptimOptions>
+    requires optimizer_from<Optim, OptimOptions> && std::default_initializable<Comm>
+  DataParallel(Model model, OptimOptions optimizer_options, Options options = {})
+      : DataParallel(std::move(model), Comm{}, std::move(optimizer_options), options) {}
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;

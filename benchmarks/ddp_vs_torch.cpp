@@ -1,0 +1,103 @@
+// DataParallel<Mlp, comm::Mpi, Adam> steps against the same steps without communication.
+//
+// The model and data of benchmarks/ddp_vs_torch.py (PyTorch's own DDP, the reference):
+// MLP 784-1024-1024-10 with ReLU, Adam(lr 1e-3), cross-entropy, batch 64 per rank of
+// random inputs and labels, one intra-op thread per rank. Candidates:
+//   - ddp:      paratrain::DataParallel::step (forward, backward with overlapped
+//               all-reduce, Adam step);
+//   - no_comm:  the same step in plain LibTorch on a second replica, no communication:
+//               the rate DDP would reach if communication were free.
+// Trials alternate the two so that drift hits both alike (benchmarks/driver.hpp).
+// Prints one JSON line on rank 0. benchmarks/ddp_vs_torch.sh runs it beside PyTorch:
+//   scripts/mpirun.sh 2 build/benchmarks/bench_ddp_vs_torch [steps] [trials]
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "driver.hpp"
+#include "paratrain/comm/mpi.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+
+namespace {
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(784, 1024));
+    fc2 = register_module("fc2", torch::nn::Linear(1024, 1024));
+    fc3 = register_module("fc3", torch::nn::Linear(1024, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+torch::Tensor loss_fn(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(out, target);
+}
+
+// A few batches of random samples, cycled: the same shapes as the Python side.
+struct Data {
+  static constexpr std::int64_t batch = 64, pool = 16;
+  torch::Tensor x = torch::randn({pool * batch, 784});
+  torch::Tensor y = torch::randint(0, 10, {pool * batch}, torch::kLong);
+  std::int64_t next = 0;
+  paratrain::Batch get() {
+    const auto start = (next++ % pool) * batch;
+    return {x.narrow(0, start, batch), y.narrow(0, start, batch)};
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  paratrain::comm::Mpi::Environment env(argc, argv);
+  torch::set_num_threads(1);
+  const int steps = argc > 1 ? std::atoi(argv[1]) : 200;   // timed steps per candidate
+  const int trials = argc > 2 ? std::atoi(argv[2]) : 5;    // steps are split into this many trials
+  const int warmup = argc > 3 ? std::atoi(argv[3]) : 20;
+  paratrain::DataParallelOptions options;
+  if (argc > 4) options.bucket_cap_bytes = std::strtoull(argv[4], nullptr, 10);
+  if (argc > 5) options.first_bucket_cap_bytes = std::strtoull(argv[5], nullptr, 10);
+
+  paratrain::comm::Mpi world;
+  torch::manual_seed(1 + world.rank());
+  Data data;
+  paratrain::DataParallel<Mlp, paratrain::comm::Mpi, torch::optim::Adam> ddp(
+      Mlp(), world, torch::optim::AdamOptions(1e-3), options);
+  Mlp local;
+  torch::optim::Adam local_optim(local->parameters(), torch::optim::AdamOptions(1e-3));
+
+  double exposed = 0;
+  long ddp_steps = 0;
+  const auto ddp_step = [&] {
+    ddp.step(data.get(), loss_fn);
+    exposed += ddp.exposed_communication_seconds();
+    ++ddp_steps;
+  };
+  const auto local_step = [&] {
+    auto b = data.get();
+    local_optim.zero_grad();
+    auto l = loss_fn(local->forward(b.input), b.target);
+    l.backward();
+    (void)l.item<double>();  // as DataParallel::step reads the loss
+    local_optim.step();
+  };
+  for (int i = 0; i < warmup; ++i) ddp_step(), local_step();
+  exposed = 0, ddp_steps = 0;
+
+  const auto seconds =
+      paratrain::bench::time_alternating(world.native(), trials, steps / trials, {ddp_step, local_step});
+  // The mean over ranks of the exposed wait per step, as a share of the median step.
+  double exposed_per_step = exposed / static_cast<double>(ddp_steps);
+  MPI_Allreduce(MPI_IN_PLACE, &exposed_per_step, 1, MPI_DOUBLE, MPI_SUM, world.native());
+  exposed_per_step /= world.size();
+  if (world.rank() == 0)
+    std::printf(
+        "{\"implementation\": \"paratrain\", \"ranks\": %d, \"batch_per_rank\": %lld, \"steps\": %d, \"trials\": %d, "
+        "\"threads\": %d, \"buckets\": %zu, \"steps_per_s\": %.3f, \"no_comm_steps_per_s\": %.3f, "
+        "\"exposed_comm_s_per_step\": %.6f, \"exposed_comm_share\": %.4f}\n",
+        world.size(), static_cast<long long>(Data::batch), steps / trials * trials, trials, torch::get_num_threads(),
+        ddp.bucket_count(), 1 / seconds[0], 1 / seconds[1], exposed_per_step, exposed_per_step / seconds[0]);
+}

@@ -1,0 +1,242 @@
+#pragma once
+/// \file
+/// paratrain::fit — the one training loop, the same for every strategy.
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "paratrain/concepts/strategy.hpp"
+#include "paratrain/data/batch.hpp"
+#include "paratrain/data/batches.hpp"
+#include "paratrain/data/distributed_sampler.hpp"
+#include "paratrain/data/exact_sampler.hpp"
+#include "paratrain/detail/progress.hpp"
+#include "paratrain/error.hpp"
+#include "paratrain/metrics.hpp"
+
+namespace paratrain {
+
+/// The linear scaling rule with gradual warm-up (Goyal et al. 2017, "Accurate, Large
+/// Minibatch SGD"): the optimizer's learning rate was tuned for a global batch of
+/// `reference_batch`; with a global batch of B it becomes lr * B / reference_batch,
+/// reached linearly from lr over the first `warmup_epochs`.
+struct LrScaling {
+  std::int64_t reference_batch = 0;  ///< 0: off
+  double warmup_epochs = 0;
+};
+
+/// After each optimizer step.
+struct StepInfo {
+  int epoch = 0;                 ///< from 0
+  std::int64_t step = 0;         ///< optimizer steps since fit began
+  double loss = 0;               ///< this rank's mean loss in this step
+  double lr = 0;                 ///< of the first parameter group
+  double global_samples = 0;     ///< the step's effective batch
+  double seconds = 0;            ///< this step's wall time on this rank
+  Metrics* metrics = nullptr;    ///< log your own values here; fit reduces them safely
+};
+
+/// After each epoch; every value is reduced over all ranks.
+struct EpochInfo {
+  int epoch = 0;
+  double train_loss = 0;         ///< mean over the epoch's samples
+  double eval_loss = 0;          ///< when an evaluation set was given
+  double eval_accuracy = 0;      ///< when targets are class indices
+  std::int64_t eval_samples = 0; ///< evaluated once each, never duplicated
+  double seconds = 0;            ///< training time of the epoch (evaluation excluded)
+  double samples_per_second = 0; ///< over all ranks
+  std::map<std::string, double> metrics;  ///< everything logged, reduced (Note [Safe metric reduction])
+};
+
+struct FitResult {
+  std::vector<EpochInfo> epochs;
+  double train_seconds = 0;       ///< all epochs' training time
+  double samples_per_second = 0;  ///< over all ranks and epochs
+};
+
+struct FitOptions {
+  int epochs = 1;
+  std::int64_t batch_size = 32;  ///< per rank (per process), per micro-batch
+  int accumulation = 1;          ///< micro-batches per optimizer step
+  bool shuffle = true;           ///< DistributedSampler's shuffle, seed and drop_last
+  std::uint64_t seed = 0;
+  bool drop_last = false;
+  const data::TensorDataset* eval = nullptr;  ///< evaluated after each epoch, exactly sharded
+  std::int64_t eval_batch_size = 1000;
+  LrScaling lr_scaling{};
+  std::int64_t log_every = 100;  ///< steps between progress lines and metric reductions
+  bool progress = true;          ///< rank 0 reports progress on stdout
+  std::function<void(const StepInfo&)> on_step{};
+  std::function<void(const EpochInfo&)> on_epoch{};
+};
+
+/// Cross-entropy over class indices: fit's default loss.
+struct CrossEntropy {
+  at::Tensor operator()(const at::Tensor& output, const at::Tensor& target) const {
+    return torch::nn::functional::cross_entropy(output, target);
+  }
+};
+
+namespace detail {
+
+inline std::vector<double> base_learning_rates(torch::optim::Optimizer& o) {
+  std::vector<double> lrs;
+  for (auto& g : o.param_groups()) lrs.push_back(g.options().get_lr());
+  return lrs;
+}
+
+inline void set_learning_rates(torch::optim::Optimizer& o, const std::vector<double>& base, double factor) {
+  auto& groups = o.param_groups();
+  for (std::size_t i = 0; i < groups.size(); ++i) groups[i].options().set_lr(base[i] * factor);
+}
+
+/// Evaluates on this rank's exact shard and reduces: loss, accuracy, sample count.
+template <strategy S, loss_function Loss>
+void evaluate(S& s, const data::TensorDataset& set, std::int64_t batch_size, Loss& loss, EpochInfo& info) {
+  const data::ExactSampler shard(set.size(), {.num_replicas = s.world_size(), .rank = s.rank()});
+  const auto indices = shard.indices();
+  // [loss * n, correct, n]: sums, so ranks with fewer samples (or none) count exactly.
+  auto sums = at::zeros({3}, at::kDouble);
+  for (auto&& chunk : data::batches(indices, batch_size)) {
+    const auto batch = set.get(data::to_tensor(chunk));
+    const auto out = s.predict(batch.input);
+    const auto n = static_cast<double>(batch.size());
+    sums[0] += loss(out, batch.target).template item<double>() * n;
+    if (out.dim() == 2 && !at::isFloatingType(batch.target.scalar_type()))
+      sums[1] += out.argmax(1).eq(batch.target).sum().template item<double>();
+    sums[2] += n;
+  }
+  s.all_reduce(sums, reduce_op::sum);
+  const auto n = sums[2].template item<double>();
+  info.eval_samples = static_cast<std::int64_t>(n);
+  info.eval_loss = n > 0 ? sums[0].template item<double>() / n : 0;
+  info.eval_accuracy = n > 0 ? sums[1].template item<double>() / n : 0;
+}
+
+inline std::string format(const char* fmt, auto... args) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, fmt, args...);
+  return buf;
+}
+
+}  // namespace detail
+
+/// Trains `s` on `train` for `options.epochs` epochs: the same loop for every strategy.
+///
+/// Each rank visits its DistributedSampler shard (PyTorch's sharding, so results match
+/// a PyTorch run with the same seed), `options.accumulation` micro-batches of
+/// `options.batch_size` per optimizer step; ranks that run out of batches join the
+/// others. After each epoch the evaluation set, if any, is sharded exactly (every
+/// sample once) and loss and accuracy are reduced over all ranks.
+///
+/// Collective: every rank calls fit with the same options.
+///
+/// \code
+///   auto result = paratrain::fit(strategy, train, {.epochs = 5, .batch_size = 64, .eval = &test});
+/// \endcode
+template <strategy S, loss_function Loss = CrossEntropy>
+FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options, Loss loss = {}) {
+  if (options.epochs < 0 || options.batch_size < 1 || options.accumulation < 1 || options.log_every < 1)
+    throw error("fit", s.rank(), "epochs must be >= 0 and batch_size, accumulation and log_every >= 1");
+  using clock = std::chrono::steady_clock;
+  detail::Progress progress(options.progress && s.rank() == 0, stdout);
+  data::DistributedSampler sampler(train.size(), {.num_replicas = s.world_size(),
+                                                  .rank = s.rank(),
+                                                  .shuffle = options.shuffle,
+                                                  .seed = options.seed,
+                                                  .drop_last = options.drop_last});
+  const auto base_lrs = detail::base_learning_rates(s.optimizer());
+  const double global_batch = double(options.batch_size) * options.accumulation * s.world_size();
+  const auto& scaling = options.lr_scaling;
+  const double target_factor = scaling.reference_batch > 0 ? global_batch / double(scaling.reference_batch) : 1.0;
+
+  FitResult result;
+  Metrics metrics;
+  std::int64_t step = 0;
+  double total_samples = 0;
+  for (int epoch = 0; epoch < options.epochs; ++epoch) {
+    sampler.set_epoch(epoch);
+    const auto indices = sampler.indices();
+    std::vector<at::Tensor> micro;
+    for (auto&& chunk : data::batches(indices, options.batch_size)) micro.push_back(data::to_tensor(chunk));
+    const auto steps = static_cast<std::int64_t>((micro.size() + options.accumulation - 1) / options.accumulation);
+    EpochInfo info{.epoch = epoch};
+    double epoch_samples = 0;
+    const auto epoch_start = clock::now();
+    for (std::int64_t k = 0;; ++k, ++step) {
+      if (scaling.reference_batch > 0) {
+        const double warm = scaling.warmup_epochs * double(std::max<std::int64_t>(steps, 1));
+        const double progress_fraction = warm > 0 ? std::min(1.0, double(step) / warm) : 1.0;
+        detail::set_learning_rates(s.optimizer(), base_lrs, 1.0 + (target_factor - 1.0) * progress_fraction);
+      }
+      const auto step_start = clock::now();
+      StepResult r;
+      if (k < steps) {
+        const auto first = static_cast<std::size_t>(k * options.accumulation);
+        const auto last = std::min(micro.size(), first + static_cast<std::size_t>(options.accumulation)) - 1;
+        double loss_sum = 0, samples = 0;
+        for (auto m = first; m < last; ++m) {
+          const auto b = train.get(micro[m]);
+          loss_sum += s.accumulate(b, loss) * double(b.size());
+          samples += double(b.size());
+        }
+        r = s.step(train.get(micro[last]), loss, k + 1 < steps);
+        r.loss = (loss_sum + r.loss * double(r.samples)) / (samples + double(r.samples));
+        r.samples += static_cast<std::int64_t>(samples);
+        metrics.log("loss", r.loss, double(r.samples));
+      } else {
+        r = s.join(false);
+      }
+      epoch_samples += r.global_samples;
+      const StepInfo si{.epoch = epoch,
+                        .step = step,
+                        .loss = r.loss,
+                        .lr = s.optimizer().param_groups().front().options().get_lr(),
+                        .global_samples = r.global_samples,
+                        .seconds = std::chrono::duration<double>(clock::now() - step_start).count(),
+                        .metrics = &metrics};
+      if (options.on_step) options.on_step(si);
+      const bool last_step = r.ranks_with_next == 0;
+      if ((k + 1) % options.log_every == 0 && !last_step) {
+        const auto m = metrics.sync(s);  // Note [Safe metric reduction]: every rank is here
+        const double secs = std::chrono::duration<double>(clock::now() - epoch_start).count();
+        progress.step(epoch + 1, options.epochs, k + 1, steps,
+                      detail::format("loss %.4f lr %.3g %.0f samples/s", m.count("loss") ? m.at("loss") : 0.0, si.lr,
+                                     epoch_samples / secs),
+                      true);
+      } else {
+        progress.step(epoch + 1, options.epochs, k + 1, steps, detail::format("loss %.4f", r.loss), false);
+      }
+      if (last_step) break;
+    }
+    info.seconds = std::chrono::duration<double>(clock::now() - epoch_start).count();
+    info.samples_per_second = epoch_samples / info.seconds;
+    info.metrics = metrics.sync(s);
+    info.train_loss = info.metrics.count("loss") ? info.metrics.at("loss") : 0.0;
+    if (options.eval) detail::evaluate(s, *options.eval, options.eval_batch_size, loss, info);
+    progress.line(detail::format("epoch %d/%d: train loss %.4f, %s%.0f samples/s, %.1f s", epoch + 1, options.epochs,
+                                 info.train_loss,
+                                 options.eval ? detail::format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss,
+                                                               100 * info.eval_accuracy)
+                                                    .c_str()
+                                              : "",
+                                 info.samples_per_second, info.seconds));
+    if (options.on_epoch) options.on_epoch(info);
+    result.train_seconds += info.seconds;
+    total_samples += epoch_samples;
+    result.epochs.push_back(std::move(info));
+  }
+  result.samples_per_second = result.train_seconds > 0 ? total_samples / result.train_seconds : 0;
+  return result;
+}
+
+}  // namespace paratrain

@@ -1,0 +1,104 @@
+#pragma once
+/// \file
+/// paratrain::Metrics — running means that are reduced across ranks safely.
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "paratrain/comm/reduce_op.hpp"
+
+namespace paratrain {
+
+// Note [Safe metric reduction]
+// Lightning's `self.log(..., sync_dist=True)` reduces inside the log call, so a rank
+// that logs a name the others do not (a branch on its data, say) hangs the job. Here
+// `log` never communicates: it only accumulates locally. The reduction is `sync`,
+// which fit() calls at points every rank reaches together, and which first agrees on
+// the union of names across ranks, so ranks may log different names, or none.
+
+/// Weighted running means of named values, local until `sync`.
+///
+/// \code
+///   metrics.log("loss", batch_loss, batch_size);   // local, free
+///   auto global = metrics.sync(strategy);          // collective: every rank calls it
+///   double mean_loss = global.at("loss");
+/// \endcode
+class Metrics {
+ public:
+  /// Adds `value` with weight `weight` (e.g. a batch's mean loss and its sample count).
+  void log(const std::string& name, double value, double weight = 1.0) {
+    auto& [sum, w] = values_[name];
+    sum += value * weight;
+    w += weight;
+  }
+
+  /// This rank's means so far.
+  [[nodiscard]] std::map<std::string, double> local() const {
+    std::map<std::string, double> out;
+    for (const auto& [name, v] : values_) out[name] = v.second > 0 ? v.first / v.second : 0.0;
+    return out;
+  }
+
+  /// The weighted means over all ranks of every name any rank logged, then starts
+  /// afresh. Collective over the strategy's (or communicator's) ranks.
+  template <class Group>
+  std::map<std::string, double> sync(Group& group) {
+    const auto names = union_of_names(group);
+    auto sums = at::zeros({2 * static_cast<std::int64_t>(names.size())}, at::kDouble);
+    auto* s = sums.data_ptr<double>();
+    for (std::size_t i = 0; i < names.size(); ++i)
+      if (auto it = values_.find(names[i]); it != values_.end()) s[2 * i] = it->second.first, s[2 * i + 1] = it->second.second;
+    if (!names.empty()) group.all_reduce(sums, reduce_op::sum);
+    std::map<std::string, double> out;
+    for (std::size_t i = 0; i < names.size(); ++i) out[names[i]] = s[2 * i + 1] > 0 ? s[2 * i] / s[2 * i + 1] : 0.0;
+    values_.clear();
+    return out;
+  }
+
+ private:
+  // The names every rank logged, sorted: each rank writes its names into its own row of
+  // a zeroed [ranks x names x length] table, and one sum all-reduce gives all the rows.
+  template <class Group>
+  std::vector<std::string> union_of_names(Group& group) {
+    const int ranks = group_size(group), rank = group.rank();
+    std::int64_t longest = 0;
+    for (const auto& [name, v] : values_) longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(name.size()));
+    auto shape = at::tensor({static_cast<std::int64_t>(values_.size()), longest}, at::kLong);
+    group.all_reduce(shape, reduce_op::max);
+    const auto count = shape[0].item<std::int64_t>(), length = shape[1].item<std::int64_t>();
+    if (count == 0) return {};
+    auto table = at::zeros({ranks, count, length}, at::kInt);
+    auto* t = table.data_ptr<std::int32_t>();
+    std::int64_t row = 0;
+    for (const auto& [name, v] : values_) {
+      for (std::size_t c = 0; c < name.size(); ++c)
+        t[(rank * count + row) * length + static_cast<std::int64_t>(c)] = static_cast<unsigned char>(name[c]);
+      ++row;
+    }
+    group.all_reduce(table, reduce_op::sum);
+    std::vector<std::string> names;
+    for (std::int64_t r = 0; r < ranks * count; ++r) {
+      std::string name;
+      for (std::int64_t c = 0; c < length && t[r * length + c] != 0; ++c) name += static_cast<char>(t[r * length + c]);
+      if (!name.empty()) names.push_back(std::move(name));
+    }
+    std::sort(names.begin(), names.end());
+    names.erase(std::unique(names.begin(), names.end()), names.end());
+    return names;
+  }
+
+  // A strategy says world_size(), a communicator size().
+  template <class G>
+  static int group_size(G& g) {
+    if constexpr (requires { g.world_size(); }) return g.world_size();
+    else return g.size();
+  }
+  std::map<std::string, std::pair<double, double>> values_;
+};
+
+}  // namespace paratrain

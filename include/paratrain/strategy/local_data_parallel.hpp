@@ -1,0 +1,204 @@
+#pragma once
+/// \file
+/// paratrain::LocalDataParallel — one process, several replicas (PyTorch's nn.DataParallel).
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+#include <torch/nn/module.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <exception>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "paratrain/concepts/module.hpp"
+#include "paratrain/concepts/optimizer.hpp"
+#include "paratrain/concepts/strategy.hpp"
+#include "paratrain/data/batch.hpp"
+#include "paratrain/error.hpp"
+
+namespace paratrain {
+
+struct LocalDataParallelOptions {
+  /// Replicas on CPU threads when there is no CUDA device; 0: one per hardware thread.
+  /// Where LibTorch sees CUDA devices, there is one replica per device instead.
+  int replicas = 0;
+};
+
+/// Data parallelism inside one process: each step splits the batch across replicas of
+/// the model, one per local device (a CUDA device, or a CPU thread where there is none),
+/// runs forward and backward on all of them at once, sums their gradients into the
+/// model and takes one optimizer step, then copies the parameters back to the replicas.
+///
+/// Gradients are weighted by each replica's share of the batch, so a step equals a
+/// single-device step on the whole batch whatever the split (Note [Exact averaging]).
+/// The model must be cloneable (derive NetImpl from torch::nn::Cloneable<NetImpl>).
+///
+/// Choose it for: one machine, one process, no launcher. Choose DataParallel for
+/// several processes or machines: it overlaps communication and scales further.
+template <class Model, class Optim = torch::optim::SGD>
+class LocalDataParallel {
+  static_assert(explain_model<Model>());
+  static_assert(cloneable_module<Model>,
+                "paratrain: LocalDataParallel copies the model into replicas with clone(); derive the module from "
+                "torch::nn::Cloneable<NetImpl> (and build its submodules in reset()) instead of torch::nn::Module");
+  static_assert(explain_optimizer<Optim>());
+
+ public:
+  using model_type = Model;
+  using optimizer_type = Optim;
+  using Options = LocalDataParallelOptions;
+
+ private:
+  using Impl = std::remove_cvref_t<decltype(*std::declval<Model&>())>;
+
+ public:
+  template <class OptimOptions>
+    requires optimizer_from<Optim, OptimOptions>
+  LocalDataParallel(Model model, OptimOptions optimizer_options, Options options = {}) : model_(std::move(model)) {
+    if (options.replicas < 0) throw error("LocalDataParallel", 0, "replicas must be >= 0 (0: one per hardware thread)");
+    const auto cuda = static_cast<int>(torch::cuda::device_count());
+    const int n = cuda > 0                ? cuda
+                  : options.replicas > 0 ? options.replicas
+                                         : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    for (int i = 0; i < n; ++i) {
+      const auto device = cuda > 0 ? torch::Device(torch::kCUDA, i) : torch::Device(torch::kCPU);
+      if (i == 0) {
+        model_->to(device);
+        replicas_.push_back(std::dynamic_pointer_cast<Impl>(model_->shared_from_this()));
+      } else {
+        // Module is a virtual base of Cloneable<Impl>: a dynamic cast, once.
+        replicas_.push_back(std::dynamic_pointer_cast<Impl>(model_->clone(device)));
+      }
+      devices_.push_back(device);
+    }
+    optimizer_ = std::make_unique<Optim>(model_->parameters(), std::move(optimizer_options));
+  }
+
+  template <loss_function Loss>
+  StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
+    const double l = accumulate(batch, loss);
+    const double samples = std::exchange(pending_samples_, 0.0);
+    accumulating_ = false;
+    if (samples > 0) {
+      at::NoGradGuard no_grad;
+      for (auto& p : model_->parameters())
+        if (p.grad().defined()) p.mutable_grad().div_(samples);
+      optimizer_->step();
+      copy_to_replicas();
+    }
+    return {l, batch.size(), samples, has_next ? 1 : 0};
+  }
+
+  /// Forward and backward on every replica, gradients summed into the model; no update.
+  template <loss_function Loss>
+  double accumulate(const Batch& batch, Loss&& loss) {
+    if (!accumulating_) zero_model_grads();
+    accumulating_ = true;
+    const auto n = batch.size();
+    if (n == 0) return 0.0;
+    const auto used = static_cast<int>(std::min<std::int64_t>(n, static_cast<std::int64_t>(replicas_.size())));
+    const auto inputs = batch.input.tensor_split(used), targets = batch.target.tensor_split(used);
+    std::vector<double> losses(used);
+    std::vector<std::exception_ptr> errors(used);
+    auto run = [&](int i) {
+      try {
+        auto& r = replicas_[i];
+        r->train();
+        if (i > 0)
+          for (auto& p : r->parameters()) p.mutable_grad() = at::Tensor();
+        const auto x = inputs[i].to(devices_[i]), y = targets[i].to(devices_[i]);
+        at::Tensor l = loss(r->forward(x), y);
+        (l * static_cast<double>(x.size(0))).backward();  // the sum over the replica's samples
+        losses[i] = l.template item<double>() * static_cast<double>(x.size(0));
+      } catch (...) {
+        errors[i] = std::current_exception();
+      }
+    };
+    copy_buffers_to_replicas();
+    std::vector<std::thread> threads;
+    for (int i = 1; i < used; ++i) threads.emplace_back(run, i);
+    run(0);
+    for (auto& t : threads) t.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+    sum_replica_grads(used);
+    pending_samples_ += static_cast<double>(n);
+    double total = 0;
+    for (double l : losses) total += l;
+    return total / static_cast<double>(n);
+  }
+
+  /// One process has nobody to wait for: nothing to do.
+  StepResult join(bool has_next = false) { return {0, 0, 0, has_next ? 1 : 0}; }
+
+  at::Tensor predict(const at::Tensor& input) {
+    at::NoGradGuard no_grad;
+    const bool training = model_->is_training();
+    model_->eval();
+    auto out = model_->forward(input.to(devices_[0]));
+    model_->train(training);
+    return out;
+  }
+
+  /// A world of one process: nothing to reduce.
+  void all_reduce(at::Tensor&, reduce_op) const noexcept {}
+
+  [[nodiscard]] int rank() const noexcept { return 0; }
+  [[nodiscard]] int world_size() const noexcept { return 1; }
+  [[nodiscard]] int replicas() const noexcept { return static_cast<int>(replicas_.size()); }
+  [[nodiscard]] Model& model() noexcept { return model_; }
+  [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }
+
+ private:
+  void zero_model_grads() {
+    for (auto& p : model_->parameters()) p.mutable_grad() = at::Tensor();
+  }
+
+  void sum_replica_grads(int used) {
+    at::NoGradGuard no_grad;
+    auto master = model_->parameters();
+    for (int i = 1; i < used; ++i) {
+      auto params = replicas_[i]->parameters();
+      for (std::size_t k = 0; k < master.size(); ++k) {
+        const auto& g = params[k].grad();
+        if (!g.defined()) continue;
+        auto& m = master[k].mutable_grad();
+        if (m.defined()) m.add_(g.to(m.device()));
+        else m = g.to(master[k].device(), /*non_blocking=*/false, /*copy=*/true);
+      }
+    }
+  }
+
+  void copy_to_replicas() {
+    at::NoGradGuard no_grad;
+    const auto master = model_->parameters();
+    for (std::size_t i = 1; i < replicas_.size(); ++i) {
+      auto params = replicas_[i]->parameters();
+      for (std::size_t k = 0; k < master.size(); ++k) params[k].copy_(master[k]);
+    }
+  }
+
+  // Like nn.DataParallel, which re-replicates buffers from device 0 on every forward.
+  void copy_buffers_to_replicas() {
+    at::NoGradGuard no_grad;
+    const auto master = model_->buffers();
+    for (std::size_t i = 1; i < replicas_.size(); ++i) {
+      auto buffers = replicas_[i]->buffers();
+      for (std::size_t k = 0; k < master.size(); ++k) buffers[k].copy_(master[k]);
+    }
+  }
+
+  Model model_;
+  std::vector<std::shared_ptr<Impl>> replicas_;  // [0] is model_ itself
+  std::vector<torch::Device> devices_;
+  std::unique_ptr<Optim> optimizer_;
+  bool accumulating_ = false;
+  double pending_samples_ = 0;
+};
+
+}  // namespace paratrain
