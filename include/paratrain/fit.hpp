@@ -73,6 +73,9 @@ struct FitOptions {
   const data::TensorDataset* eval = nullptr;  ///< evaluated after each epoch, exactly sharded
   std::int64_t eval_batch_size = 1000;
   LrScaling lr_scaling{};
+  /// A multiplier of the learning rate at a fractional epoch (2.5: half-way through the
+  /// third), on top of lr_scaling; e.g. a cosine decay. Empty: constant.
+  std::function<double(double epoch)> lr_schedule{};
   std::int64_t log_every = 100;  ///< steps between progress lines and metric reductions
   bool progress = true;          ///< rank 0 reports progress on stdout
   std::function<void(const StepInfo&)> on_step{};
@@ -173,10 +176,13 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
     double epoch_samples = 0;
     const auto epoch_start = clock::now();
     for (std::int64_t k = 0;; ++k, ++step) {
-      if (scaling.reference_batch > 0) {
+      if (scaling.reference_batch > 0 || options.lr_schedule) {
         const double warm = scaling.warmup_epochs * double(std::max<std::int64_t>(steps, 1));
-        const double progress_fraction = warm > 0 ? std::min(1.0, double(step) / warm) : 1.0;
-        detail::set_learning_rates(s.optimizer(), base_lrs, 1.0 + (target_factor - 1.0) * progress_fraction);
+        const double warmed = warm > 0 ? std::min(1.0, double(step) / warm) : 1.0;
+        const double epoch_position = epoch + double(k) / double(std::max<std::int64_t>(steps, 1));
+        detail::set_learning_rates(s.optimizer(), base_lrs,
+                                   (1.0 + (target_factor - 1.0) * warmed) *
+                                       (options.lr_schedule ? options.lr_schedule(epoch_position) : 1.0));
       }
       const auto step_start = clock::now();
       StepResult r;

@@ -6,13 +6,15 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <string_view>
 
 namespace paratrain::detail {
 
 class Progress {
  public:
-  Progress(bool enabled, std::FILE* out) : enabled_(enabled), out_(out), tty_(enabled && isatty(fileno(out))) {}
+  Progress(bool enabled, std::FILE* out) : enabled_(enabled), out_(out), tty_(enabled && interactive(out)) {}
 
   /// A step ended; `line` describes it. On a terminal the bar is redrawn (at most 10
   /// times a second); otherwise a line is printed when `periodic` says so.
@@ -42,6 +44,14 @@ class Progress {
   }
 
  private:
+  // mpirun hands its ranks a pseudo-terminal even when its own output goes to a file or a
+  // CI log, so isatty alone would draw bars into logs: a terminal also needs a TERM that
+  // can move the cursor (mpirun passes the user's TERM on).
+  static bool interactive(std::FILE* out) {
+    const char* term = std::getenv("TERM");
+    return isatty(fileno(out)) && term != nullptr && *term != '\0' && std::string_view(term) != "dumb";
+  }
+
   bool enabled_;
   std::FILE* out_;
   bool tty_;

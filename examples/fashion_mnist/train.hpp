@@ -1,0 +1,98 @@
+#pragma once
+// The demo's training program, the same for every strategy: each of single.cpp, dp.cpp
+// and ddp.cpp names a strategy in one alias and calls run<Strategy>().
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "idx.hpp"
+#include "net.hpp"
+#include "paratrain/paratrain.hpp"
+
+namespace fashion_mnist {
+
+struct Args {
+  int epochs = 5;
+  std::int64_t batch = 64;  // per process
+  double lr = 2e-3;
+  std::string data = "/usr/share/datasets/fashion-mnist";
+};
+
+inline Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string_view k = argv[i];
+    const char* v = argv[i + 1];
+    if (k == "--epochs") a.epochs = std::atoi(v);
+    else if (k == "--batch") a.batch = std::atoll(v);
+    else if (k == "--lr") a.lr = std::atof(v);
+    else if (k == "--data") a.data = v;
+    else throw std::invalid_argument("unknown option " + std::string(k) + " (--epochs, --batch, --lr, --data)");
+  }
+  return a;
+}
+
+// What the alias chose, for the summary line.
+template <class S>
+constexpr const char* name_of() {
+  if constexpr (requires { typename S::communicator_type; }) {
+    if constexpr (std::same_as<typename S::communicator_type, paratrain::comm::SingleDevice>) return "single";
+    else return "ddp";
+  } else {
+    return "dp";
+  }
+}
+
+template <paratrain::strategy Strategy>
+int run(int argc, char** argv) {
+  paratrain::comm::Mpi::Environment mpi(argc, argv);
+  torch::set_num_threads(1);  // one process per core; threads within would fight over them
+  const auto start = std::chrono::steady_clock::now();
+  const auto args = parse(argc, argv);
+
+  const auto train_split = load(args.data, "train"), test_split = load(args.data, "t10k");
+  const paratrain::data::TensorDataset train(train_split.images, train_split.labels);
+  const paratrain::data::TensorDataset test(test_split.images, test_split.labels);
+
+  torch::manual_seed(0);
+  Strategy strategy(Net(), torch::optim::AdamOptions(args.lr));
+  const bool root = strategy.rank() == 0;
+  if (root)
+    std::printf("Fashion-MNIST, %s, %d process(es), batch %lld per process, %d epochs\n", name_of<Strategy>(),
+                strategy.world_size(), static_cast<long long>(args.batch), args.epochs);
+
+  std::optional<double> seconds_to_90;
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  const auto result = paratrain::fit(strategy, train,
+                                     {.epochs = args.epochs,
+                                      .batch_size = args.batch,
+                                      .eval = &test,
+                                      .lr_schedule = [&](double epoch) {  // cosine decay to 0
+                                        return 0.5 * (1 + std::cos(3.141592653589793 * epoch / args.epochs));
+                                      },
+                                      .log_every = 200,
+                                      .on_epoch = [&](const paratrain::EpochInfo& e) {
+                                        if (!seconds_to_90 && e.eval_accuracy >= 0.90) seconds_to_90 = elapsed();
+                                      }});
+  const auto& last = result.epochs.back();
+  if (root) {
+    std::printf("test accuracy %.2f%% after %d epochs; %.0f samples/s; %.1f s wall%s\n", 100 * last.eval_accuracy,
+                args.epochs, result.samples_per_second, elapsed(),
+                seconds_to_90 ? (", 90% reached after " + std::to_string(*seconds_to_90).substr(0, 5) + " s").c_str()
+                              : ", 90% not reached");
+    std::printf(
+        "{\"strategy\": \"%s\", \"world_size\": %d, \"epochs\": %d, \"test_accuracy\": %.4f, \"samples_per_second\": "
+        "%.1f, \"wall_seconds\": %.2f, \"seconds_to_90\": %s}\n",
+        name_of<Strategy>(), strategy.world_size(), args.epochs, last.eval_accuracy, result.samples_per_second,
+        elapsed(), seconds_to_90 ? std::to_string(*seconds_to_90).c_str() : "null");
+  }
+  return 0;
+}
+
+}  // namespace fashion_mnist

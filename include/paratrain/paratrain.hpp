@@ -1,0 +1,32 @@
+#pragma once
+/// \file
+/// Everything paratrain offers; the MPI and NCCL parts when their components are linked
+/// (paratrain::mpi, paratrain::nccl).
+
+#include "paratrain/config.hpp"
+
+#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/comm/single_device.hpp"
+#include "paratrain/concepts/communicator.hpp"
+#include "paratrain/concepts/module.hpp"
+#include "paratrain/concepts/optimizer.hpp"
+#include "paratrain/concepts/sampler.hpp"
+#include "paratrain/concepts/strategy.hpp"
+#include "paratrain/data/batch.hpp"
+#include "paratrain/data/batches.hpp"
+#include "paratrain/data/distributed_sampler.hpp"
+#include "paratrain/data/exact_sampler.hpp"
+#include "paratrain/error.hpp"
+#include "paratrain/fit.hpp"
+#include "paratrain/launch.hpp"
+#include "paratrain/metrics.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/local_data_parallel.hpp"
+
+#if PARATRAIN_HAS_MPI
+#include "paratrain/comm/mpi.hpp"
+#endif
+
+#if PARATRAIN_HAS_NCCL
+#include "paratrain/comm/nccl.hpp"
+#endif
