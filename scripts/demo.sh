@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 strategy=${PARATRAIN_STRATEGY:-ddp}
 ranks=${PARATRAIN_RANKS:-2}
-scripts/build.sh --target "fashion_mnist_${strategy}" >/dev/null
+scripts/build.sh --target "fashion_mnist_${strategy}"
 program="${PARATRAIN_BUILD_DIR:-build}/examples/fashion_mnist_${strategy}"
 if [[ "$strategy" == ddp ]]; then
   exec scripts/mpirun.sh "$ranks" "$program" "$@"
