@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# paratrain's DataParallel against PyTorch's own DDP (gloo), same model, data and machine:
+# runs benchmarks/ddp_vs_torch.py and bench_ddp_vs_torch at 1 and 2 ranks and prints a
+# markdown table with the ratios. Builds nothing: build bench_ddp_vs_torch first.
+#
+# Usage: benchmarks/ddp_vs_torch.sh [timed steps per run, 200] [rounds, 3]
+#
+# Each run is repeated `rounds` times (the four runs in turn) and the median is kept.
+# Timings are only as good as the machine is idle: before each run the script waits
+# for the CPUs to go quiet, and a run during which other processes took more than 10%
+# of a core is repeated (up to 5 times; the last one is kept with a warning).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+steps=${1:-200}
+rounds=${2:-3}
+build=${PARATRAIN_BUILD_DIR:-build}
+bench=$build/benchmarks/bench_ddp_vs_torch
+python=/usr/bin/python3
+if [[ ! -x $bench ]]; then
+  echo "$bench is missing; build it: cmake --build $build --target bench_ddp_vs_torch" >&2
+  exit 1
+fi
+# One intra-op thread per rank, whichever threading layer the BLAS uses.
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+busy_ticks() {  # CPU time spent by everything on the machine, in clock ticks
+  local _ user nice system idle iowait irq softirq steal
+  read -r _ user nice system idle iowait irq softirq steal _ </proc/stat
+  echo $((user + nice + system + irq + softirq + steal))
+}
+
+wait_quiet() {  # until the machine is under 10% busy over 2 s, for at most 120 s
+  local start=$SECONDS b
+  while ((SECONDS - start < 120)); do
+    b=$(busy_ticks)
+    sleep 2
+    (( ($(busy_ticks) - b) * 100 / $(getconf CLK_TCK) / 2 < 10 )) && return 0
+  done
+  echo "  (the machine stayed busy; measuring anyway)" >&2
+}
+
+# run_clean COMMAND...: runs it, appends its JSON line (with the share of a core that
+# other processes took meanwhile) to $tmp/results, repeats it if that share was > 10%.
+run_clean() {
+  local attempt before after wall user sys others
+  echo "\$ $*" >&2
+  for attempt in 1 2 3 4 5; do
+    wait_quiet
+    before=$(busy_ticks)
+    /usr/bin/time -f '%e %U %S' -o "$tmp/time" "$@" >"$tmp/out"
+    after=$(busy_ticks)
+    read -r wall user sys <"$tmp/time"
+    others=$(awk -v t=$((after - before)) -v hz="$(getconf CLK_TCK)" -v w="$wall" -v u="$user" -v s="$sys" \
+      'BEGIN { o = (t / hz - u - s) / w; printf "%.3f", o < 0 ? 0 : o }')
+    if awk -v o="$others" 'BEGIN { exit !(o <= 0.10) }' || ((attempt == 5)); then
+      ((attempt == 5)) && echo "  (others took ${others} of a core during the last try; kept anyway)" >&2
+      jq -c --argjson others "$others" '. + {others_cpu: $others}' "$tmp/out" | tee -a "$tmp/results" >&2
+      return 0
+    fi
+    echo "  (others took ${others} of a core during this run: repeating it)" >&2
+  done
+}
+
+echo "Command: $0 $steps $rounds" >&2
+for ((round = 1; round <= rounds; ++round)); do
+  echo "-- round $round of $rounds" >&2
+  run_clean "$python" benchmarks/ddp_vs_torch.py --ranks 1 --steps "$steps" --bind
+  run_clean scripts/mpirun.sh 1 "$bench" "$steps"
+  run_clean "$python" benchmarks/ddp_vs_torch.py --ranks 2 --steps "$steps" --bind
+  run_clean scripts/mpirun.sh 2 "$bench" "$steps"
+done
+
+# The table: medians over rounds; efficiency = steps/s at 2 ranks / steps/s at 1 rank
+# (the batch per rank is fixed, so 2 ranks take twice the samples per step).
+jq -rs '
+  def median: sort | .[length / 2 | floor];
+  def f(d): (. * pow(10; d) | round) / pow(10; d) | tostring;
+  group_by([.implementation, .ranks]) | map({
+    implementation: .[0].implementation, ranks: .[0].ranks, runs: length,
+    sps: (map(.steps_per_s) | median), no_comm: (map(.no_comm_steps_per_s) | median),
+    exposed: (map(.exposed_comm_share // null) | if .[0] == null then null else median end)}) as $rows
+  | def at(i; r): $rows | map(select(.implementation == i and .ranks == r)) | .[0];
+  "| implementation | ranks | steps/s | scaling efficiency | exposed comm share | ratio paratrain/PyTorch at same ranks | no-comm steps/s |",
+  "|---|---:|---:|---:|---:|---:|---:|",
+  ($rows | sort_by(.implementation != "pytorch", .ranks)[] as $r
+   | at($r.implementation; 1) as $one
+   | at("pytorch"; $r.ranks) as $torch
+   | "| \(if $r.implementation == "pytorch" then "PyTorch DDP (gloo)" else "paratrain DataParallel (comm::Mpi)" end)"
+     + " | \($r.ranks) | \($r.sps | f(1)) | \(if $r.ranks == 1 then "—" else ($r.sps / $one.sps * 100 | f(0)) + "%" end)"
+     + " | \(if $r.exposed == null then "n/a" else ($r.exposed * 100 | f(1)) + "%" end)"
+     + " | \(if $r.implementation == "pytorch" then "—" else ($r.sps / $torch.sps | f(2)) + "×" end)"
+     + " | \($r.no_comm | f(1)) |"),
+  "",
+  "Efficiency against plain single-process training of the same step (no DDP wrapper, 1 rank): "
+  + ([$rows[] | select(.ranks == 2) | "\(.implementation) \(.sps / at(.implementation; 1).no_comm * 100 | f(0))%"]
+     | join(", ")) + ".",
+  "Medians of \($rows[0].runs) runs; steps/s per rank (each step is batch 64 on every rank)."
+' "$tmp/results"
