@@ -51,3 +51,61 @@ struct NotMovable : OnlyReduces {
 static_assert(!paratrain::communicator<NotMovable>);
 
 }  // namespace
+
+// ---- models and optimizers ------------------------------------------------------
+#include <torch/torch.h>
+
+#include "paratrain/concepts/module.hpp"
+#include "paratrain/concepts/optimizer.hpp"
+#include "paratrain/concepts/strategy.hpp"
+#include "paratrain/fit.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/local_data_parallel.hpp"
+
+namespace {
+
+struct PlainImpl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x) { return x; }
+};
+TORCH_MODULE(Plain);
+
+struct CopyableImpl : torch::nn::Cloneable<CopyableImpl> {
+  void reset() override {}
+  torch::Tensor forward(torch::Tensor x) { return x; }
+};
+TORCH_MODULE(Copyable);
+
+struct TwoInputsImpl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor a, torch::Tensor b) { return a + b; }
+};
+TORCH_MODULE(TwoInputs);
+
+static_assert(paratrain::module<Plain>);
+static_assert(paratrain::module<std::shared_ptr<PlainImpl>>);
+static_assert(paratrain::module<torch::nn::Linear>);
+static_assert(!paratrain::module<int>);
+static_assert(!paratrain::module<PlainImpl>);  // the Impl itself, not a handle
+static_assert(paratrain::stage_of<Plain, at::Tensor, at::Tensor>);
+static_assert(paratrain::stage_of<torch::nn::Linear, at::Tensor, at::Tensor>);
+static_assert(!paratrain::stage_of<TwoInputs, at::Tensor, at::Tensor>);
+static_assert(!paratrain::stage_of<Plain, std::tuple<at::Tensor, at::Tensor>, at::Tensor>);
+static_assert(paratrain::cloneable_module<Copyable>);
+static_assert(paratrain::cloneable_module<torch::nn::Linear>);
+static_assert(!paratrain::cloneable_module<Plain>);  // Module::clone() exists but throws
+
+static_assert(paratrain::optimizer<torch::optim::Adam>);
+static_assert(paratrain::optimizer<torch::optim::SGD>);
+static_assert(!paratrain::optimizer<torch::optim::AdamOptions>);
+static_assert(paratrain::optimizer_from<torch::optim::Adam, torch::optim::AdamOptions>);
+static_assert(!paratrain::optimizer_from<torch::optim::Adam, torch::optim::SGDOptions>);
+
+static_assert(paratrain::loss_function<paratrain::CrossEntropy>);
+static_assert(!paratrain::loss_function<int>);
+
+static_assert(paratrain::strategy<paratrain::DataParallel<Plain>>);
+static_assert(paratrain::strategy<paratrain::DataParallel<Plain, comm::Mpi, torch::optim::Adam>>);
+static_assert(paratrain::strategy<paratrain::LocalDataParallel<Copyable, torch::optim::Adam>>);
+static_assert(!paratrain::strategy<Plain>);
+static_assert(!paratrain::strategy<comm::Mpi>);
+
+}  // namespace

@@ -2,6 +2,7 @@
 /// \file
 /// paratrain::module and paratrain::stage_of — what a strategy needs from a model.
 
+#include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 
 #include <concepts>
@@ -26,11 +27,13 @@ concept stage_of = module<M> && requires(M& m, In in) {
   { m->forward(std::move(in)) } -> std::convertible_to<Out>;
 };
 
-/// A module that can be deep-copied with `clone()` (it derives from
-/// torch::nn::Cloneable<Impl>), as in-process replication needs.
+/// A module that can be deep-copied with `clone()`, as in-process replication needs.
+/// Every torch::nn::Module has a clone() that throws at run time unless the class
+/// derives from torch::nn::Cloneable<Impl>; so the concept asks for that base.
 template <class M>
 concept cloneable_module = module<M> && requires(M& m) {
-  { m->clone() } -> std::convertible_to<std::shared_ptr<torch::nn::Module>>;
+  requires std::derived_from<std::remove_cvref_t<decltype(*m)>,
+                             torch::nn::Cloneable<std::remove_cvref_t<decltype(*m)>>>;
 };
 
 /// Checks each requirement on a model separately, so that the message names the one missed.
