@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs a benchmark side by side with its reference and prints the table.
+# Usage: scripts/bench.sh allreduce | ddp_vs_torch
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${PARATRAIN_BUILD_DIR:-build}
+case "${1:-}" in
+  allreduce)
+    scripts/build.sh --target bench_allreduce >&2
+    scripts/mpirun.sh 2 "$build/benchmarks/bench_allreduce" ;;
+  ddp_vs_torch)
+    PARATRAIN_WITH_PEER=1 scripts/deps.sh
+    scripts/build.sh --target bench_ddp_vs_torch >&2
+    benchmarks/ddp_vs_torch.sh ;;
+  *)
+    echo "usage: scripts/bench.sh allreduce | ddp_vs_torch" >&2
+    exit 2 ;;
+esac
