@@ -3,9 +3,10 @@
 /// The only place paratrain defines or reads feature macros.
 ///
 /// The component targets set these: `paratrain::mpi` defines PARATRAIN_HAS_MPI=1,
-/// `paratrain::nccl` defines PARATRAIN_HAS_NCCL=1. Without them the umbrella header
-/// paratrain.hpp leaves those communicators out, so a project that links only
-/// `paratrain::paratrain` never needs MPI or CUDA headers.
+/// `paratrain::nccl` defines PARATRAIN_HAS_NCCL=1, `paratrain::gloo` defines
+/// PARATRAIN_HAS_GLOO=1. Without them the umbrella header paratrain.hpp leaves those
+/// communicators out, so a project that links only `paratrain::paratrain` never needs
+/// MPI, CUDA or Gloo headers.
 
 #ifndef PARATRAIN_HAS_MPI
 #define PARATRAIN_HAS_MPI 0
@@ -13,6 +14,10 @@
 
 #ifndef PARATRAIN_HAS_NCCL
 #define PARATRAIN_HAS_NCCL 0
+#endif
+
+#ifndef PARATRAIN_HAS_GLOO
+#define PARATRAIN_HAS_GLOO 0
 #endif
 
 #define PARATRAIN_VERSION_MAJOR 0

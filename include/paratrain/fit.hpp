@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "paratrain/detail/progress.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/metrics.hpp"
+#include "paratrain/observe/observer.hpp"
 
 namespace paratrain {
 
@@ -45,14 +47,14 @@ struct StepInfo {
   Metrics* metrics = nullptr;    ///< log your own values here; fit reduces them safely
 };
 
-/// After each epoch; every value is reduced over all ranks.
+/// After each epoch; the losses, accuracy and metrics are reduced over all ranks.
 struct EpochInfo {
   int epoch = 0;
   double train_loss = 0;         ///< mean over the epoch's samples
   double eval_loss = 0;          ///< when an evaluation set was given
   double eval_accuracy = 0;      ///< when targets are class indices
   std::int64_t eval_samples = 0; ///< evaluated once each, never duplicated
-  double seconds = 0;            ///< training time of the epoch (evaluation excluded)
+  double seconds = 0;            ///< training time of the epoch on this rank (evaluation excluded)
   double samples_per_second = 0; ///< over all ranks
   std::map<std::string, double> metrics;  ///< everything logged, reduced (Note [Safe metric reduction])
 };
@@ -61,6 +63,8 @@ struct FitResult {
   std::vector<EpochInfo> epochs;
   double train_seconds = 0;       ///< all epochs' training time
   double samples_per_second = 0;  ///< over all ranks and epochs
+  /// Every rank's step-time statistics and the stragglers, with ObserveOptions::straggler_report.
+  std::optional<observe::StepTimeReport> step_times;
 };
 
 struct FitOptions {
@@ -80,6 +84,8 @@ struct FitOptions {
   bool progress = true;          ///< rank 0 reports progress on stdout
   std::function<void(const StepInfo&)> on_step{};
   std::function<void(const EpochInfo&)> on_epoch{};
+  /// TensorBoard, trace, metrics files, straggler report: all off by default (observe/observer.hpp).
+  observe::ObserveOptions observe{};
 };
 
 /// Cross-entropy over class indices: fit's default loss.
@@ -105,6 +111,7 @@ inline void set_learning_rates(torch::optim::Optimizer& o, const std::vector<dou
 /// Evaluates on this rank's exact shard and reduces: loss, accuracy, sample count.
 template <strategy S, loss_function Loss>
 void evaluate(S& s, const data::TensorDataset& set, std::int64_t batch_size, Loss& loss, EpochInfo& info) {
+  s.synchronize();  // every rank's replica evaluates alike (batch-norm statistics, ...)
   const data::ExactSampler shard(set.size(), {.num_replicas = s.world_size(), .rank = s.rank()});
   const auto indices = shard.indices();
   // [loss * n, correct, n]: sums, so ranks with fewer samples (or none) count exactly.
@@ -112,10 +119,11 @@ void evaluate(S& s, const data::TensorDataset& set, std::int64_t batch_size, Los
   for (auto&& chunk : data::batches(indices, batch_size)) {
     const auto batch = set.get(data::to_tensor(chunk));
     const auto out = s.predict(batch.input);
+    const auto target = batch.target.to(out.device());  // a GPU replica answers on its device
     const auto n = static_cast<double>(batch.size());
-    sums[0] += loss(out, batch.target).template item<double>() * n;
-    if (out.dim() == 2 && !at::isFloatingType(batch.target.scalar_type()))
-      sums[1] += out.argmax(1).eq(batch.target).sum().template item<double>();
+    sums[0] += loss(out, target).template item<double>() * n;
+    if (out.dim() == 2 && !at::isFloatingType(target.scalar_type()))
+      sums[1] += out.argmax(1).eq(target).sum().template item<double>();
     sums[2] += n;
   }
   s.all_reduce(sums, reduce_op::sum);
@@ -148,8 +156,10 @@ inline std::string format(const char* fmt, auto... args) {
 /// \endcode
 template <strategy S, loss_function Loss = CrossEntropy>
 FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options, Loss loss = {}) {
-  if (options.epochs < 0 || options.batch_size < 1 || options.accumulation < 1 || options.log_every < 1)
-    throw error("fit", s.rank(), "epochs must be >= 0 and batch_size, accumulation and log_every >= 1");
+  if (options.epochs < 0 || options.batch_size < 1 || options.accumulation < 1 || options.log_every < 1 ||
+      options.eval_batch_size < 1)
+    throw error("fit", s.rank(),
+                "epochs must be >= 0 and batch_size, accumulation, log_every and eval_batch_size >= 1");
   using clock = std::chrono::steady_clock;
   detail::Progress progress(options.progress && s.rank() == 0, stdout);
   data::DistributedSampler sampler(train.size(), {.num_replicas = s.world_size(),
@@ -162,8 +172,15 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
   const auto& scaling = options.lr_scaling;
   const double target_factor = scaling.reference_batch > 0 ? global_batch / double(scaling.reference_batch) : 1.0;
 
+  observe::Observer<S> observer(s, options.observe);
+  // A batch of `train`; its gathering is the trace's "data" phase.
+  const auto get = [&](const at::Tensor& batch_indices) {
+    observe::PhaseTimer timer(observer.timeline(), observe::Phase::data);
+    return train.get(batch_indices);
+  };
   FitResult result;
-  Metrics metrics;
+  Metrics metrics;  // the epoch's: reduced at its end into EpochInfo::metrics
+  Metrics window;   // fit's loss since the last progress line
   std::int64_t step = 0;
   double total_samples = 0;
   for (int epoch = 0; epoch < options.epochs; ++epoch) {
@@ -191,30 +208,34 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
         const auto last = std::min(micro.size(), first + static_cast<std::size_t>(options.accumulation)) - 1;
         double loss_sum = 0, samples = 0;
         for (auto m = first; m < last; ++m) {
-          const auto b = train.get(micro[m]);
+          const auto b = get(micro[m]);
           loss_sum += s.accumulate(b, loss) * double(b.size());
           samples += double(b.size());
         }
-        r = s.step(train.get(micro[last]), loss, k + 1 < steps);
+        r = s.step(get(micro[last]), loss, k + 1 < steps);
         r.loss = (loss_sum + r.loss * double(r.samples)) / (samples + double(r.samples));
         r.samples += static_cast<std::int64_t>(samples);
         metrics.log("loss", r.loss, double(r.samples));
+        window.log("loss", r.loss, double(r.samples));
       } else {
         r = s.join(false);
       }
+      const auto step_end = clock::now();
       epoch_samples += r.global_samples;
       const StepInfo si{.epoch = epoch,
                         .step = step,
                         .loss = r.loss,
                         .lr = s.optimizer().param_groups().front().options().get_lr(),
                         .global_samples = r.global_samples,
-                        .seconds = std::chrono::duration<double>(clock::now() - step_start).count(),
+                        .seconds = std::chrono::duration<double>(step_end - step_start).count(),
                         .metrics = &metrics};
+      observer.step(step, step_start, step_end, r.loss, r.samples);
       if (options.on_step) options.on_step(si);
       const bool last_step = r.ranks_with_next == 0;
       if ((k + 1) % options.log_every == 0 && !last_step) {
-        const auto m = metrics.sync(s);  // Note [Safe metric reduction]: every rank is here
+        const auto m = window.sync(s);  // Note [Safe metric reduction]: every rank is here
         const double secs = std::chrono::duration<double>(clock::now() - epoch_start).count();
+        observer.log(step + 1, epoch, m, si.lr, epoch_samples / secs);
         progress.step(epoch + 1, options.epochs, k + 1, steps,
                       detail::format("loss %.4f lr %.3g %.0f samples/s", m.count("loss") ? m.at("loss") : 0.0, si.lr,
                                      epoch_samples / secs),
@@ -222,13 +243,18 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
       } else {
         progress.step(epoch + 1, options.epochs, k + 1, steps, detail::format("loss %.4f", r.loss), false);
       }
-      if (last_step) break;
+      if (last_step) {
+        ++step;  // the next epoch's first step is a new one
+        break;
+      }
     }
     info.seconds = std::chrono::duration<double>(clock::now() - epoch_start).count();
     info.samples_per_second = epoch_samples / info.seconds;
+    window = Metrics{};
     info.metrics = metrics.sync(s);
     info.train_loss = info.metrics.count("loss") ? info.metrics.at("loss") : 0.0;
     if (options.eval) detail::evaluate(s, *options.eval, options.eval_batch_size, loss, info);
+    observer.epoch(info, step, options.eval != nullptr);
     progress.line(detail::format("epoch %d/%d: train loss %.4f, %s%.0f samples/s, %.1f s", epoch + 1, options.epochs,
                                  info.train_loss,
                                  options.eval ? detail::format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss,
@@ -241,7 +267,10 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
     total_samples += epoch_samples;
     result.epochs.push_back(std::move(info));
   }
+  result.step_times = observer.finish();
   result.samples_per_second = result.train_seconds > 0 ? total_samples / result.train_seconds : 0;
+  if (scaling.reference_batch > 0 || options.lr_schedule)
+    detail::set_learning_rates(s.optimizer(), base_lrs, 1.0);  // as we found them: a second fit starts alike
   return result;
 }
 

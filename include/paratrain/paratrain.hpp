@@ -1,7 +1,7 @@
 #pragma once
 /// \file
-/// Everything paratrain offers; the MPI and NCCL parts when their components are linked
-/// (paratrain::mpi, paratrain::nccl).
+/// Everything paratrain offers; the MPI, NCCL and Gloo parts when their components are
+/// linked (paratrain::mpi, paratrain::nccl, paratrain::gloo).
 
 #include "paratrain/config.hpp"
 
@@ -29,4 +29,8 @@
 
 #if PARATRAIN_HAS_NCCL
 #include "paratrain/comm/nccl.hpp"
+#endif
+
+#if PARATRAIN_HAS_GLOO
+#include "paratrain/comm/gloo.hpp"
 #endif

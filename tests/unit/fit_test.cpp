@@ -94,6 +94,27 @@ TEST_CASE("fit evaluates every sample exactly once and reports the single-device
   CHECK(e.eval_loss == doctest::Approx(loss).epsilon(1e-5));
 }
 
+TEST_CASE("fit's epoch loss is the mean over every step of the epoch, whatever log_every") {
+  comm::Mpi c;
+  const auto train = make_data(120, 1);
+  paratrain::DataParallel<Net, comm::Mpi, torch::optim::SGD> s(make_net(), std::move(c), torch::optim::SGDOptions(0.05));
+  double weighted = 0, samples = 0;
+  const auto result = paratrain::fit(s, train,
+                                     {.epochs = 1,
+                                      .batch_size = 4,
+                                      .log_every = 3,
+                                      .progress = false,
+                                      .on_step = [&](const paratrain::StepInfo& i) {
+                                        weighted += i.loss * i.global_samples;  // same batch size on every rank
+                                        samples += i.global_samples;
+                                      }});
+  // This rank's losses only: rank-local means of equal-size batches; reduce them here.
+  auto sums = torch::tensor({weighted, samples}, torch::kDouble);
+  s.all_reduce(sums, paratrain::reduce_op::sum);
+  CHECK(result.epochs.back().train_loss ==
+        doctest::Approx(sums[0].item<double>() / sums[1].item<double>()).epsilon(1e-9));
+}
+
 TEST_CASE("fit scales the learning rate linearly with warm-up (Goyal et al.)") {
   comm::Mpi c;
   const int world = c.size();

@@ -146,9 +146,10 @@ class Mpi {
     int rank_ = -1;
   };
 
-  /// A duplicate of MPI_COMM_WORLD. Throws if MPI is not initialised.
+  /// A duplicate of MPI_COMM_WORLD. Throws if MPI is not initialised, or if a
+  /// torchrun-style launcher started the ranks: Note [Launched without MPI].
   Mpi() : Mpi(Options{}) {}
-  explicit Mpi(Options options) : Mpi(world(), options) {}
+  explicit Mpi(Options options) : Mpi(world(), options) { check_launcher(); }
 
   /// A duplicate of `base`.
   explicit Mpi(const boost::mpi::communicator& base) : Mpi(base, Options{}) {}
@@ -322,6 +323,19 @@ class Mpi {
                             : "MPI is not initialised; create `paratrain::comm::Mpi::Environment env(argc, argv);` "
                               "at the top of main (or a boost::mpi::environment)");
     return boost::mpi::communicator();  // MPI_COMM_WORLD, attached
+  }
+
+  // Note [Launched without MPI]
+  // Processes started by torchrun (or by hand with RANK/WORLD_SIZE) each initialise MPI
+  // as a world of one. Each would then train alone, silently; so a world of one under
+  // WORLD_SIZE > 1 is an error that says how to launch instead.
+  void check_launcher() const {
+    const char* world = std::getenv("WORLD_SIZE");
+    if (size() == 1 && world != nullptr && std::atoi(world) > 1)
+      fail("comm::Mpi", "WORLD_SIZE=" + std::string(world) +
+                            " says this process is one of several, but MPI sees a world of 1: the ranks were not "
+                            "started by mpirun or srun. Start them with `mpirun -n " + std::string(world) +
+                            "` (or srun), or use comm::Gloo, which meets at MASTER_ADDR:MASTER_PORT");
   }
 
   static void check(int rc, const char* op, int rank) {

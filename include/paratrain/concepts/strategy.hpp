@@ -35,7 +35,8 @@ concept loss_function = std::invocable<L&, const at::Tensor&, const at::Tensor&>
 ///   gradient accumulation (the next `step` includes these samples);
 /// - `join(has_next)`: for a rank that has run out of batches while others have not;
 /// - `predict(input)`: the model's output, without gradients, in evaluation mode;
-/// - `all_reduce(t, op)`: reduce a tensor over the strategy's ranks (for metrics).
+/// - `all_reduce(t, op)`: reduce a tensor over the strategy's ranks (for metrics);
+/// - `synchronize()`: make every rank's model evaluate alike (buffers); collective.
 template <class S>
 concept strategy = requires(S& s, const Batch& b, const at::Tensor& x, at::Tensor& t,
                             at::Tensor (*loss)(const at::Tensor&, const at::Tensor&)) {
@@ -47,6 +48,7 @@ concept strategy = requires(S& s, const Batch& b, const at::Tensor& x, at::Tenso
   { s.join(false) } -> std::same_as<StepResult>;
   { s.predict(x) } -> std::same_as<at::Tensor>;
   s.all_reduce(t, reduce_op::sum);
+  s.synchronize();
   requires std::derived_from<std::remove_cvref_t<decltype(s.optimizer())>, torch::optim::Optimizer>;
 };
 

@@ -10,12 +10,14 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/error.hpp"
+#include "paratrain/observe/timeline.hpp"
 
 namespace paratrain::detail {
 
@@ -54,8 +56,11 @@ class Reducer {
   };
 
   Reducer(const torch::nn::Module& model, Comm& comm, Options options) : comm_(&comm), options_(options) {
+    // A parameter shared by two modules (tied weights) is one tensor: bucket it once.
+    std::set<const void*> seen;
     for (const auto& item : model.named_parameters(/*recurse=*/true))
-      if (item.value().requires_grad()) params_.push_back({item.key(), item.value()});
+      if (item.value().requires_grad() && seen.insert(item.value().unsafeGetTensorImpl()).second)
+        params_.push_back({item.key(), item.value()});
     if (params_.empty())
       throw error("DataParallel", comm.rank(), "the model has no parameter that requires a gradient");
     std::reverse(params_.begin(), params_.end());
@@ -108,11 +113,22 @@ class Reducer {
     s[1] = has_next ? 1 : 0;
     s[2] = unused ? 1 : 0;
     const auto start = std::chrono::steady_clock::now();
-    for (auto& b : buckets_) {
-      if (b.request) b.request->wait();
+    for (std::size_t i = 0; i < buckets_.size(); ++i) {
+      auto& b = buckets_[i];
+      if (b.request) {
+        b.request->wait();
+        if (timeline_) timeline_->completed(i);
+      }
       b.request.reset();
     }
-    comm_->all_reduce(status, reduce_op::sum);
+    // On the parameters' device, where the communicator works (comm::Nccl: CUDA only).
+    if (const auto device = params_.front().tensor.device(); device.is_cpu()) {
+      comm_->all_reduce(status, reduce_op::sum);
+    } else {
+      auto on_device = status.to(device);
+      comm_->all_reduce(on_device, reduce_op::sum);
+      status.copy_(on_device);
+    }
     exposed_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     // A parameter no rank used has no gradient, so the optimizer leaves it alone
     // (weight decay and momentum included), exactly as on a single device.
@@ -136,6 +152,9 @@ class Reducer {
   /// Seconds the last finish() spent waiting for communication that backward did not hide.
   [[nodiscard]] double exposed_seconds() const noexcept { return exposed_seconds_; }
   [[nodiscard]] std::size_t bucket_count() const noexcept { return buckets_.size(); }
+  /// Where each bucket's launch and completion are reported; null (the default): nowhere,
+  /// at the cost of one pointer test. Note [Zero-cost timeline].
+  void set_timeline(observe::StepTimeline* timeline) noexcept { timeline_ = timeline; }
   /// The parameter names of bucket `i`, in the order they are laid out.
   [[nodiscard]] std::vector<std::string> bucket_names(std::size_t i) const {
     std::vector<std::string> names;
@@ -230,13 +249,15 @@ class Reducer {
     // Note [Bucket order]: launch in index order only.
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
       auto& b = buckets_[next_launch_++];
+      if (timeline_) timeline_->launched(next_launch_ - 1);
       b.request.emplace(comm_->iall_reduce(b.flat, reduce_op::sum));
     }
     // MPI progresses only inside MPI calls (no progress thread in OpenMPI 4.1); each
     // gradient hook gives the oldest pending all-reduce a turn.
-    for (auto& b : buckets_)
-      if (b.request) {
+    for (std::size_t i = 0; i < buckets_.size(); ++i)
+      if (auto& b = buckets_[i]; b.request) {
         if (!b.request->test()) break;
+        if (timeline_) timeline_->completed(i);
       }
   }
 
@@ -259,6 +280,7 @@ class Reducer {
   std::size_t next_launch_ = 0;
   bool sync_ = true;
   double exposed_seconds_ = 0;
+  observe::StepTimeline* timeline_ = nullptr;
 };
 
 }  // namespace paratrain::detail

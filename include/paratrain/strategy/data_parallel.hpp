@@ -21,6 +21,7 @@
 #include "paratrain/detail/coalesce.hpp"
 #include "paratrain/detail/reducer.hpp"
 #include "paratrain/error.hpp"
+#include "paratrain/observe/timeline.hpp"
 
 namespace paratrain {
 
@@ -58,7 +59,7 @@ struct DataParallelOptions {
 ///   paratrain::comm::Mpi::Environment env(argc, argv);
 ///   using Strategy = paratrain::DataParallel<Net, paratrain::comm::Mpi, torch::optim::Adam>;
 ///   Strategy ddp(Net(), paratrain::comm::Mpi(), torch::optim::AdamOptions(1e-3));
-///   auto r = ddp.step({x, y}, torch::nn::functional::cross_entropy);
+///   auto r = ddp.step({x, y}, paratrain::CrossEntropy{});
 /// \endcode
 template <class Model, class Comm = comm::SingleDevice, class Optim = torch::optim::SGD>
 class DataParallel {
@@ -142,8 +143,21 @@ class DataParallel {
     return out;
   }
 
-  /// Reduces `t` in place over the ranks (for metrics).
-  void all_reduce(at::Tensor& t, reduce_op op) { comm_.all_reduce(t, op); }
+  /// Reduces `t` in place over the ranks (for metrics), on the model's device, where
+  /// the communicator works (comm::Nccl reduces CUDA tensors only).
+  void all_reduce(at::Tensor& t, reduce_op op) {
+    const auto device = model_->parameters().front().device();
+    if (t.device() == device) return comm_.all_reduce(t, op);
+    auto on_device = t.to(device);
+    comm_.all_reduce(on_device, op);
+    t.copy_(on_device);
+  }
+
+  /// Makes every replica evaluate alike: copies rank 0's buffers (batch-norm running
+  /// statistics, ...) to every rank, when broadcast_buffers is on. Collective.
+  void synchronize() {
+    if (options_.broadcast_buffers) detail::broadcast_coalesced(comm_, model_->buffers(), 0);
+  }
 
   [[nodiscard]] int rank() const { return comm_.rank(); }
   [[nodiscard]] int world_size() const { return comm_.size(); }
@@ -154,6 +168,12 @@ class DataParallel {
   [[nodiscard]] std::size_t bucket_count() const noexcept { return reducer_->bucket_count(); }
   /// Seconds the last step waited for communication after backward (not overlapped).
   [[nodiscard]] double exposed_communication_seconds() const noexcept { return reducer_->exposed_seconds(); }
+  /// Reports each step's phases and each bucket's all-reduce into `timeline` (fit's
+  /// trace does this); null, the default, times nothing. Note [Zero-cost timeline].
+  void set_timeline(observe::StepTimeline* timeline) noexcept {
+    timeline_ = timeline;
+    reducer_->set_timeline(timeline);
+  }
 
  private:
   void begin_step() {
@@ -165,7 +185,10 @@ class DataParallel {
   template <class Loss>
   double forward_backward(const Batch& batch, Loss& loss) {
     model_->train();
+    observe::PhaseTimer forward(timeline_, observe::Phase::forward);
     at::Tensor l = loss(model_->forward(batch.input), batch.target);
+    forward.stop();
+    observe::PhaseTimer backward(timeline_, observe::Phase::backward);
     // Note [Exact averaging]: the gradient of the sum over this rank's samples.
     (l * static_cast<double>(batch.size())).backward();
     return l.item<double>();
@@ -173,13 +196,18 @@ class DataParallel {
 
   StepResult end_step(std::int64_t samples, double loss, bool has_next, bool joined) {
     const double local = std::exchange(pending_samples_, 0.0) + static_cast<double>(samples);
+    observe::PhaseTimer sync(timeline_, observe::Phase::sync);
     const auto status = reducer_->finish(local, has_next, joined);
+    sync.stop();
     if (!options_.join && status.ranks_with_next != 0 && status.ranks_with_next != world_size())
       throw error("DataParallel::step", rank(),
                   std::to_string(status.ranks_with_next) + " of " + std::to_string(world_size()) +
                       " ranks have another batch; give every rank the same number of batches (DistributedSampler "
                       "does), or keep DataParallelOptions::join on (the default)");
-    if (status.samples > 0) optimizer_->step();
+    if (status.samples > 0) {
+      observe::PhaseTimer step(timeline_, observe::Phase::optimizer);
+      optimizer_->step();
+    }
     return {loss, samples, status.samples, status.ranks_with_next};
   }
 
@@ -190,6 +218,7 @@ class DataParallel {
   std::unique_ptr<Optim> optimizer_;
   bool accumulating_ = false;
   double pending_samples_ = 0;
+  observe::StepTimeline* timeline_ = nullptr;
 };
 
 }  // namespace paratrain

@@ -25,7 +25,8 @@ namespace paratrain {
 
 struct LocalDataParallelOptions {
   /// Replicas on CPU threads when there is no CUDA device; 0: one per hardware thread.
-  /// Where LibTorch sees CUDA devices, there is one replica per device instead.
+  /// Where LibTorch sees CUDA devices, replicas go one per device, at most this many
+  /// (0: all of them).
   int replicas = 0;
 };
 
@@ -62,9 +63,9 @@ class LocalDataParallel {
   LocalDataParallel(Model model, OptimOptions optimizer_options, Options options = {}) : model_(std::move(model)) {
     if (options.replicas < 0) throw error("LocalDataParallel", 0, "replicas must be >= 0 (0: one per hardware thread)");
     const auto cuda = static_cast<int>(torch::cuda::device_count());
-    const int n = cuda > 0                ? cuda
-                  : options.replicas > 0 ? options.replicas
-                                         : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int available = cuda > 0 ? cuda : threads;
+    const int n = options.replicas > 0 ? (cuda > 0 ? std::min(options.replicas, cuda) : options.replicas) : available;
     for (int i = 0; i < n; ++i) {
       const auto device = cuda > 0 ? torch::Device(torch::kCUDA, i) : torch::Device(torch::kCPU);
       if (i == 0) {
@@ -147,6 +148,8 @@ class LocalDataParallel {
 
   /// A world of one process: nothing to reduce.
   void all_reduce(at::Tensor&, reduce_op) const noexcept {}
+  /// The model evaluates alone (replica 0 is the model): nothing to synchronize.
+  void synchronize() const noexcept {}
 
   [[nodiscard]] int rank() const noexcept { return 0; }
   [[nodiscard]] int world_size() const noexcept { return 1; }

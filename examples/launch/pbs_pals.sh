@@ -1,0 +1,37 @@
+#!/bin/bash
+# fashion_mnist_ddp under PBS Pro with HPE Cray PALS (ALCF Polaris-style nodes: 4 GPUs and
+# 32 cores each): 2 nodes, one rank per GPU.
+#
+#   qsub examples/launch/pbs_pals.sh                (add -A <project> -q <queue> as your site requires)
+#
+# PALS's mpiexec starts the ranks; paratrain::detect_placement() reads PALS_RANKID,
+# PALS_LOCAL_RANKID/PALS_LOCAL_SIZE and PMI_SIZE.
+#
+#PBS -N fashion-mnist-ddp
+#PBS -l select=2:ncpus=32:ngpus=4
+#PBS -l place=scatter
+#PBS -l walltime=00:30:00
+#PBS -j oe
+set -euo pipefail
+
+cd "${PBS_O_WORKDIR:-.}"
+build=${BUILD_DIR:-build}
+
+nodes=$(sort -u "${PBS_NODEFILE:?run this through qsub: PBS_NODEFILE is not set}" | wc -l)
+ranks_per_node=4  # one per GPU
+depth=8           # cores per rank: 32 cores / 4 ranks
+ranks=$((nodes * ranks_per_node))
+
+# --ppn places ranks_per_node ranks on each node; --depth reserves depth cores for each rank,
+# and --cpu-bind depth binds each rank to its own block of them (so LibTorch's depth
+# intra-op threads run on that rank's cores and no other's). --cpu-bind core would bind each
+# rank to a single core instead.
+#
+# GPU choice: comm::Nccl takes the rank's index on its node modulo the node's visible GPUs,
+# so local rank r takes GPU r without a wrapper. Sites that ship an affinity wrapper setting
+# CUDA_VISIBLE_DEVICES from PMI_LOCAL_RANK (Polaris: set_affinity_gpu_polaris.sh) can put it
+# before the program; each rank then sees one GPU, which the same rule picks. The demo binary
+# trains on CPU over comm::Mpi; a DataParallel<Net, comm::Nccl> program runs the same way.
+mpiexec -n "$ranks" --ppn "$ranks_per_node" --depth "$depth" --cpu-bind depth \
+  --env OMP_NUM_THREADS="$depth" --env OMP_PLACES=cores \
+  "$build/examples/fashion_mnist_ddp" --epochs 5

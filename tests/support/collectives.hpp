@@ -1,0 +1,218 @@
+#pragma once
+// Collectives of every communicator, checked against values computed locally from a
+// formula: rank r holds f(r, i) and the expected result is the sum/max/min over r.
+// The values are small integers, exact in every dtype (bfloat16 included), so the
+// comparison is exact whatever order the reduction summed in.
+//
+// Each check takes the communicator to test, so that one written here runs on every
+// communicator (Kokkos-style: the behaviour once, instantiated per backend):
+// tests/unit/comm_test.cpp for comm::SingleDevice and comm::Mpi, tests/unit/gloo_test.cpp
+// for comm::Gloo. The point-to-point, split, request and validation checks need a
+// communicator with those members.
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/error.hpp"
+#include "support/doctest.hpp"
+
+namespace collectives {
+
+using paratrain::reduce_op;
+
+inline const std::vector<torch::Dtype> all_dtypes = {torch::kFloat32, torch::kFloat64, torch::kBFloat16,
+                                                     torch::kFloat16, torch::kInt32,   torch::kInt64};
+
+// 0, 1, odd, and more than 16 MiB in float32 (and in every wider or narrower dtype, it
+// is still more than one segment of comm::Mpi's segmented all-reduce).
+inline const std::vector<std::int64_t> sizes = {0, 1, 1001, (16 << 20) / 4 + 7};
+
+// f(r, i) = i % 7 + r + 1: at most 7 + 4 = 11, sums over 4 ranks at most 34.
+inline torch::Tensor values(int rank, std::int64_t n, torch::Dtype dtype) {
+  return (torch::arange(n, torch::kLong).remainder(7) + rank + 1).to(dtype);
+}
+
+inline torch::Tensor expected(reduce_op op, int size, std::int64_t n, torch::Dtype dtype) {
+  auto base = torch::arange(n, torch::kDouble).remainder(7);
+  const double ranks = size, rank_sum = size * (size + 1) / 2.0;
+  switch (op) {
+    case reduce_op::sum: return (base * ranks + rank_sum).to(dtype);
+    case reduce_op::average: return ((base * ranks + rank_sum) / ranks).to(dtype);
+    case reduce_op::max: return (base + size).to(dtype);
+    case reduce_op::min: return (base + 1).to(dtype);
+  }
+  return {};
+}
+
+inline std::string describe(reduce_op op, torch::Dtype dtype, std::int64_t n) {
+  return std::string(paratrain::to_string(op)) + " " + std::string(c10::toString(dtype)) + " n=" + std::to_string(n);
+}
+
+// ---- every communicator ------------------------------------------------------------
+
+template <class C>
+void check_all_reduce(C& c) {
+  for (auto dtype : all_dtypes)
+    for (auto op : {reduce_op::sum, reduce_op::average, reduce_op::max, reduce_op::min})
+      for (auto n : sizes) {
+        if (op == reduce_op::average && !torch::isFloatingType(dtype)) continue;
+        if (n > 2000 && dtype != torch::kFloat32 && op != reduce_op::sum) continue;  // keep the big case cheap
+        CAPTURE(describe(op, dtype, n));
+        auto blocking = values(c.rank(), n, dtype);
+        c.all_reduce(blocking, op);
+        CHECK(torch::equal(blocking, expected(op, c.size(), n, dtype)));
+
+        auto async = values(c.rank(), n, dtype);
+        auto request = c.iall_reduce(async, op);
+        request.wait();
+        CHECK(torch::equal(async, expected(op, c.size(), n, dtype)));
+      }
+}
+
+template <class C>
+void check_broadcast(C& c) {
+  const int root = c.size() - 1;
+  for (auto dtype : all_dtypes)
+    for (auto n : sizes) {
+      CAPTURE(describe(reduce_op::sum, dtype, n));
+      auto t = c.rank() == root ? values(root, n, dtype) : torch::zeros({n}, dtype);
+      c.broadcast(t, root);
+      CHECK(torch::equal(t, values(root, n, dtype)));
+    }
+}
+
+template <class C>
+void check_reduce_scatter(C& c) {
+  for (auto dtype : all_dtypes)
+    for (std::int64_t part : {0, 1, 333}) {
+      for (auto op : {reduce_op::sum, reduce_op::max}) {
+        CAPTURE(describe(op, dtype, part));
+        const auto in = values(c.rank(), part * c.size(), dtype);
+        auto out = torch::empty({part}, dtype);
+        c.reduce_scatter(in, out, op);
+        const auto whole = expected(op, c.size(), part * c.size(), dtype);
+        CHECK(torch::equal(out, whole.slice(0, c.rank() * part, (c.rank() + 1) * part)));
+      }
+    }
+}
+
+template <class C>
+void check_all_gather(C& c) {
+  for (auto dtype : all_dtypes)
+    for (std::int64_t part : {0, 1, 333}) {
+      CAPTURE(describe(reduce_op::sum, dtype, part));
+      const auto in = (torch::arange(part, torch::kLong) + 100 * c.rank()).to(dtype);
+      auto out = torch::empty({part * c.size()}, dtype);
+      c.all_gather(in, out);
+      std::vector<torch::Tensor> parts;
+      for (int r = 0; r < c.size(); ++r) parts.push_back(torch::arange(part, torch::kLong) + 100 * r);
+      CHECK(torch::equal(out, torch::cat(parts).to(dtype)));
+    }
+}
+
+template <class C>
+void check_misuse(C& c) {
+  auto matrix = torch::ones({3, 4});
+  auto transposed = matrix.t();
+  CHECK_THROWS_WITH_AS(c.all_reduce(transposed, reduce_op::sum), doctest::Contains("all_reduce on rank"),
+                       paratrain::error);
+  CHECK_THROWS_WITH_AS(c.all_reduce(transposed, reduce_op::sum), doctest::Contains(".contiguous()"),
+                       paratrain::error);
+  auto ints = torch::ones({3}, torch::kInt32);
+  CHECK_THROWS_WITH_AS(c.all_reduce(ints, reduce_op::average), doctest::Contains("would truncate"), paratrain::error);
+  auto bytes = torch::ones({3}, torch::kUInt8);
+  CHECK_THROWS_WITH_AS(c.all_reduce(bytes, reduce_op::sum), doctest::Contains("supported are float32"),
+                       paratrain::error);
+  auto floats = torch::ones({4});
+  auto doubles = torch::ones({4 * c.size()}, torch::kDouble);
+  CHECK_THROWS_WITH_AS(c.all_gather(floats, doubles), doctest::Contains("give both the same dtype"),
+                       paratrain::error);
+  auto small = torch::ones({1});
+  CHECK_THROWS_WITH_AS(c.all_gather(floats, small), doctest::Contains("out must have"), paratrain::error);
+  CHECK_THROWS_WITH_AS(c.broadcast(floats, c.size()), doctest::Contains("is not in this communicator"),
+                       paratrain::error);
+}
+
+// ---- communicators of several ranks ------------------------------------------------
+
+template <class C>
+void check_reduce_scatter_padding(C& c) {
+  if (c.size() == 1) return;  // everything divides by one
+  const auto in = torch::ones({c.size() + 1});
+  auto out = torch::empty({1});
+  CHECK_THROWS_WITH_AS(c.reduce_scatter(in, out, reduce_op::sum),
+                       doctest::Contains(("pad it to " + std::to_string(2 * c.size()) + " elements").c_str()), paratrain::error);
+}
+
+template <class C>
+void check_ring(C& c) {
+  const int next = (c.rank() + 1) % c.size(), prev = (c.rank() + c.size() - 1) % c.size();
+  for (auto dtype : all_dtypes) {
+    CAPTURE(c10::toString(dtype));
+    const auto mine = values(c.rank(), 1001, dtype);
+    auto theirs = torch::empty({1001}, dtype);
+    auto sent = c.isend(mine, next, /*tag=*/7);
+    c.recv(theirs, prev, /*tag=*/7);
+    sent.wait();
+    CHECK(torch::equal(theirs, values(prev, 1001, dtype)));
+  }
+}
+
+template <class C>
+void check_wrong_length(C& c) {
+  const int next = (c.rank() + 1) % c.size(), prev = (c.rank() + c.size() - 1) % c.size();
+  for (std::int64_t n : {4, 16}) {
+    CAPTURE(n);
+    const auto mine = torch::ones({8});
+    auto other = torch::empty({n});
+    auto sent = c.isend(mine, next, 3);
+    CHECK_THROWS_WITH_AS(c.recv(other, prev, 3), doctest::Contains("sent 32 bytes (tag 3)"), paratrain::error);
+    sent.wait();
+  }
+}
+
+template <class C>
+void check_split(C& c) {
+  auto half = c.split(c.rank() % 2, c.rank());
+  int expected_size = 0, expected_sum = 0;
+  for (int r = 0; r < c.size(); ++r)
+    if (r % 2 == c.rank() % 2) ++expected_size, expected_sum += r;
+  CHECK(half.size() == expected_size);
+  CHECK(half.rank() == c.rank() / 2);
+  auto t = torch::full({5}, c.rank(), torch::kLong);
+  half.all_reduce(t, reduce_op::sum);
+  CHECK(torch::equal(t, torch::full({5}, expected_sum, torch::kLong)));
+  CHECK_THROWS_AS((void)c.split(-1), paratrain::error);
+}
+
+template <class C>
+void check_requests(C& c) {
+  auto a = torch::ones({1 << 20});
+  auto r = c.iall_reduce(a, reduce_op::sum);
+  while (!r.test()) {
+  }
+  CHECK(r.test());
+  CHECK(torch::equal(a, torch::full({1 << 20}, float(c.size()))));
+  auto b = torch::ones({1000});
+  { auto dropped = c.iall_reduce(b, reduce_op::average); }
+  CHECK(torch::equal(b, torch::ones({1000})));
+}
+
+// `c` must have been made with validation on.
+template <class C>
+void check_validation(C& c) {
+  auto t = torch::ones({c.rank() == 0 ? 3 : 4});
+  if (c.size() > 1) {
+    CHECK_THROWS_WITH_AS(c.all_reduce(t, reduce_op::sum), doctest::Contains("ranks disagree on the element count"),
+                         paratrain::error);
+    auto typed = c.rank() == 0 ? torch::ones({4}) : torch::ones({4}, torch::kDouble);
+    CHECK_THROWS_WITH_AS(c.broadcast(typed, 0), doctest::Contains("ranks disagree on the dtype"), paratrain::error);
+  }
+  auto same = torch::ones({4});
+  c.all_reduce(same, reduce_op::sum);  // agreement still works, and the ranks are still in step
+  CHECK(torch::equal(same, torch::full({4}, float(c.size()))));
+}
+
+}  // namespace collectives

@@ -1,0 +1,242 @@
+// comm::Gloo on ranks started without MPI (tests/launch/torchrun_style.sh): the formula-based
+// checks every communicator passes (tests/support/collectives.hpp, as comm_test.cpp runs them
+// for comm::Mpi), what is particular to Gloo (rendezvous, emulated operations, timeouts), and
+// DataParallel over Gloo against single-device training.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "paratrain/comm/gloo.hpp"
+#include "paratrain/concepts/communicator.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "support/collectives.hpp"
+#include "support/doctest.hpp"
+#include "support/gloo_world.hpp"
+
+namespace comm = paratrain::comm;
+using paratrain::reduce_op;
+
+static_assert(paratrain::communicator<comm::Gloo>);
+static_assert(paratrain::sharding_communicator<comm::Gloo>);
+static_assert(paratrain::point_to_point_communicator<comm::Gloo>);
+static_assert(paratrain::async_communicator<comm::Gloo>);
+static_assert(paratrain::explain_sharding_communicator<comm::Gloo>());
+
+// ---- what every communicator does ---------------------------------------------------
+
+TEST_CASE("comm::Gloo: all_reduce matches the formula for every dtype, op and size") {
+  collectives::check_all_reduce(gloo_world());
+}
+
+TEST_CASE("comm::Gloo: broadcast copies the root's tensor to every rank") { collectives::check_broadcast(gloo_world()); }
+
+TEST_CASE("comm::Gloo: reduce_scatter leaves each rank its reduced part") {
+  collectives::check_reduce_scatter(gloo_world());
+}
+
+TEST_CASE("comm::Gloo: all_gather concatenates the ranks' tensors in rank order") {
+  collectives::check_all_gather(gloo_world());
+}
+
+TEST_CASE("comm::Gloo: misuse throws paratrain::error naming the operation and the fix") {
+  collectives::check_misuse(gloo_world());
+}
+
+TEST_CASE("comm::Gloo: reduce_scatter of a size that does not divide says how to pad") {
+  collectives::check_reduce_scatter_padding(gloo_world());
+}
+
+TEST_CASE("comm::Gloo: send and recv pass tensors around a ring") {
+  if (gloo_world().size() == 1) return;  // Gloo cannot send to itself
+  collectives::check_ring(gloo_world());
+}
+
+TEST_CASE("comm::Gloo: a message of the wrong length is an error on the receiver, and the sender completes") {
+  if (gloo_world().size() == 1) return;
+  collectives::check_wrong_length(gloo_world());
+}
+
+TEST_CASE("comm::Gloo: split groups ranks by colour") { collectives::check_split(gloo_world()); }
+
+TEST_CASE("comm::Gloo: non-blocking requests complete through test() and through their destructor") {
+  collectives::check_requests(gloo_world());
+}
+
+TEST_CASE("comm::Gloo: with validation, mismatched collectives throw on every rank instead of hanging") {
+  auto c = gloo_world().duplicate({.validate = true});
+  CHECK(c.options().validate);
+  collectives::check_validation(c);
+}
+
+// ---- what is particular to Gloo -----------------------------------------------------
+
+TEST_CASE("comm::Gloo: the group follows the launcher's variables") {
+  const auto where = paratrain::detect_placement();
+  CHECK(gloo_world().rank() == where.rank);
+  CHECK(gloo_world().size() == where.world_size);
+}
+
+TEST_CASE("comm::Gloo: duplicate() is an independent group over the same ranks") {
+  auto& world = gloo_world();
+  auto d = world.duplicate();
+  CHECK(d.size() == world.size());
+  CHECK(d.rank() == world.rank());
+  CHECK(&d.native() != &world.native());
+  // Interleaved operations on the two groups do not mix.
+  auto a = torch::full({100}, 1.0), b = torch::full({100}, 2.0);
+  auto ra = world.iall_reduce(a, reduce_op::sum);
+  auto rb = d.iall_reduce(b, reduce_op::sum);
+  rb.wait();
+  ra.wait();
+  CHECK(torch::equal(a, torch::full({100}, 1.0 * world.size())));
+  CHECK(torch::equal(b, torch::full({100}, 2.0 * world.size())));
+}
+
+TEST_CASE("comm::Gloo: point-to-point arguments are checked") {
+  auto& c = gloo_world();
+  auto t = torch::ones({2});
+  CHECK_THROWS_WITH_AS(c.send(t, c.rank()), doctest::Contains("cannot send to itself"), paratrain::error);
+  CHECK_THROWS_WITH_AS(c.recv(t, c.size()), doctest::Contains("is not in this communicator"), paratrain::error);
+  if (c.size() > 1)
+    CHECK_THROWS_WITH_AS(c.send(t, (c.rank() + 1) % c.size(), -1), doctest::Contains("tag -1 is negative"),
+                         paratrain::error);
+}
+
+TEST_CASE("comm::Gloo: a receive nobody answers fails after the timeout instead of hanging") {
+  auto& world = gloo_world();
+  auto quick = world.duplicate({.timeout = std::chrono::seconds(1)});
+  if (world.size() > 1 && world.rank() == 0) {
+    auto t = torch::empty({4});
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH_AS(quick.recv(t, 1, /*tag=*/99), doctest::Contains("recv on rank 0: Gloo failed"),
+                         paratrain::error);
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+  }
+  world.barrier();
+}
+
+TEST_CASE("comm::Gloo: a world of one needs no rendezvous") {
+  comm::Gloo one({.rank = 0, .world_size = 1, .master_addr = ""});
+  CHECK(one.rank() == 0);
+  CHECK(one.size() == 1);
+  auto t = torch::arange(5, torch::kFloat);
+  one.all_reduce(t, reduce_op::average);
+  CHECK(torch::equal(t, torch::arange(5, torch::kFloat)));
+  collectives::check_misuse(one);
+}
+
+TEST_CASE("comm::Gloo: a group that cannot meet says which variable to fix") {
+  CHECK_THROWS_WITH_AS(comm::Gloo({.rank = 2, .world_size = 2}), doctest::Contains("rank 2 is not in a world of 2"),
+                       paratrain::error);
+  CHECK_THROWS_WITH_AS(comm::Gloo({.rank = 0, .world_size = 2, .master_addr = ""}),
+                       doctest::Contains("neither MASTER_ADDR nor Options::master_addr is set"), paratrain::error);
+  CHECK_THROWS_WITH_AS(comm::Gloo({.rank = 0, .world_size = 2, .master_addr = "127.0.0.1", .master_port = 70000}),
+                       doctest::Contains("Options::master_port=70000 is not a port number"), paratrain::error);
+
+  // A port that is bound here but never listened on: connecting is refused until the timeout.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  socklen_t length = sizeof address;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0);
+  const int port = ntohs(address.sin_port);
+  CHECK_THROWS_WITH_AS(comm::Gloo({.rank = 1,
+                                   .world_size = 2,
+                                   .master_addr = "127.0.0.1",
+                                   .master_port = port,
+                                   .timeout = std::chrono::seconds(1)}),
+                       doctest::Contains(("rendezvous at 127.0.0.1:" + std::to_string(port)).c_str()),
+                       paratrain::error);
+  ::close(fd);
+}
+
+// ---- DataParallel over Gloo equals single-device training ------------------------------
+// The pattern of data_parallel_test.cpp: each rank's replica starts from its own
+// initialisation (so the broadcast from rank 0 is checked too), the reference is plain
+// LibTorch on the concatenation of the ranks' batches, starting from rank 0's.
+
+namespace {
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::tanh(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+Mlp make_model(int rank) {
+  torch::manual_seed(1234 + rank);
+  return Mlp();
+}
+
+torch::Tensor loss_fn(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(out, target);
+}
+
+struct Data {
+  torch::Tensor x, y;
+  Data() {
+    torch::manual_seed(99);
+    x = torch::randn({1024, 8});
+    y = torch::randint(0, 4, {1024}, torch::kLong);
+  }
+  [[nodiscard]] paratrain::Batch of(int world, int rank, int step, std::int64_t b) const {
+    const auto start = (static_cast<std::int64_t>(step) * world + rank) * b;
+    return {x.narrow(0, start, b), y.narrow(0, start, b)};
+  }
+};
+
+double max_relative_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, ((a[i] - b[i]).abs().max() / b[i].abs().max().clamp_min(1e-12)).item<double>());
+  return worst;
+}
+
+void check_data_parallel(paratrain::DataParallelOptions options) {
+  constexpr int steps = 8;
+  constexpr std::int64_t batch = 4;
+  const Data data;
+  auto& world = gloo_world();
+  const int n = world.size(), rank = world.rank();
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+
+  auto reference = make_model(0);
+  torch::optim::SGD optim(reference->parameters(), sgd);
+  for (int k = 0; k < steps; ++k) {
+    std::vector<torch::Tensor> xs, ys;
+    for (int r = 0; r < n; ++r) {
+      const auto b = data.of(n, r, k, batch);
+      xs.push_back(b.input);
+      ys.push_back(b.target);
+    }
+    optim.zero_grad();
+    loss_fn(reference->forward(torch::cat(xs)), torch::cat(ys)).backward();
+    optim.step();
+  }
+
+  paratrain::DataParallel<Mlp, comm::Gloo, torch::optim::SGD> dp(make_model(rank), world, sgd, options);
+  for (int k = 0; k < steps; ++k) dp.step(data.of(n, rank, k, batch), loss_fn, k + 1 < steps);
+  CHECK(max_relative_difference(dp.model()->parameters(), reference->parameters()) <= 1e-5);
+}
+
+}  // namespace
+
+TEST_CASE("comm::Gloo: DataParallel equals single-device training on the union of the ranks' batches") {
+  SUBCASE("one bucket") { check_data_parallel({}); }
+  SUBCASE("one parameter per bucket: several all-reduces in flight") {
+    check_data_parallel({.bucket_cap_bytes = 1, .first_bucket_cap_bytes = 1});
+  }
+}
