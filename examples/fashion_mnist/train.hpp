@@ -3,6 +3,7 @@
 // and ddp.cpp names a strategy in one alias and calls run<Strategy>().
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -22,6 +23,7 @@ struct Args {
   std::int64_t batch = 64;  // per process
   double lr = 2e-3;
   std::string data = "/usr/share/datasets/fashion-mnist";
+  std::int64_t train_samples = 0;  // 0: all 60000; fewer for a quick smoke run
 };
 
 inline Args parse(int argc, char** argv) {
@@ -33,7 +35,10 @@ inline Args parse(int argc, char** argv) {
     else if (k == "--batch") a.batch = std::atoll(v);
     else if (k == "--lr") a.lr = std::atof(v);
     else if (k == "--data") a.data = v;
-    else throw std::invalid_argument("unknown option " + std::string(k) + " (--epochs, --batch, --lr, --data)");
+    else if (k == "--train-samples") a.train_samples = std::atoll(v);
+    else
+      throw std::invalid_argument("unknown option " + std::string(k) +
+                                  " (--epochs, --batch, --lr, --data, --train-samples)");
   }
   return a;
 }
@@ -43,21 +48,36 @@ template <class S>
 constexpr const char* name_of() {
   if constexpr (requires { typename S::communicator_type; }) {
     if constexpr (std::same_as<typename S::communicator_type, paratrain::comm::SingleDevice>) return "single";
+#if PARATRAIN_HAS_GLOO
+    else if constexpr (std::same_as<typename S::communicator_type, paratrain::comm::Gloo>) return "ddp-gloo";
+#endif
     else return "ddp";
   } else {
     return "dp";
   }
 }
 
+// MPI is started only for the strategies that communicate through it.
+template <class S>
+constexpr bool uses_mpi() {
+  if constexpr (requires { typename S::communicator_type; })
+    return std::same_as<typename S::communicator_type, paratrain::comm::Mpi>;
+  else
+    return false;
+}
+
 template <paratrain::strategy Strategy>
 int run(int argc, char** argv) {
-  paratrain::comm::Mpi::Environment mpi(argc, argv);
+  std::optional<paratrain::comm::Mpi::Environment> mpi;
+  if constexpr (uses_mpi<Strategy>()) mpi.emplace(argc, argv);
   torch::set_num_threads(1);  // one process per core; threads within would fight over them
   const auto start = std::chrono::steady_clock::now();
   const auto args = parse(argc, argv);
 
   const auto train_split = load(args.data, "train"), test_split = load(args.data, "t10k");
-  const paratrain::data::TensorDataset train(train_split.images, train_split.labels);
+  const auto n = args.train_samples > 0 ? std::min(args.train_samples, train_split.images.size(0))
+                                        : train_split.images.size(0);
+  const paratrain::data::TensorDataset train(train_split.images.narrow(0, 0, n), train_split.labels.narrow(0, 0, n));
   const paratrain::data::TensorDataset test(test_split.images, test_split.labels);
 
   torch::manual_seed(0);
