@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/detail/collective_signature.hpp"
 #include "paratrain/detail/tensor_checks.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/launch.hpp"
@@ -100,7 +101,7 @@ class Gloo {
     std::string interface = env_string("GLOO_SOCKET_IFNAME");
     /// As comm::Mpi::Options::validate: check that every rank calls the same collective with
     /// the same dtype, element count and root, and throw on every rank if not.
-    bool validate = env_flag("PARATRAIN_VALIDATE");
+    bool validate = detail::env_flag("PARATRAIN_VALIDATE");
   };
 
   /// A pending operation. Dropping one waits for it, except during stack unwinding
@@ -321,10 +322,6 @@ class Gloo {
     const char* v = std::getenv(name);
     return v == nullptr ? std::string() : std::string(v);
   }
-  static bool env_flag(const char* name) {
-    const auto v = env_string(name);
-    return !v.empty() && v != "0";
-  }
 
   static bool is_loopback(std::string_view host) {
     return host == "localhost" || host == "::1" || host.substr(0, 4) == "127.";
@@ -534,35 +531,18 @@ class Gloo {
     return request;
   }
 
-  // comm::Mpi's validation: every rank contributes (operation, dtype, count, detail) and their
-  // negations to one MAX all-reduce; the maximum equals the negated minimum exactly when all
-  // ranks agree, so every rank reaches the same verdict and throws together, never hangs.
+  // Note [Collective validation] (detail/collective_signature.hpp).
   void validate(std::string_view op, const at::Tensor& t, int detail) {
     if (!options().validate) return;
-    const std::int64_t mine[4] = {static_cast<std::int64_t>(std::hash<std::string_view>{}(op) & 0xffffffff),
-                                  static_cast<std::int64_t>(t.scalar_type()), t.numel(), detail};
-    auto both = at::empty({8}, at::kLong);
-    auto* b = both.data_ptr<std::int64_t>();
-    for (int i = 0; i < 4; ++i) b[i] = mine[i], b[i + 4] = -mine[i];
-    std::vector<at::Tensor> v{both};
+    detail::CollectiveSignature signature(op, t, detail);
+    std::vector<at::Tensor> v{signature.packed()};
     auto work = run("validate", [&] { return group().allreduce(v, all_reduce_options(reduce_op::max)); });
     try {
       work->wait();
     } catch (...) {
       rethrow_as_error("validate", rank());
     }
-    static constexpr const char* what[] = {"the operation", "the dtype", "the element count", "the root or reduction"};
-    for (int i = 0; i < 4; ++i)
-      if (b[i] != -b[i + 4])
-        fail(std::string(op).c_str(),
-             "ranks disagree on " + std::string(what[i]) +
-                 (i == 0 ? "" : " (this rank: " + value(i, mine[i]) + "; across ranks from " + value(i, -b[i + 4]) +
-                                    " to " + value(i, b[i]) + ")") +
-                 "; every rank must issue the same collectives in the same order with matching tensors");
-  }
-
-  static std::string value(int field, std::int64_t v) {
-    return field == 1 ? std::string(c10::toString(static_cast<at::ScalarType>(v))) : std::to_string(v);
+    signature.check(rank());
   }
 
   std::shared_ptr<State> state_;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/detail/collective_signature.hpp"
 #include "paratrain/detail/mpi_types.hpp"
 #include "paratrain/detail/tensor_checks.hpp"
 #include "paratrain/error.hpp"
@@ -61,7 +62,7 @@ class Mpi {
     /// same dtype, element count and root, and throw on every rank if not (instead of a
     /// hang or a silently wrong result). Costs one small all-reduce per collective.
     /// On by default when the environment has PARATRAIN_VALIDATE=1.
-    bool validate = env_flag("PARATRAIN_VALIDATE");
+    bool validate = detail::env_flag("PARATRAIN_VALIDATE");
   };
 
   /// Initialises MPI for the lifetime of this object, asking for MPI_THREAD_MULTIPLE
@@ -308,11 +309,6 @@ class Mpi {
 
   explicit Mpi(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
-  static bool env_flag(const char* name) {
-    const char* v = std::getenv(name);
-    return v != nullptr && std::string_view(v) != "0" && std::string_view(v) != "";
-  }
-
   static boost::mpi::communicator world() {
     int initialised = 0, finalised = 0;
     MPI_Initialized(&initialised);
@@ -375,29 +371,12 @@ class Mpi {
     validate(op, t, static_cast<int>(r));
   }
 
-  // Every rank contributes (operation, dtype, count, detail) and their negations to one
-  // MPI_MAX all-reduce: the maximum equals the negated minimum exactly when all ranks
-  // agree, so every rank reaches the same verdict and throws together, never hangs.
+  // Note [Collective validation] (detail/collective_signature.hpp).
   void validate(std::string_view op, const at::Tensor& t, int detail) {
     if (!options().validate) return;
-    const std::int64_t mine[4] = {static_cast<std::int64_t>(std::hash<std::string_view>{}(op) & 0xffffffff),
-                                  static_cast<std::int64_t>(t.scalar_type()), t.numel(), detail};
-    std::int64_t both[8];
-    for (int i = 0; i < 4; ++i) both[i] = mine[i], both[i + 4] = -mine[i];
-    check(MPI_Allreduce(MPI_IN_PLACE, both, 8, MPI_INT64_T, MPI_MAX, native()), "validate");
-    static constexpr const char* what[] = {"the operation", "the dtype", "the element count", "the root or reduction"};
-    for (int i = 0; i < 4; ++i)
-      if (both[i] != -both[i + 4])
-        fail(std::string(op).c_str(),
-             "ranks disagree on " + std::string(what[i]) +
-                 (i == 0 ? "" : " (this rank: " + value(i, mine[i]) + "; across ranks from " + value(i, -both[i + 4]) +
-                                    " to " + value(i, both[i]) + ")") +
-                 "; every rank must issue the same collectives in the same order with matching tensors");
-  }
-
-  // A validated field for a message: dtypes by name, the rest as numbers.
-  static std::string value(int field, std::int64_t v) {
-    return field == 1 ? std::string(c10::toString(static_cast<at::ScalarType>(v))) : std::to_string(v);
+    detail::CollectiveSignature signature(op, t, detail);
+    check(MPI_Allreduce(MPI_IN_PLACE, signature.packed().data_ptr(), 8, MPI_INT64_T, MPI_MAX, native()), "validate");
+    signature.check(rank());
   }
 
   std::shared_ptr<State> state_;
