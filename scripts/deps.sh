@@ -6,13 +6,13 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libtorch-dev libopenblas0-openmp libgloo-dev
   libopenmpi-dev openmpi-bin libboost-mpi-dev
-  librange-v3-dev doctest-dev nlohmann-json3-dev zlib1g-dev protobuf-compiler
+  librange-v3-dev doctest-dev nlohmann-json3-dev zlib1g-dev protobuf-compiler python3
   dataset-fashion-mnist
 )
 # The PyTorch peer is needed only to regenerate reference data and for the side-by-side benchmarks.
 [[ "${PARATRAIN_WITH_PEER:-0}" == 1 ]] && packages+=(python3-torch)
-# matplotlib only to regenerate docs/plots with scripts/plot.py.
-[[ "${PARATRAIN_WITH_DOCS:-0}" == 1 ]] && packages+=(python3-matplotlib)
+# matplotlib and doxygen only for docs: scripts/plot.py, scripts/docs.sh.
+[[ "${PARATRAIN_WITH_DOCS:-0}" == 1 ]] && packages+=(python3-matplotlib doxygen)
 
 missing=()
 for p in "${packages[@]}"; do

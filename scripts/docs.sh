@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Generates the API reference from the headers' comments into build/docs/api/html,
+# and the plots of docs/plots from a short observed run (scripts/plot.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PARATRAIN_WITH_DOCS=1 scripts/deps.sh
+out=${PARATRAIN_BUILD_DIR:-build}/docs/api
+mkdir -p "$out"
+(cat docs/Doxyfile; echo "OUTPUT_DIRECTORY = $out") | doxygen -
+echo "API reference: $out/html/index.html"
