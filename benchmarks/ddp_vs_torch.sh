@@ -4,6 +4,9 @@
 # markdown table with the ratios. Builds nothing: build bench_ddp_vs_torch first.
 #
 # Usage: benchmarks/ddp_vs_torch.sh [timed steps per run, 200] [rounds, 3]
+# Needs python3-torch, jq and /usr/bin/time (PARATRAIN_WITH_PEER=1 scripts/deps.sh).
+# GLIBC_TUNABLES and OMPI_MCA_* in the environment reach every run and are printed with
+# the command (docs/benchmarks.md uses both).
 #
 # Each run is repeated `rounds` times (the four runs in turn) and the median is kept.
 # Timings are only as good as the machine is idle: before each run the script waits
@@ -64,7 +67,9 @@ run_clean() {
   done
 }
 
-echo "Command: $0 $steps $rounds" >&2
+# The exact command, with the environment that changes the numbers (allocator, MPI tuning).
+command="$({ env | grep -E '^(GLIBC_TUNABLES|OMPI_MCA_[A-Za-z0-9_]+)=' || true; } | sort | tr '\n' ' ')$0 $steps $rounds"
+echo "Command: $command" >&2
 for ((round = 1; round <= rounds; ++round)); do
   echo "-- round $round of $rounds" >&2
   run_clean "$python" benchmarks/ddp_vs_torch.py --ranks 1 --steps "$steps" --bind
@@ -96,7 +101,14 @@ jq -rs '
      + " | \($r.no_comm | f(1)) |"),
   "",
   "Efficiency against plain single-process training of the same step (no DDP wrapper, 1 rank): "
-  + ([$rows[] | select(.ranks == 2) | "\(.implementation) \(.sps / at(.implementation; 1).no_comm * 100 | f(0))%"]
+  + ([$rows[] | select(.ranks == 2)
+       | "\(if .implementation == "pytorch" then "PyTorch" else "paratrain" end) \(.sps / at(.implementation; 1).no_comm * 100 | f(0))%"]
      | join(", ")) + ".",
-  "Medians of \($rows[0].runs) runs; steps/s per rank (each step is batch 64 on every rank)."
+  "Medians of \($rows[0].runs) runs. steps/s: optimizer steps per second; all ranks step together, each on its own"
+  + " batch of 64, so 2 ranks take 128 samples per step."
 ' "$tmp/results"
+echo
+echo "Command: $command"
+echo "Machine: $(env -u OMP_NUM_THREADS nproc) cores ($(lscpu | sed -n 's/^Model name: *//p')), $(. /etc/os-release && echo "$PRETTY_NAME"),\
+ LibTorch $(dpkg-query -W -f '${Version}' libtorch-dev 2>/dev/null || echo '?'),\
+ PyTorch $("$python" -c 'import torch; print(torch.__version__)'), $(mpirun --version | head -1)"

@@ -10,7 +10,7 @@ packages=(
   dataset-fashion-mnist
 )
 # The PyTorch peer is needed only to regenerate reference data and for the side-by-side benchmarks.
-[[ "${PARATRAIN_WITH_PEER:-0}" == 1 ]] && packages+=(python3-torch)
+[[ "${PARATRAIN_WITH_PEER:-0}" == 1 ]] && packages+=(python3-torch jq time)  # jq, time: benchmarks/ddp_vs_torch.sh
 # matplotlib and doxygen only for docs: scripts/plot.py, scripts/docs.sh.
 [[ "${PARATRAIN_WITH_DOCS:-0}" == 1 ]] && packages+=(python3-matplotlib doxygen)
 
