@@ -66,11 +66,14 @@ class Mpi {
   };
 
   /// Initialises MPI for the lifetime of this object, asking for MPI_THREAD_MULTIPLE
-  /// (strategies that communicate from a second thread need it).
+  /// (strategies that communicate from a second thread need it), and tunes Open MPI's
+  /// non-blocking all-reduce: Note [Non-blocking all-reduce algorithm].
   class Environment {
    public:
-    Environment() : env_(boost::mpi::threading::multiple) {}
-    Environment(int& argc, char**& argv) : env_(argc, argv, boost::mpi::threading::multiple) {}
+    Environment() : env_(boost::mpi::threading::multiple) { detail::prefer_reduce_scatter_iallreduce(); }
+    Environment(int& argc, char**& argv) : env_(argc, argv, boost::mpi::threading::multiple) {
+      detail::prefer_reduce_scatter_iallreduce();
+    }
     [[nodiscard]] bool thread_multiple() const { return env_.thread_level() >= boost::mpi::threading::multiple; }
 
    private:
