@@ -36,6 +36,21 @@ concept cloneable_module = module<M> && requires(M& m) {
                              torch::nn::Cloneable<std::remove_cvref_t<decltype(*m)>>>;
 };
 
+namespace detail {
+
+/// `model`'s output for `input`: evaluation mode, no gradients, the mode restored after.
+template <class M>
+at::Tensor predict(M& model, const at::Tensor& input) {
+  at::NoGradGuard no_grad;
+  const bool training = model->is_training();
+  model->eval();
+  auto out = model->forward(input);
+  model->train(training);
+  return out;
+}
+
+}  // namespace detail
+
 /// Checks each requirement on a model separately, so that the message names the one missed.
 template <class M>
 consteval bool explain_model() {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "paratrain/detail/shard_checks.hpp"
 #include "paratrain/error.hpp"
 
 namespace paratrain::data {
@@ -68,24 +69,7 @@ class ExactSampler {
 
  private:
   void validate() const {
-    const auto& o = options_;
-    const int rank_for_error =
-        o.rank >= 0 && o.rank < o.num_replicas ? static_cast<int>(o.rank) : -1;
-    auto fail = [&](const std::string& message) {
-      throw error("ExactSampler", rank_for_error, message);
-    };
-    if (o.num_replicas < 1) {
-      fail("num_replicas is " + std::to_string(o.num_replicas) +
-           "; set Options::num_replicas to the number of processes (the world size), at least 1");
-    }
-    if (o.rank < 0 || o.rank >= o.num_replicas) {
-      fail("rank is " + std::to_string(o.rank) + "; set Options::rank to this process's rank, in [0, " +
-           std::to_string(o.num_replicas - 1) + "]");
-    }
-    if (dataset_size_ < 0) {
-      fail("dataset_size is " + std::to_string(dataset_size_) +
-           "; pass the number of samples in the dataset, 0 or more");
-    }
+    detail::check_shard("ExactSampler", dataset_size_, options_.num_replicas, options_.rank);
   }
 
   std::int64_t dataset_size_;

@@ -134,14 +134,7 @@ class DataParallel {
   }
 
   /// The model's output for `input`, in evaluation mode and without gradients.
-  at::Tensor predict(const at::Tensor& input) {
-    at::NoGradGuard no_grad;
-    const bool training = model_->is_training();
-    model_->eval();
-    auto out = model_->forward(input);
-    model_->train(training);
-    return out;
-  }
+  at::Tensor predict(const at::Tensor& input) { return detail::predict(model_, input); }
 
   /// Reduces `t` in place over the ranks (for metrics), on the model's device, where
   /// the communicator works (comm::Nccl reduces CUDA tensors only).

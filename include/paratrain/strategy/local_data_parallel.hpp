@@ -137,14 +137,7 @@ class LocalDataParallel {
   /// One process has nobody to wait for: nothing to do.
   StepResult join(bool has_next = false) { return {0, 0, 0, has_next ? 1 : 0}; }
 
-  at::Tensor predict(const at::Tensor& input) {
-    at::NoGradGuard no_grad;
-    const bool training = model_->is_training();
-    model_->eval();
-    auto out = model_->forward(input.to(devices_[0]));
-    model_->train(training);
-    return out;
-  }
+  at::Tensor predict(const at::Tensor& input) { return detail::predict(model_, input.to(devices_[0])); }
 
   /// A world of one process: nothing to reduce.
   void all_reduce(at::Tensor&, reduce_op) const noexcept {}
