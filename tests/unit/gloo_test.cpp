@@ -16,6 +16,7 @@
 #include "paratrain/strategy/data_parallel.hpp"
 #include "support/collectives.hpp"
 #include "support/doctest.hpp"
+#include "support/equivalence.hpp"
 #include "support/gloo_world.hpp"
 
 namespace comm = paratrain::comm;
@@ -159,77 +160,20 @@ TEST_CASE("comm::Gloo: a group that cannot meet says which variable to fix") {
 }
 
 // ---- DataParallel over Gloo equals single-device training ------------------------------
-// The pattern of data_parallel_test.cpp: each rank's replica starts from its own
+// The harness of data_parallel_test.cpp (support/equivalence.hpp): each rank's replica starts from its own
 // initialisation (so the broadcast from rank 0 is checked too), the reference is plain
 // LibTorch on the concatenation of the ranks' batches, starting from rank 0's.
 
 namespace {
 
-struct MlpImpl : torch::nn::Module {
-  MlpImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
-    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
-  }
-  torch::Tensor forward(torch::Tensor x) { return fc2(torch::tanh(fc1(x))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-};
-TORCH_MODULE(Mlp);
-
-Mlp make_model(int rank) {
-  torch::manual_seed(1234 + rank);
-  return Mlp();
-}
-
-torch::Tensor loss_fn(const torch::Tensor& out, const torch::Tensor& target) {
-  return torch::nn::functional::cross_entropy(out, target);
-}
-
-struct Data {
-  torch::Tensor x, y;
-  Data() {
-    torch::manual_seed(99);
-    x = torch::randn({1024, 8});
-    y = torch::randint(0, 4, {1024}, torch::kLong);
-  }
-  [[nodiscard]] paratrain::Batch of(int world, int rank, int step, std::int64_t b) const {
-    const auto start = (static_cast<std::int64_t>(step) * world + rank) * b;
-    return {x.narrow(0, start, b), y.narrow(0, start, b)};
-  }
-};
-
-double max_relative_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  REQUIRE(a.size() == b.size());
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    worst = std::max(worst, ((a[i] - b[i]).abs().max() / b[i].abs().max().clamp_min(1e-12)).item<double>());
-  return worst;
-}
-
 void check_data_parallel(paratrain::DataParallelOptions options) {
-  constexpr int steps = 8;
-  constexpr std::int64_t batch = 4;
-  const Data data;
+  using namespace paratrain_test;
   auto& world = gloo_world();
-  const int n = world.size(), rank = world.rank();
+  const Scenario scenario{.steps = 8, .options = options};
   const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
-
-  auto reference = make_model(0);
-  torch::optim::SGD optim(reference->parameters(), sgd);
-  for (int k = 0; k < steps; ++k) {
-    std::vector<torch::Tensor> xs, ys;
-    for (int r = 0; r < n; ++r) {
-      const auto b = data.of(n, r, k, batch);
-      xs.push_back(b.input);
-      ys.push_back(b.target);
-    }
-    optim.zero_grad();
-    loss_fn(reference->forward(torch::cat(xs)), torch::cat(ys)).backward();
-    optim.step();
-  }
-
-  paratrain::DataParallel<Mlp, comm::Gloo, torch::optim::SGD> dp(make_model(rank), world, sgd, options);
-  for (int k = 0; k < steps; ++k) dp.step(data.of(n, rank, k, batch), loss_fn, k + 1 < steps);
-  CHECK(max_relative_difference(dp.model()->parameters(), reference->parameters()) <= 1e-5);
+  const auto want = reference<torch::optim::SGD>(scenario, world.size(), sgd);
+  const auto got = distributed<comm::Gloo, torch::optim::SGD>(scenario, world, sgd);
+  CHECK(max_relative_difference(got, want) <= 1e-5);
 }
 
 }  // namespace
