@@ -11,12 +11,7 @@ import json
 import math
 import sys
 
-failures = []
-
-
-def fail(message):
-    failures.append(message)
-    print("FAIL:", message)
+from checks import fail, status
 
 
 def main():
@@ -59,7 +54,7 @@ def main():
         if extra:
             fail(f"CSV row has values JSON Lines lacks: {sorted(extra)}")
     print(f"{args.jsonl}, {args.csv}: {len(records)} records agree")
-    return 1 if failures else 0
+    return status()
 
 
 if __name__ == "__main__":

@@ -21,19 +21,14 @@ import struct
 import subprocess
 import sys
 
+from checks import fail, status
+
 ROOT_TAGS = {"train/loss", "train/lr", "train/samples_per_second", "epoch/train_loss",
              "epoch/eval_loss", "epoch/eval_accuracy", "epoch/seconds", "epoch/samples_per_second"}
 # write_logs.cpp also logs its own metric, "custom", through StepInfo::metrics; fit
 # reduces those once per epoch.
 ROOT_TAGS |= {"epoch/custom"}
 RANK_TAGS = {"rank/step_seconds", "rank/wait_seconds", "rank/loss"}
-
-failures = []
-
-
-def fail(message):
-    failures.append(message)
-    print("FAIL:", message)
 
 
 def crc32c(data: bytes) -> int:
@@ -191,7 +186,7 @@ def main():
         if not re.search(rf"\.{r}$", files[0]):
             fail(f"{files[0]}: the name does not end with the rank {r}")
         check_file(files[0], protoc, RANK_TAGS)
-    return 1 if failures else 0
+    return status()
 
 
 if __name__ == "__main__":

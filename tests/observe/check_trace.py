@@ -17,15 +17,10 @@ import json
 import statistics
 import sys
 
+from checks import fail, status
+
 PHASES = {"data", "forward", "backward", "sync", "optimizer"}
 EPS = 2e-3  # ts and dur are written to 1 ns
-
-failures = []
-
-
-def fail(message):
-    failures.append(message)
-    print("FAIL:", message)
 
 
 def main():
@@ -92,7 +87,7 @@ def main():
         if skew > args.max_skew_us:
             fail(f"ranks' clocks look misaligned: sync ends differ by {skew:.0f} us (median)")
     print(f"{args.trace}: {len(events)} events from ranks {sorted(pids)}, {max(steps.values(), default=0)} steps each")
-    return 1 if failures else 0
+    return status()
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@
 
 #include "paratrain/comm/nccl.hpp"
 #include "paratrain/concepts/communicator.hpp"
+#include "support/collectives.hpp"
 #include "support/doctest.hpp"
 
 using paratrain::reduce_op;
@@ -36,24 +37,10 @@ namespace {
 // Read at static initialisation, when doctest's skip() decorators are evaluated.
 const bool no_gpu = comm::Nccl::device_count() == 0;
 
-const std::vector<torch::Dtype> all_dtypes = {torch::kFloat32, torch::kFloat64, torch::kBFloat16,
-                                              torch::kFloat16, torch::kInt32,   torch::kInt64};
-
-torch::Tensor values(int rank, std::int64_t n, torch::Dtype dtype) {
-  return (torch::arange(n, torch::kLong).remainder(7) + rank + 1).to(dtype);
-}
-
-torch::Tensor expected(reduce_op op, int size, std::int64_t n, torch::Dtype dtype) {
-  auto base = torch::arange(n, torch::kDouble).remainder(7);
-  const double ranks = size, rank_sum = size * (size + 1) / 2.0;
-  switch (op) {
-    case reduce_op::sum: return (base * ranks + rank_sum).to(dtype);
-    case reduce_op::average: return ((base * ranks + rank_sum) / ranks).to(dtype);
-    case reduce_op::max: return (base + size).to(dtype);
-    case reduce_op::min: return (base + 1).to(dtype);
-  }
-  return {};
-}
+// The formula-based values and expectations every communicator's tests share.
+using collectives::all_dtypes;
+using collectives::expected;
+using collectives::values;
 
 // NCCL averages floating-point buffers by multiplying each input by 1/size before the
 // sum, which is exact only where size is a power of two; elsewhere allow 16-bit rounding.
