@@ -20,6 +20,7 @@
 #include "paratrain/fit.hpp"
 #include "paratrain/launch.hpp"
 #include "paratrain/metrics.hpp"
+#include "paratrain/plan.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
 
