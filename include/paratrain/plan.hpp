@@ -1,9 +1,9 @@
 #pragma once
 /// \file
 /// paratrain::plan — how many bytes of model state each rank holds under DDP and the
-/// three ZeRO stages (Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training
-/// Trillion Parameter Models", §5). Standard library only: no LibTorch, so a planning tool
-/// builds in a second. docs/plan.md.
+/// three ZeRO stages (Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward
+/// Training Trillion Parameter Models", arXiv:1910.02054). Standard library only: no
+/// LibTorch, so a planning tool builds in a second. docs/plan.md.
 
 #include <array>
 #include <cmath>
@@ -18,7 +18,7 @@
 namespace paratrain::plan {
 
 // Note [ZeRO memory model]
-// ZeRO §5 counts three kinds of model state per parameter: B_p bytes of parameters, B_g
+// ZeRO-DP counts three kinds of model state per parameter: B_p bytes of parameters, B_g
 // bytes of gradients and K bytes of optimizer state (mixed-precision Adam: an fp32 master
 // copy, momentum and variance, K = 12). With Ψ parameters and N_d data-parallel ranks,
 // each rank holds

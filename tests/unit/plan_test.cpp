@@ -91,7 +91,7 @@ TEST_CASE("plan: the paper's headline numbers at 7.5B parameters") {
   CHECK(prints_as(at64[1].total(), "31.4"));
   CHECK(prints_as(at64[2].total(), "16.6"));
   CHECK(prints_as(at64[3].total(), "1.88"));
-  // The split behind them (ZeRO §5.1): 2Ψ + 2Ψ + 12Ψ/N_d for P_os.
+  // The split behind P_os: 2Ψ + 2Ψ + 12Ψ/N_d.
   CHECK(at64[1].parameters == 15e9);
   CHECK(at64[1].gradients == 15e9);
   CHECK(at64[1].optimizer_state == 90e9 / 64);
