@@ -1,6 +1,6 @@
 #pragma once
-// The demo's training program, the same for every strategy: each of single.cpp, dp.cpp
-// and ddp.cpp names a strategy in one alias and calls run<Strategy>().
+// The demo's training program, the same for every strategy: each of single.cpp, dp.cpp,
+// ddp.cpp and zero1/2/3.cpp names a strategy in one alias and calls run<Strategy>().
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -51,7 +51,10 @@ constexpr const char* name_of() {
 #if PARATRAIN_HAS_GLOO
     else if constexpr (std::same_as<typename S::communicator_type, paratrain::comm::Gloo>) return "ddp-gloo";
 #endif
-    else return "ddp";
+    else if constexpr (S::stage > 0) {
+      constexpr const char* zero[] = {"", "zero1", "zero2", "zero3"};
+      return zero[S::stage];
+    } else return "ddp";
   } else {
     return "dp";
   }

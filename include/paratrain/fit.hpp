@@ -114,10 +114,22 @@ void evaluate(S& s, const data::TensorDataset& set, std::int64_t batch_size, Los
   s.synchronize();  // every rank's replica evaluates alike (batch-norm statistics, ...)
   const data::ExactSampler shard(set.size(), {.num_replicas = s.world_size(), .rank = s.rank()});
   const auto indices = shard.indices();
+  // Every rank makes as many predict() calls as the rank with the most batches: a
+  // strategy may communicate inside predict (ZeRO-3 gathers parameters, a pipeline
+  // passes activations), so a rank with fewer samples runs empty batches.
+  std::vector<at::Tensor> chunks;
+  for (auto&& chunk : data::batches(indices, batch_size)) chunks.push_back(data::to_tensor(chunk));
+  auto rounds = at::full({1}, static_cast<double>(chunks.size()), at::kDouble);
+  s.all_reduce(rounds, reduce_op::max);
+  const auto empty = set.size() > 0 ? set.get(at::zeros({1}, at::kLong)).input.narrow(0, 0, 0) : at::Tensor();
   // [loss * n, correct, n]: sums, so ranks with fewer samples (or none) count exactly.
   auto sums = at::zeros({3}, at::kDouble);
-  for (auto&& chunk : data::batches(indices, batch_size)) {
-    const auto batch = set.get(data::to_tensor(chunk));
+  for (std::size_t k = 0; k < static_cast<std::size_t>(rounds.template item<double>()); ++k) {
+    if (k >= chunks.size()) {
+      s.predict(empty);
+      continue;
+    }
+    const auto batch = set.get(chunks[k]);
     const auto out = s.predict(batch.input);
     const auto target = batch.target.to(out.device());  // a GPU replica answers on its device
     const auto n = static_cast<double>(batch.size());

@@ -21,8 +21,13 @@
 #include "paratrain/launch.hpp"
 #include "paratrain/metrics.hpp"
 #include "paratrain/plan.hpp"
+#include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/gradient_buckets.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "paratrain/strategy/sharded_parameters.hpp"
+#include "paratrain/strategy/unit.hpp"
 
 #if PARATRAIN_HAS_MPI
 #include "paratrain/comm/mpi.hpp"

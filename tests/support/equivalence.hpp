@@ -1,8 +1,8 @@
 #pragma once
-// The equivalence harness of the DataParallel tests: a small MLP, synthetic data split
-// into per-rank batches, plain-LibTorch single-device training on the union of the
-// ranks' batches (the independent reference), and the same training through
-// paratrain::DataParallel over any communicator.
+// The equivalence harness of the DataParallel tests (DDP and every ZeRO stage): a small
+// MLP, synthetic data split into per-rank batches, plain-LibTorch single-device training
+// on the union of the ranks' batches (the independent reference), and the same training
+// through paratrain::DataParallel over any communicator and update policy.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 
 #include "paratrain/data/batch.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/unit.hpp"
 #include "support/doctest.hpp"
 
 namespace paratrain_test {
@@ -21,11 +22,12 @@ struct Features {
   bool buffer = false;            // a buffer forward reads, different on each rank before the broadcast
 };
 
+// Its layers are ZeRO-3 units (paratrain::Unit): inert under every other strategy.
 struct MlpImpl : torch::nn::Module {
   MlpImpl(Features f, int rank) : features(f) {
-    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
-    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
-    if (f.unused_parameter) head = register_module("head", torch::nn::Linear(16, 4));
+    fc1 = register_module("fc1", paratrain::Unit<torch::nn::Linear>(8, 16));
+    fc2 = register_module("fc2", paratrain::Unit<torch::nn::Linear>(16, 4));
+    if (f.unused_parameter) head = register_module("head", paratrain::Unit<torch::nn::Linear>(16, 4));
     if (f.buffer) scale = register_buffer("scale", torch::full({8}, 1.0 + 0.25 * rank));
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -33,7 +35,7 @@ struct MlpImpl : torch::nn::Module {
     return fc2(torch::tanh(fc1(x)));
   }
   Features features;
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
+  paratrain::Unit<torch::nn::Linear> fc1{nullptr}, fc2{nullptr}, head{nullptr};
   torch::Tensor scale;
 };
 TORCH_MODULE(Mlp);
@@ -45,16 +47,23 @@ inline Mlp make_model(Features f, int rank) {
 
 inline torch::Tensor loss_fn(const torch::Tensor& out, const torch::Tensor& target) { return F::cross_entropy(out, target); }
 
+// How the optimizer's parameters are grouped: one group, or weights with weight decay
+// and biases without (AdamW's usual recipe).
+enum class Groups { one, decay_weights_only };
+
 struct Scenario {
   int steps = 24;
-  std::int64_t batch = 4;  // per rank
-  int micro_batches = 1;   // gradient accumulation: micro-batches per step
-  bool uneven = false;     // rank r has steps - r batches
+  std::int64_t batch = 4;     // per rank
+  bool varied_batch = false;  // rank r has batch + r samples per step (exercises sample weighting)
+  int micro_batches = 1;      // gradient accumulation: micro-batches per step
+  bool uneven = false;        // rank r has steps - r batches
+  Groups groups = Groups::one;
   Features features;
   paratrain::DataParallelOptions options;
 };
 
-// The samples of rank r at step k: a fixed slice of one synthetic data set.
+// The samples of rank r at step k: a fixed slice of one synthetic data set, b of the
+// `stride` samples set aside for each rank and step.
 struct Data {
   torch::Tensor x, y;
   Data() {
@@ -62,56 +71,76 @@ struct Data {
     x = torch::randn({4096, 8});
     y = torch::randint(0, 4, {4096}, torch::kLong);
   }
-  [[nodiscard]] paratrain::Batch of(int world, int rank, int step, std::int64_t b) const {
-    const auto start = (static_cast<std::int64_t>(step) * world + rank) * b;
+  [[nodiscard]] paratrain::Batch of(int world, int rank, int step, std::int64_t b, std::int64_t stride = 0) const {
+    const auto start = (static_cast<std::int64_t>(step) * world + rank) * std::max(b, stride);
     return {x.narrow(0, start, b), y.narrow(0, start, b)};
   }
 };
 
 inline int batches_of(const Scenario& s, int rank) { return s.uneven ? s.steps - rank : s.steps; }
+inline std::int64_t batch_of(const Scenario& s, int rank) { return s.batch + (s.varied_batch ? rank : 0); }
+inline std::int64_t stride_of(const Scenario& s) { return s.batch + (s.varied_batch ? 4 : 0); }  // up to 4 ranks
+
+// The optimizer's parameter groups for `model`, built the same way for the reference
+// and for the strategy: `weights` options for weights, weight decay 0 for biases.
+template <class Opts>
+paratrain::ParamGroups groups_of(const Scenario& s, const Mlp& model, const Opts& weights) {
+  if (s.groups == Groups::one) return {torch::optim::OptimizerParamGroup(model->parameters())};
+  std::vector<torch::Tensor> w, b;
+  for (const auto& p : model->named_parameters()) (p.key().ends_with("bias") ? b : w).push_back(p.value());
+  auto no_decay = weights;
+  no_decay.weight_decay(0);
+  return {torch::optim::OptimizerParamGroup(w, std::make_unique<Opts>(weights)),
+          torch::optim::OptimizerParamGroup(b, std::make_unique<Opts>(no_decay))};
+}
 
 template <class Optim, class Opts>
 std::vector<torch::Tensor> reference(const Scenario& s, int world, Opts opts) {
   const Data data;
   auto model = make_model(s.features, 0);
-  Optim optim(model->parameters(), opts);
+  Optim optim(groups_of(s, model, opts), opts);
   for (int k = 0; k < s.steps; ++k) {
     std::vector<torch::Tensor> xs, ys;
     for (int r = 0; r < world; ++r)
       if (k < batches_of(s, r)) {
-        auto b = data.of(world, r, k, s.batch);
+        auto b = data.of(world, r, k, batch_of(s, r), stride_of(s));
         xs.push_back(b.input);
         ys.push_back(b.target);
       }
     optim.zero_grad();
     loss_fn(model->forward(torch::cat(xs)), torch::cat(ys)).backward();
+    if (s.options.max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), s.options.max_grad_norm);
     optim.step();
   }
   return model->parameters();
 }
 
-template <class Comm, class Optim, class Opts>
+// `Update` is DataParallel's third argument: an optimizer (DDP) or Sharded<Optimizer, Stage>.
+template <class Comm, class Update, class Opts>
 std::vector<torch::Tensor> distributed(const Scenario& s, Comm c, Opts opts) {
   const Data data;
   const int world = c.size(), rank = c.rank();
-  paratrain::DataParallel<Mlp, Comm, Optim> dp(make_model(s.features, rank), std::move(c), opts, s.options);
+  auto model = make_model(s.features, rank);
+  auto groups = groups_of(s, model, opts);
+  paratrain::DataParallel<Mlp, Comm, Update> dp(model, std::move(c), std::move(groups), opts, s.options);
   const int mine = batches_of(s, rank);
+  const auto batch = batch_of(s, rank);
   for (int k = 0;; ++k) {
     paratrain::StepResult r;
     if (k < mine) {
-      auto b = data.of(world, rank, k, s.batch);
-      const auto micro = s.batch / s.micro_batches;
+      auto b = data.of(world, rank, k, batch, stride_of(s));
+      const auto micro = batch / s.micro_batches;
       for (int m = 0; m + 1 < s.micro_batches; ++m)
         dp.accumulate({b.input.narrow(0, m * micro, micro), b.target.narrow(0, m * micro, micro)}, loss_fn);
       const auto last = (s.micro_batches - 1) * micro;
-      r = dp.step({b.input.narrow(0, last, s.batch - last), b.target.narrow(0, last, s.batch - last)}, loss_fn,
+      r = dp.step({b.input.narrow(0, last, batch - last), b.target.narrow(0, last, batch - last)}, loss_fn,
                   k + 1 < mine);
     } else {
       r = dp.join();
     }
     if (r.ranks_with_next == 0) break;
   }
-  return dp.model()->parameters();
+  return dp.full_parameters();
 }
 
 inline double max_relative_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {

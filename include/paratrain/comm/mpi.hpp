@@ -240,7 +240,10 @@ class Mpi {
                        "out must have in.numel() * size() elements");
     validate("all_gather", in, 0);
     Request r("all_gather", rank(), {in, out});
-    check(MPI_Iallgather(in.data_ptr(), count("all_gather", in), datatype(in), out.data_ptr(),
+    // `in` already in its place in `out` (a sharded buffer's own shard): MPI_IN_PLACE.
+    const bool in_place = in.numel() > 0 && static_cast<const char*>(in.data_ptr()) ==
+                                                static_cast<const char*>(out.data_ptr()) + rank() * in.numel() * in.element_size();
+    check(MPI_Iallgather(in_place ? MPI_IN_PLACE : in.data_ptr(), count("all_gather", in), datatype(in), out.data_ptr(),
                          count("all_gather", in), datatype(in), native(), &r.requests_.emplace_back()),
           "all_gather");
     return r;

@@ -55,6 +55,14 @@ class SingleDevice {
   void all_gather(const at::Tensor& in, at::Tensor& out) const {
     copy("all_gather", in, out, "out must have in.numel() * size() elements");
   }
+  Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) const {
+    reduce_scatter(in, out, op);
+    return {};
+  }
+  Request iall_gather(const at::Tensor& in, at::Tensor& out) const {
+    all_gather(in, out);
+    return {};
+  }
 
   /// A world of one has no peer: sending to or receiving from anyone is a bug in
   /// the caller's rank arithmetic, so it throws rather than deadlocks.
@@ -76,7 +84,7 @@ class SingleDevice {
 
   static void copy(const char* op, const at::Tensor& in, at::Tensor& out, const char* rule) {
     detail::check_pair(op, 0, in, out, in.numel(), in.numel(), rule);
-    if (!out.is_same(in)) out.copy_(in.reshape(out.sizes()));
+    if (!out.is_same(in) && out.data_ptr() != in.data_ptr()) out.copy_(in.reshape(out.sizes()));
   }
 };
 

@@ -8,6 +8,7 @@
 /// | `sharding_communicator`      | reduce_scatter, all_gather             | `Sharded` (ZeRO/FSDP)      |
 /// | `point_to_point_communicator`| send, recv                             | `Pipeline`                 |
 /// | `async_communicator`         | iall_reduce returning a `request`      | overlapped DDP buckets     |
+/// | `async_sharding_communicator`| ireduce_scatter, iall_gather requests  | `Sharded` (overlap)        |
 ///
 /// Models: `comm::SingleDevice` (all of them, trivially), `comm::Mpi` (all of them),
 /// `comm::Nccl` (device buffers). A type of your own opts in by having the members;
@@ -46,6 +47,16 @@ concept sharding_communicator = communicator<C> &&
     requires(C& c, const at::Tensor& in, at::Tensor& out) {
       c.reduce_scatter(in, out, reduce_op::sum);
       c.all_gather(in, out);
+    };
+
+/// A sharding communicator whose reduce-scatter and all-gather can run while the caller
+/// goes on computing (ZeRO's overlap of backward with gradient reduce-scatter, and of
+/// one unit's compute with the next unit's parameter all-gather).
+template <class C>
+concept async_sharding_communicator = sharding_communicator<C> &&
+    requires(C& c, const at::Tensor& in, at::Tensor& out) {
+      { c.ireduce_scatter(in, out, reduce_op::sum) } -> request;
+      { c.iall_gather(in, out) } -> request;
     };
 
 /// A communicator whose ranks can exchange tensors pairwise.
@@ -91,6 +102,22 @@ consteval bool explain_sharding_communicator() {
   static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.all_gather(in, out); },
                 "paratrain: this communicator cannot shard: it needs `all_gather(const at::Tensor& in, at::Tensor& out)`;"
                 " use comm::Mpi, comm::Nccl or comm::SingleDevice");
+  return true;
+}
+
+/// Like explain_sharding_communicator, for the non-blocking forms `Sharded` overlaps with.
+template <class C>
+consteval bool explain_async_sharding_communicator() {
+  static_assert(explain_sharding_communicator<C>());
+  static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) {
+    { c.ireduce_scatter(in, out, reduce_op::sum) } -> request;
+  }, "paratrain: Sharded overlaps reduce-scatter with backward: the communicator needs `ireduce_scatter(const "
+     "at::Tensor& in, at::Tensor& out, paratrain::reduce_op)` returning a request; use comm::Mpi, comm::Nccl, "
+     "comm::Gloo or comm::SingleDevice");
+  static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) {
+    { c.iall_gather(in, out) } -> request;
+  }, "paratrain: Sharded prefetches parameters: the communicator needs `iall_gather(const at::Tensor& in, "
+     "at::Tensor& out)` returning a request; use comm::Mpi, comm::Nccl, comm::Gloo or comm::SingleDevice");
   return true;
 }
 

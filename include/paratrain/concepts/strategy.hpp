@@ -20,6 +20,7 @@ struct StepResult {
   std::int64_t samples = 0;    ///< this rank's samples
   double global_samples = 0;   ///< samples over all ranks: the step's effective batch
   int ranks_with_next = 0;     ///< ranks that have another batch (see join)
+  double grad_norm = 0;        ///< global gradient 2-norm before clipping, when clipping is on
 };
 
 /// The loss a strategy is given: mean loss of a batch from the model's output and the targets.

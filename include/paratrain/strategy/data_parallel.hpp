@@ -18,10 +18,14 @@
 #include "paratrain/concepts/optimizer.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/data/batch.hpp"
+#include "paratrain/detail/allocator.hpp"
 #include "paratrain/detail/coalesce.hpp"
-#include "paratrain/detail/reducer.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/observe/timeline.hpp"
+#include "paratrain/strategy/bucket_layout.hpp"
+#include "paratrain/strategy/gradient_buckets.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "paratrain/strategy/sharded_parameters.hpp"
 
 namespace paratrain {
 
@@ -40,6 +44,10 @@ struct DataParallelOptions {
   /// Let ranks with fewer batches keep matching the others' collectives (`join`)
   /// instead of hanging them. Off, differing batch counts are an error on every rank.
   bool join = true;
+  /// Clip the gradients so that their global 2-norm is at most this before each
+  /// optimizer step, exactly as torch::nn::utils::clip_grad_norm_ on the whole model
+  /// (also when sharded); 0: off. StepResult::grad_norm reports the norm before clipping.
+  double max_grad_norm = 0;
 };
 
 /// Data parallelism across the ranks of `Comm`: every rank holds a replica of `Model`,
@@ -61,7 +69,7 @@ struct DataParallelOptions {
 ///   Strategy ddp(Net(), paratrain::comm::Mpi(), torch::optim::AdamOptions(1e-3));
 ///   auto r = ddp.step({x, y}, paratrain::CrossEntropy{});
 /// \endcode
-template <class Model, class Comm = comm::SingleDevice, class Optim = torch::optim::SGD>
+template <class Model, class Comm = comm::SingleDevice, class Update = torch::optim::SGD>
 class DataParallel {
   static_assert(explain_model<Model>());
   static_assert(explain_communicator<Comm>());
@@ -69,32 +77,78 @@ class DataParallel {
                 "paratrain: DataParallel overlaps communication with backward and needs a communicator with "
                 "`iall_reduce(at::Tensor&, reduce_op)` returning a request; comm::Mpi, comm::Nccl and "
                 "comm::SingleDevice have it");
-  static_assert(explain_optimizer<Optim>());
+  static_assert(update_policy<Update>,
+                "paratrain: DataParallel's third argument is an optimizer type (torch::optim::Adam, ...) or "
+                "paratrain::Sharded<Optimizer, paratrain::zero::stageN>");
+  static_assert(explain_optimizer<typename detail::optimizer_of<Update>::type>());
+
+  static constexpr bool sharded = detail::is_sharded<Update>::value;
+  static constexpr int zero_stage = [] {
+    if constexpr (sharded) return Update::stage;
+    else return 0;
+  }();
+  static_assert(!sharded || explain_async_sharding_communicator<Comm>());
+  static_assert(zero_stage < 3 || requires(const Comm& c) { { c.split(0, 0) } -> std::same_as<Comm>; },
+                "paratrain: ZeRO stage 3 gathers parameters on a communicator of its own and needs `Comm split(int "
+                "color, int key) const`; comm::Mpi, comm::Gloo and comm::SingleDevice have it (use stage 2 with "
+                "comm::Nccl)");
+  using Hook = std::conditional_t<(zero_stage >= 2), ReduceScatterGradients, AllReduceGradients>;
 
  public:
   using model_type = Model;
   using communicator_type = Comm;
-  using optimizer_type = Optim;
+  using update_type = Update;
+  using optimizer_type = typename detail::optimizer_of<Update>::type;
   using Options = DataParallelOptions;
+  /// 0 for DDP, else the ZeRO stage.
+  static constexpr int stage = zero_stage;
 
   /// Collective: every rank of `comm` constructs its replica together.
   template <class OptimOptions>
-    requires optimizer_from<Optim, OptimOptions>
+    requires optimizer_from<optimizer_type, OptimOptions>
   DataParallel(Model model, Comm comm, OptimOptions optimizer_options, Options options = {})
+      : DataParallel(model, std::move(comm), ParamGroups{torch::optim::OptimizerParamGroup(model->parameters())},
+                     std::move(optimizer_options), options) {}
+
+  /// With parameter groups of different options (weight decay on weights only, say):
+  /// every parameter that requires a gradient in exactly one group; `defaults` for the
+  /// groups that have no options of their own. Collective.
+  template <class OptimOptions>
+    requires optimizer_from<optimizer_type, OptimOptions>
+  DataParallel(Model model, Comm comm, ParamGroups groups, OptimOptions defaults, Options options = {})
       : model_(std::move(model)), comm_(std::move(comm)), options_(options) {
+    detail::tune_allocator();
     detail::broadcast_coalesced(comm_, model_->parameters(), 0);
     detail::broadcast_coalesced(comm_, model_->buffers(), 0);
-    reducer_ = std::make_unique<detail::Reducer<Comm>>(
-        *model_, comm_,
-        typename detail::Reducer<Comm>::Options{options.bucket_cap_bytes, options.first_bucket_cap_bytes,
-                                                options.find_unused_parameters});
-    optimizer_ = std::make_unique<Optim>(model_->parameters(), std::move(optimizer_options));
+    const BucketOptions bucketing{options.bucket_cap_bytes, options.first_bucket_cap_bytes, sharded ? comm_.size() : 1};
+    if constexpr (!sharded) {
+      layout_ = std::make_unique<BucketLayout>(*model_, bucketing, [](auto&, auto&) { return -1; }, comm_.rank());
+      grads_ = std::make_unique<Grads>(*layout_, comm_, options.find_unused_parameters);
+      optimizer_ = std::make_unique<optimizer_type>(std::move(groups), std::move(defaults));
+    } else {
+      auto units = detail::find_units(*model_);
+      if (stage == 3 && units.units.empty())
+        throw error("DataParallel", comm_.rank(),
+                    "ZeRO stage 3 gathers parameters unit by unit, and this model declares no unit: declare its "
+                    "layers or blocks as paratrain::Unit<Layer> (Note [Units], docs/sharding.md), or use stage 2");
+      if (stage < 3) units.units.clear();
+      layout_ = std::make_unique<BucketLayout>(
+          *model_, bucketing,
+          [&](auto&, const at::Tensor& p) {
+            const auto it = units.owner.find(p.unsafeGetTensorImpl());
+            return stage == 3 && it != units.owner.end() ? it->second : -1;
+          },
+          comm_.rank());
+      shards_ = std::make_unique<Shards>(*layout_, comm_, groups, std::move(defaults), units.units);
+      grads_ = std::make_unique<Grads>(*layout_, comm_, options.find_unused_parameters,
+                                       [s = shards_.get()](std::size_t b) { s->on_gradients_complete(b); });
+    }
   }
 
   /// With a default-constructed communicator (comm::Mpi: the world; comm::SingleDevice),
   /// so that every strategy is made alike: `Strategy s(Net(), torch::optim::AdamOptions(1e-3));`.
   template <class OptimOptions>
-    requires optimizer_from<Optim, OptimOptions> && std::default_initializable<Comm>
+    requires optimizer_from<optimizer_type, OptimOptions> && std::default_initializable<Comm>
   DataParallel(Model model, OptimOptions optimizer_options, Options options = {})
       : DataParallel(std::move(model), Comm{}, std::move(optimizer_options), options) {}
 
@@ -108,7 +162,7 @@ class DataParallel {
   template <loss_function Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
     begin_step();
-    reducer_->prepare(/*sync=*/true);
+    grads_->prepare(/*sync=*/true);
     const double l = batch.size() > 0 ? forward_backward(batch, loss) : 0.0;
     return end_step(batch.size(), l, has_next, /*joined=*/batch.size() == 0);
   }
@@ -117,9 +171,9 @@ class DataParallel {
   /// until the next `step`, which then averages over all their samples. Returns the mean loss.
   template <loss_function Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
-    if (!accumulating_) reducer_->zero_grad();
+    if (!accumulating_) new_step();
     accumulating_ = true;
-    reducer_->prepare(/*sync=*/false);
+    grads_->prepare(/*sync=*/false);
     if (batch.size() == 0) return 0.0;
     pending_samples_ += static_cast<double>(batch.size());
     return forward_backward(batch, loss);
@@ -129,12 +183,25 @@ class DataParallel {
   /// collectives with no samples, and applies the same update, so replicas stay equal.
   StepResult join(bool has_next = false) {
     begin_step();
-    reducer_->prepare(/*sync=*/true);
+    grads_->prepare(/*sync=*/true);
+    if constexpr (sharded) shards_->replay_gathers(rank());  // Note [Joining at stage 3]
     return end_step(0, 0.0, has_next, /*joined=*/true);
   }
 
   /// The model's output for `input`, in evaluation mode and without gradients.
   at::Tensor predict(const at::Tensor& input) { return detail::predict(model_, input); }
+
+  /// Every parameter of the model, whole, as a copy (model()->parameters() order).
+  /// Collective: at ZeRO stage 3 the parameters are gathered for it, so every rank calls it.
+  std::vector<at::Tensor> full_parameters() {
+    std::vector<at::Tensor> out;
+    const auto copy = [&] {
+      for (const auto& p : model_->parameters()) out.push_back(p.detach().clone());
+    };
+    if constexpr (sharded) shards_->with_gathered(copy);
+    else copy();
+    return out;
+  }
 
   /// Reduces `t` in place over the ranks (for metrics), on the model's device, where
   /// the communicator works (comm::Nccl reduces CUDA tensors only).
@@ -155,22 +222,47 @@ class DataParallel {
   [[nodiscard]] int rank() const { return comm_.rank(); }
   [[nodiscard]] int world_size() const { return comm_.size(); }
   [[nodiscard]] Model& model() noexcept { return model_; }
-  [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }
+  /// The optimizer; when sharded, the one over this rank's pieces (Note [Optimizer on
+  /// pieces]), with the same parameter groups as given, so schedules work alike.
+  [[nodiscard]] optimizer_type& optimizer() noexcept {
+    if constexpr (sharded) return shards_->optimizer();
+    else return *optimizer_;
+  }
   [[nodiscard]] Comm& communicator() noexcept { return comm_; }
   [[nodiscard]] const Options& options() const noexcept { return options_; }
-  [[nodiscard]] std::size_t bucket_count() const noexcept { return reducer_->bucket_count(); }
+  [[nodiscard]] std::size_t bucket_count() const noexcept { return grads_->bucket_count(); }
+  /// The parameter names of bucket `i`, in the order they are laid out.
+  [[nodiscard]] std::vector<std::string> bucket_names(std::size_t i) const { return layout_->names(i); }
   /// Seconds the last step waited for communication after backward (not overlapped).
-  [[nodiscard]] double exposed_communication_seconds() const noexcept { return reducer_->exposed_seconds(); }
+  [[nodiscard]] double exposed_communication_seconds() const noexcept { return grads_->exposed_seconds(); }
+  /// Bytes this rank holds for parameters, gradients and optimizer state between steps:
+  /// what paratrain::plan predicts (docs/sharding.md).
+  [[nodiscard]] ModelStateBytes model_state_bytes() const {
+    ModelStateBytes out;
+    if constexpr (sharded) {
+      out = shards_->bytes();
+    } else {
+      for (const auto& p : layout_->params()) out.parameters += detail::bytes_of(p.tensor);
+      out.optimizer_state = detail::optimizer_state_bytes(*optimizer_);
+    }
+    out.gradients = grads_->bytes();
+    return out;
+  }
   /// Reports each step's phases and each bucket's all-reduce into `timeline` (fit's
   /// trace does this); null, the default, times nothing. Note [Zero-cost timeline].
   void set_timeline(observe::StepTimeline* timeline) noexcept {
     timeline_ = timeline;
-    reducer_->set_timeline(timeline);
+    grads_->set_timeline(timeline);
   }
 
  private:
+  void new_step() {
+    grads_->zero_grad();
+    if constexpr (sharded) shards_->begin_step();
+  }
+
   void begin_step() {
-    if (!accumulating_) reducer_->zero_grad();
+    if (!accumulating_) new_step();
     accumulating_ = false;
     if (options_.broadcast_buffers) detail::broadcast_coalesced(comm_, model_->buffers(), 0);
   }
@@ -190,25 +282,34 @@ class DataParallel {
   StepResult end_step(std::int64_t samples, double loss, bool has_next, bool joined) {
     const double local = std::exchange(pending_samples_, 0.0) + static_cast<double>(samples);
     observe::PhaseTimer sync(timeline_, observe::Phase::sync);
-    const auto status = reducer_->finish(local, has_next, joined);
+    const auto status = grads_->finish(local, has_next, joined);
     sync.stop();
     if (!options_.join && status.ranks_with_next != 0 && status.ranks_with_next != world_size())
       throw error("DataParallel::step", rank(),
                   std::to_string(status.ranks_with_next) + " of " + std::to_string(world_size()) +
                       " ranks have another batch; give every rank the same number of batches (DistributedSampler "
                       "does), or keep DataParallelOptions::join on (the default)");
+    double norm = 0;
     if (status.samples > 0) {
+      if (options_.max_grad_norm > 0) norm = grads_->clip_grad_norm(options_.max_grad_norm);
       observe::PhaseTimer step(timeline_, observe::Phase::optimizer);
-      optimizer_->step();
+      if constexpr (sharded) shards_->step(*grads_);
+      else optimizer_->step();
     }
-    return {loss, samples, status.samples, status.ranks_with_next};
+    if constexpr (sharded)
+      if (!joined) shards_->end_step();
+    return {loss, samples, status.samples, status.ranks_with_next, norm};
   }
 
   Model model_;
   Comm comm_;
   Options options_;
-  std::unique_ptr<detail::Reducer<Comm>> reducer_;  // its hooks point at it: a stable address
-  std::unique_ptr<Optim> optimizer_;
+  using Grads = GradientBuckets<Comm, Hook>;
+  using Shards = ShardedParameters<Comm, optimizer_type, zero_stage>;
+  std::unique_ptr<BucketLayout> layout_;
+  std::unique_ptr<Shards> shards_;  // ZeRO only
+  std::unique_ptr<Grads> grads_;    // its hooks point at it: a stable address
+  std::unique_ptr<optimizer_type> optimizer_;  // DDP only
   bool accumulating_ = false;
   double pending_samples_ = 0;
   observe::StepTimeline* timeline_ = nullptr;

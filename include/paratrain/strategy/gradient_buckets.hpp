@@ -1,0 +1,340 @@
+#pragma once
+/// \file
+/// paratrain::GradientBuckets — gradient-ready hooks over a BucketLayout, and the policy
+/// for what a complete bucket does (all-reduce for DDP, reduce-scatter for ZeRO): the
+/// one mechanism under DataParallel at every ZeRO stage.
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/concepts/communicator.hpp"
+#include "paratrain/error.hpp"
+#include "paratrain/observe/timeline.hpp"
+#include "paratrain/strategy/bucket_layout.hpp"
+
+namespace paratrain {
+
+// Note [Exact averaging]
+// Each rank back-propagates loss * n (n = its sample count this step), so its gradient
+// is the sum over its samples. The buckets are summed across ranks and divided by the
+// global sample count, which a small status all-reduce at the end of the step carries.
+// The result is the gradient of the mean loss over the union of all ranks' samples:
+// exactly what one device computes on the concatenated batch, also when ranks have
+// different batch sizes, accumulate several micro-batches, or have run out of data
+// (joined, n = 0).
+
+/// What a bucket of gradients does once all of them are ready: the layer's extension
+/// point (PyTorch's `register_comm_hook`). A hook returns a request for the summed
+/// gradient and says where the result lives.
+///
+/// | hook                     | leaves on each rank               | used by              |
+/// |--------------------------|-----------------------------------|----------------------|
+/// | `AllReduceGradients`     | the whole summed bucket (`grad`)  | DDP, ZeRO stage 1    |
+/// | `ReduceScatterGradients` | its shard of the sum (`shard`)    | ZeRO stages 2 and 3  |
+///
+/// A compressing hook would sum a compressed copy and decompress in its request.
+template <class H, class Comm>
+concept bucket_hook = requires(H& h, Comm& c, at::Tensor& grad, at::Tensor& shard) {
+  { h.launch(c, grad, shard) } -> request;
+  { H::shards_gradients } -> std::convertible_to<bool>;
+};
+
+/// Every rank keeps the whole summed gradient.
+struct AllReduceGradients {
+  static constexpr bool shards_gradients = false;
+  template <async_communicator Comm>
+  auto launch(Comm& c, at::Tensor& grad, at::Tensor& /*shard*/) {
+    return c.iall_reduce(grad, reduce_op::sum);
+  }
+};
+
+/// Each rank keeps only its shard of the summed gradient (Note [Shard layout]); the whole
+/// bucket exists only from its first gradient until its reduce-scatter completes.
+struct ReduceScatterGradients {
+  static constexpr bool shards_gradients = true;
+  template <async_sharding_communicator Comm>
+  auto launch(Comm& c, at::Tensor& grad, at::Tensor& shard) {
+    return c.ireduce_scatter(grad, shard, reduce_op::sum);
+  }
+};
+
+/// Collective facts about one step, the same on every rank.
+struct StepStatus {
+  double samples = 0;       ///< samples across all ranks this step
+  int ranks_with_next = 0;  ///< ranks that have another batch after this one
+};
+
+/// Gradients of a model's parameters in the buckets of a BucketLayout: hooks that see
+/// each gradient become ready, launch each complete bucket through `Hook` in bucket
+/// order (Note [Bucket order]) while backward goes on, and at the end of the step wait,
+/// agree on the step's status and average exactly (Note [Exact averaging]).
+template <class Comm, bucket_hook<Comm> Hook>
+class GradientBuckets {
+ public:
+  static constexpr bool shards = Hook::shards_gradients;
+
+  /// `layout` must outlive this object; `on_complete(b)` is called when every gradient of
+  /// bucket b is ready in a backward (accumulating or not): ZeRO-3 frees parameters then.
+  GradientBuckets(const BucketLayout& layout, Comm& comm, bool find_unused_parameters,
+                  std::function<void(std::size_t)> on_complete = {})
+      : layout_(&layout),
+        comm_(&comm),
+        find_unused_(find_unused_parameters),
+        on_complete_(std::move(on_complete)),
+        params_(layout.params().size()),
+        buckets_(layout.buckets().size()) {
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      if constexpr (shards) {
+        buckets_[b].shard = at::zeros({layout.shard_numel(b)}, layout.buckets()[b].options);
+        for (auto i : layout.buckets()[b].params) tensor(i).mutable_grad() = at::Tensor();
+      } else {
+        allocate(b);
+      }
+    }
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      params_[i].accumulator = torch::autograd::impl::grad_accumulator(tensor(i));
+      params_[i].hook_key = params_[i].accumulator->add_post_hook(std::make_unique<ReadyHook>(this, i));
+    }
+  }
+
+  GradientBuckets(const GradientBuckets&) = delete;
+  GradientBuckets& operator=(const GradientBuckets&) = delete;
+  ~GradientBuckets() {
+    for (auto& p : params_)
+      if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
+  }
+
+  /// Sets every gradient to zero (DDP: views into their buckets again; sharded: the
+  /// whole-bucket buffers are released, and come back as gradients arrive).
+  void zero_grad() {
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      if constexpr (shards) {
+        release(b);
+      } else {
+        buckets_[b].grad.zero_();
+        for (auto i : layout_->buckets()[b].params) keep_grad_in_bucket(i);
+      }
+    }
+    for (auto& p : params_) p.used = false;
+  }
+
+  /// Before backward: with `sync`, buckets are reduced as they fill; without (gradient
+  /// accumulation) the hooks only let gradients accumulate.
+  void prepare(bool sync) {
+    sync_ = sync;
+    next_launch_ = 0;
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      buckets_[b].pending = static_cast<int>(layout_->buckets()[b].params.size());
+    for (auto& p : params_) p.ready = false;
+    if (shards && sync) allocate(0);  // the first bucket's views are ready before its gradients
+  }
+
+  /// After backward (or instead of it, for a rank that has joined with no data):
+  /// launches what is left, waits, and divides by the global sample count.
+  StepStatus finish(double local_samples, bool has_next, bool joined = false) {
+    // [samples, ranks with a next batch, ranks with an unexpected unused parameter,
+    //  then with find_unused_parameters: for each parameter, the ranks that used it]
+    const auto n = static_cast<std::int64_t>(params_.size());
+    auto status = at::zeros({3 + (find_unused_ ? n : 0)}, at::kDouble);
+    auto* s = status.data_ptr<double>();
+    std::optional<std::string> unused;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      if (find_unused_ && params_[i].used) s[3 + i] = 1;
+      if (!params_[i].used && !joined && !find_unused_ && !unused) unused = layout_->params()[i].name;
+      mark_ready(i);
+    }
+    s[0] = local_samples;
+    s[1] = has_next ? 1 : 0;
+    s[2] = unused ? 1 : 0;
+    const auto start = std::chrono::steady_clock::now();
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      if (auto& r = buckets_[b].request) {
+        r->wait();
+        if (timeline_) timeline_->completed(b);
+      }
+      buckets_[b].request.reset();
+      if constexpr (shards) release(b);
+    }
+    all_reduce_on_device(status);
+    exposed_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    used_anywhere_.assign(params_.size(), true);
+    if (find_unused_)
+      for (std::size_t i = 0; i < params_.size(); ++i) used_anywhere_[i] = s[3 + i] > 0;
+    // A parameter no rank used has no gradient, so the optimizer leaves it alone
+    // (weight decay and momentum included), exactly as on a single device.
+    if constexpr (!shards)
+      for (std::size_t i = 0; i < params_.size(); ++i)
+        if (!used_anywhere_[i]) tensor(i).mutable_grad() = at::Tensor();
+    if (s[2] > 0)
+      throw error("DataParallel", comm_->rank(),
+                  unused ? "parameter '" + *unused +
+                               "' received no gradient in this step; enable "
+                               "DataParallel::Options::find_unused_parameters if some parameters are legitimately "
+                               "unused in some steps, or make every parameter take part in the loss"
+                         : std::to_string(static_cast<int>(s[2])) +
+                               " other rank(s) found a parameter without gradient (see their message); enable "
+                               "DataParallel::Options::find_unused_parameters if that is expected");
+    if (s[0] > 0)
+      for (auto& b : buckets_) reduced(b).div_(s[0]);
+    return {s[0], static_cast<int>(s[1])};
+  }
+
+  /// Scales the reduced gradients so that their global 2-norm is at most `max_norm`, as
+  /// torch::nn::utils::clip_grad_norm_ does on the whole model; returns the norm before.
+  /// Collective when the gradients are sharded. Call after finish().
+  double clip_grad_norm(double max_norm) {
+    double squares = 0;
+    for (auto& b : buckets_) {
+      const double norm = reduced(b).norm().template item<double>();
+      squares += norm * norm;
+    }
+    if constexpr (shards) {
+      auto total = at::full({1}, squares, at::kDouble);
+      all_reduce_on_device(total);
+      squares = total.template item<double>();
+    }
+    const double norm = std::sqrt(squares);
+    const double coef = std::min(max_norm / (norm + 1e-6), 1.0);
+    for (auto& b : buckets_) reduced(b).mul_(coef);
+    return norm;
+  }
+
+  /// After finish(): whether any rank produced a gradient for parameter `i` this step
+  /// (always true without find_unused_parameters).
+  [[nodiscard]] bool used_anywhere(std::size_t i) const { return used_anywhere_.at(i); }
+  /// The whole (DDP, ZeRO-1) or sharded (ZeRO-2/3) reduced gradient of bucket `b`.
+  [[nodiscard]] const at::Tensor& reduced(std::size_t b) const { return reduced(buckets_.at(b)); }
+  /// Bytes of gradient storage held between steps.
+  [[nodiscard]] std::size_t bytes() const {
+    std::size_t n = 0;
+    for (auto& b : buckets_) {
+      const auto& t = reduced(b);
+      if (t.defined()) n += static_cast<std::size_t>(t.numel() * t.element_size());
+    }
+    return n;
+  }
+
+  [[nodiscard]] double exposed_seconds() const noexcept { return exposed_seconds_; }
+  [[nodiscard]] std::size_t bucket_count() const noexcept { return buckets_.size(); }
+  /// Where each bucket's launch and completion are reported; null (the default): nowhere,
+  /// at the cost of one pointer test. Note [Zero-cost timeline].
+  void set_timeline(observe::StepTimeline* timeline) noexcept { timeline_ = timeline; }
+
+ private:
+  using Request = decltype(std::declval<Hook&>().launch(std::declval<Comm&>(), std::declval<at::Tensor&>(),
+                                                         std::declval<at::Tensor&>()));
+  struct Param {
+    bool ready = false;  // in this backward
+    bool used = false;   // a gradient arrived since zero_grad()
+    std::shared_ptr<torch::autograd::Node> accumulator;  // the variable keeps only a weak_ptr
+    std::uintptr_t hook_key = 0;
+  };
+  struct Bucket {
+    at::Tensor grad;   // the whole bucket, padded; sharded: only while gradients arrive
+    at::Tensor shard;  // sharded: this rank's part of the sum
+    int pending = 0;
+    std::optional<Request> request;
+  };
+
+  // Fires after autograd has accumulated the parameter's gradient.
+  struct ReadyHook final : torch::autograd::FunctionPostHook {
+    ReadyHook(GradientBuckets* g, std::size_t i) : owner(g), index(i) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& grad_inputs,
+                                              const torch::autograd::variable_list&) override {
+      owner->params_[index].used = true;
+      owner->mark_ready(index);
+      return grad_inputs;
+    }
+    GradientBuckets* owner;
+    std::size_t index;
+  };
+
+  [[nodiscard]] const at::Tensor& tensor(std::size_t i) const { return layout_->params()[i].tensor; }
+  [[nodiscard]] static const at::Tensor& reduced(const Bucket& b) { return shards ? b.shard : b.grad; }
+
+  // The whole-bucket buffer, with every gradient of the bucket a view into it.
+  void allocate(std::size_t b) {
+    auto& bucket = buckets_[b];
+    if (bucket.grad.defined()) return;
+    bucket.grad = layout_->zeros(b);
+    for (auto i : layout_->buckets()[b].params) keep_grad_in_bucket(i);
+  }
+
+  void release(std::size_t b) {
+    buckets_[b].grad = at::Tensor();
+    for (auto i : layout_->buckets()[b].params) tensor(i).mutable_grad() = at::Tensor();
+  }
+
+  void mark_ready(std::size_t i) {
+    auto& p = params_[i];
+    if (p.ready) return;
+    p.ready = true;
+    const auto b = layout_->params()[i].bucket;
+    allocate(b);
+    keep_grad_in_bucket(i);
+    if (--buckets_[b].pending == 0 && on_complete_) on_complete_(b);
+    if (!sync_) return;
+    // Note [Bucket order]: launch in index order only.
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+      auto& bucket = buckets_[next_launch_];
+      if (timeline_) timeline_->launched(next_launch_);
+      bucket.request.emplace(hook_.launch(*comm_, bucket.grad, bucket.shard));
+      ++next_launch_;
+      if (shards && next_launch_ < buckets_.size()) allocate(next_launch_);  // one bucket ahead
+    }
+    // MPI progresses only inside MPI calls (no progress thread in OpenMPI 4.1); each
+    // gradient hook gives the oldest pending reduction a turn.
+    for (std::size_t k = 0; k < buckets_.size(); ++k)
+      if (auto& r = buckets_[k].request) {
+        if (!r->test()) break;
+        if (timeline_) timeline_->completed(k);
+      }
+  }
+
+  // The gradient of parameter i as a view into its bucket. If something replaced .grad
+  // (autograd, when the bucket was not allocated yet; a user's zero_grad(set_to_none)),
+  // the gradient is copied into the bucket and the view restored, so it is never lost.
+  void keep_grad_in_bucket(std::size_t i) {
+    auto& g = tensor(i).mutable_grad();
+    const auto& p = layout_->params()[i];
+    auto view = buckets_[p.bucket].grad.narrow(0, p.offset, p.tensor.numel());
+    if (g.defined() && g.data_ptr() == view.data_ptr()) return;
+    at::NoGradGuard no_grad;
+    if (g.defined()) view.copy_(g.reshape({-1}));
+    else view.zero_();
+    g = view.view(p.tensor.sizes());
+  }
+
+  // On the parameters' device, where the communicator works (comm::Nccl: CUDA only).
+  void all_reduce_on_device(at::Tensor& t) {
+    const auto device = tensor(0).device();
+    if (device.is_cpu()) return comm_->all_reduce(t, reduce_op::sum);
+    auto on_device = t.to(device);
+    comm_->all_reduce(on_device, reduce_op::sum);
+    t.copy_(on_device);
+  }
+
+  const BucketLayout* layout_;
+  Comm* comm_;
+  bool find_unused_;
+  std::function<void(std::size_t)> on_complete_;
+  Hook hook_;
+  std::vector<Param> params_;
+  std::vector<Bucket> buckets_;
+  std::vector<bool> used_anywhere_;
+  std::size_t next_launch_ = 0;
+  bool sync_ = true;
+  double exposed_seconds_ = 0;
+  observe::StepTimeline* timeline_ = nullptr;
+};
+
+}  // namespace paratrain

@@ -1,0 +1,79 @@
+#pragma once
+/// \file
+/// paratrain::Sharded — the ZeRO policy: `DataParallel<Net, Comm, Sharded<Optim, Stage>>`
+/// trains like DDP while each rank holds only its share of the model states.
+
+#include <type_traits>
+
+#include "paratrain/concepts/optimizer.hpp"
+
+namespace paratrain {
+
+/// The ZeRO stages (Rajbhandari et al. 2019). Per rank, with Ψ parameters, N ranks and
+/// K bytes of optimizer state per parameter (fp32 Adam: K = 8), parameters and gradients
+/// in fp32:
+///
+/// | stage            | shards                             | bytes per rank        | when                          |
+/// |------------------|------------------------------------|-----------------------|-------------------------------|
+/// | (DDP)            | nothing                            | (4 + 4 + K)Ψ          | the model states fit          |
+/// | `zero::stage1`   | optimizer state                    | (4 + 4)Ψ + KΨ/N       | Adam's state is what overflows |
+/// | `zero::stage2`   | + gradients (reduce-scattered)     | 4Ψ + (4 + K)Ψ/N       | the default choice: DDP's traffic |
+/// | `zero::stage3`   | + parameters (gathered per Unit)   | (4 + 4 + K)Ψ/N        | the parameters themselves overflow |
+///
+/// Stages 1 and 2 move as many bytes as DDP (a reduce-scatter and an all-gather are one
+/// all-reduce); stage 3 gathers each unit's parameters twice (forward and backward), 1.5x.
+/// `paratrain::plan` computes the table for your model; docs/sharding.md explains it.
+namespace zero {
+struct stage1 {
+  static constexpr int value = 1;
+};
+struct stage2 {
+  static constexpr int value = 2;
+};
+struct stage3 {
+  static constexpr int value = 3;
+};
+template <class S>
+concept stage = std::is_same_v<S, stage1> || std::is_same_v<S, stage2> || std::is_same_v<S, stage3>;
+}  // namespace zero
+
+/// `Optim` (any torch::optim optimizer, unmodified) stepping only this rank's shard of
+/// the parameters: the third argument of DataParallel.
+///
+/// \code
+///   using Strategy = paratrain::DataParallel<Net, paratrain::comm::Mpi,
+///                                            paratrain::Sharded<torch::optim::AdamW, paratrain::zero::stage2>>;
+///   Strategy s(Net(), torch::optim::AdamWOptions(1e-3));
+/// \endcode
+template <class Optim, class Stage = zero::stage2>
+struct Sharded {
+  static_assert(explain_optimizer<Optim>());
+  static_assert(zero::stage<Stage>,
+                "paratrain: the second argument of Sharded is the ZeRO stage: paratrain::zero::stage1, stage2 or stage3");
+  using optimizer_type = Optim;
+  using stage_type = Stage;
+  static constexpr int stage = Stage::value;
+};
+
+namespace detail {
+template <class T>
+struct is_sharded : std::false_type {};
+template <class O, class S>
+struct is_sharded<Sharded<O, S>> : std::true_type {};
+
+/// The optimizer DataParallel drives: `Optim` itself, or the one inside Sharded<Optim, ...>.
+template <class T>
+struct optimizer_of {
+  using type = T;
+};
+template <class O, class S>
+struct optimizer_of<Sharded<O, S>> {
+  using type = O;
+};
+}  // namespace detail
+
+/// DataParallel's third argument: an optimizer (DDP) or a Sharded<Optimizer, Stage> (ZeRO).
+template <class P>
+concept update_policy = optimizer<P> || detail::is_sharded<P>::value;
+
+}  // namespace paratrain

@@ -1,0 +1,372 @@
+#pragma once
+/// \file
+/// The parameter side of ZeRO: flat parameter buffers over a BucketLayout, this rank's
+/// shard of them, the optimizer over its pieces, and ZeRO-3's gather / free per Unit.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/optim/sgd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "paratrain/concepts/communicator.hpp"
+#include "paratrain/error.hpp"
+#include "paratrain/strategy/bucket_layout.hpp"
+#include "paratrain/strategy/gradient_buckets.hpp"
+#include "paratrain/strategy/unit.hpp"
+
+namespace paratrain {
+
+// Note [Optimizer on pieces]
+// The sharded optimizer is the user's optimizer type, unmodified, constructed over the
+// pieces of this rank's shard (Note [Shard layout]): one leaf tensor per parameter that
+// overlaps the shard, a view into the flat parameter storage, with a gradient that is a
+// view into the reduced gradient. Every torch::optim optimizer (SGD, Adam, AdamW,
+// RMSprop, Adagrad and subclasses of them) updates each element from that element's
+// gradient and state alone, so stepping the pieces equals stepping the whole parameters
+// and keeping this rank's part. Because pieces are per parameter, they keep what a flat
+// shard would lose: each parameter's group (different weight decay, learning rate; fit's
+// schedule sets every group), and a parameter no rank used this step has no gradient,
+// so the optimizer skips it exactly as on one device. An optimizer that couples the
+// elements of a parameter (LAMB's trust ratio, Shampoo) would need the whole parameter
+// and is not supported sharded.
+
+/// Bytes a strategy holds between steps for the model's states on this rank.
+struct ModelStateBytes {
+  std::size_t parameters = 0;
+  std::size_t gradients = 0;
+  std::size_t optimizer_state = 0;
+  [[nodiscard]] std::size_t total() const noexcept { return parameters + gradients + optimizer_state; }
+};
+
+/// The parameter groups of an optimizer, as LibTorch spells them.
+using ParamGroups = std::vector<torch::optim::OptimizerParamGroup>;
+
+namespace detail {
+
+inline std::size_t bytes_of(const at::Tensor& t) {
+  return t.defined() ? static_cast<std::size_t>(t.numel() * t.element_size()) : 0;
+}
+
+/// The bytes of an optimizer's state tensors (the built-in optimizers' states, and
+/// those of subclasses that keep them).
+inline std::size_t optimizer_state_bytes(const torch::optim::Optimizer& o) {
+  std::size_t n = 0;
+  for (const auto& [key, state] : o.state()) {
+    const auto* s = state.get();
+    if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(s))
+      n += bytes_of(a->exp_avg()) + bytes_of(a->exp_avg_sq()) + bytes_of(a->max_exp_avg_sq());
+    else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(s))
+      n += bytes_of(w->exp_avg()) + bytes_of(w->exp_avg_sq()) + bytes_of(w->max_exp_avg_sq());
+    else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s))
+      n += bytes_of(g->momentum_buffer());
+    else if (auto* d = dynamic_cast<const torch::optim::AdagradParamState*>(s))
+      n += bytes_of(d->sum());
+    else if (auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(s))
+      n += bytes_of(r->square_avg()) + bytes_of(r->momentum_buffer()) + bytes_of(r->grad_avg());
+  }
+  return n;
+}
+
+/// The units of `model` (Note [Units]) in registration order, and for each parameter
+/// that requires a gradient the innermost unit that holds it.
+struct UnitMap {
+  std::vector<UnitBase*> units;
+  std::map<const void*, int> owner;  // TensorImpl* -> unit
+};
+
+inline UnitMap find_units(torch::nn::Module& model) {
+  UnitMap map;
+  for (const auto& m : model.modules(/*include_self=*/true))
+    if (auto* u = dynamic_cast<UnitBase*>(m.get())) {
+      const int index = static_cast<int>(map.units.size());
+      map.units.push_back(u);
+      for (const auto& p : m->parameters(/*recurse=*/true)) map.owner[p.unsafeGetTensorImpl()] = index;
+    }
+  return map;
+}
+
+/// Each parameter's group index in `groups`; throws naming a parameter that is in none.
+inline std::map<const void*, std::size_t> group_of(const BucketLayout& layout, const ParamGroups& groups, int rank) {
+  std::map<const void*, std::size_t> index;
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (const auto& p : groups[g].params()) index.emplace(p.unsafeGetTensorImpl(), g);
+  for (const auto& p : layout.params())
+    if (!index.count(p.tensor.unsafeGetTensorImpl()))
+      throw error("Sharded", rank,
+                  "parameter '" + p.name +
+                      "' is in no parameter group; list every parameter that requires a gradient in exactly one "
+                      "OptimizerParamGroup");
+  return index;
+}
+
+}  // namespace detail
+
+/// ZeRO's parameters and optimizer: stage 1/2 keep every parameter whole in flat buffers
+/// and all-gather the updated shards after each step; stage 3 keeps only the shard of a
+/// Unit's parameters at rest and gathers them around the unit's forward and backward,
+/// prefetching the next unit's while one computes.
+template <class Comm, class Optim, int Stage>
+class ShardedParameters final : public detail::UnitObserver {
+ public:
+  /// `layout` must outlive this object. Collective (stage 3 splits off the communicator
+  /// its gathers use: Note [Two communicators]).
+  template <class OptimOptions>
+  ShardedParameters(const BucketLayout& layout, Comm& comm, const ParamGroups& groups, OptimOptions defaults,
+                    std::vector<detail::UnitBase*> units)
+      : layout_(&layout), comm_(&comm), gather_comm_(gather_communicator(comm)), units_(std::move(units)) {
+    const auto rank = comm.rank();
+    const auto& buckets = layout.buckets();
+    at::NoGradGuard no_grad;
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      auto& s = shards_.emplace_back();
+      s.full = layout.zeros(b);
+      for (auto i : buckets[b].params) {
+        const auto& p = layout.params()[i];
+        auto view = layout.view(s.full, i);
+        view.copy_(p.tensor.detach());
+        p.tensor.set_data(view);  // the parameter now lives in the flat buffer
+      }
+      const auto n = layout.shard_numel(b);
+      s.resident = Stage < 3 || buckets[b].unit < 0;
+      s.shard = s.resident ? s.full.narrow(0, rank * n, n) : s.full.narrow(0, rank * n, n).clone();
+      if (!s.resident) {
+        release_storage(s.full);
+        units_state_.at(static_cast<std::size_t>(buckets[b].unit)).buckets.push_back(b);
+      }
+    }
+    make_pieces();
+    // Note [Optimizer on pieces]: the user's groups and options, over this rank's pieces.
+    const auto group = detail::group_of(layout, groups, rank);
+    std::vector<std::vector<at::Tensor>> pieces_of(groups.size());
+    for (const auto& piece : pieces_)
+      pieces_of[group.at(layout.params()[piece.param].tensor.unsafeGetTensorImpl())].push_back(piece.tensor);
+    ParamGroups shard_groups;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      // A group with nothing in this shard still exists, so that group indices and the
+      // learning-rate schedule mean the same on every rank; its one empty tensor never
+      // has a gradient, so the optimizer skips it.
+      if (pieces_of[g].empty()) pieces_of[g].push_back(at::empty({0}, buckets.front().options));
+      if (groups[g].has_options())
+        shard_groups.emplace_back(pieces_of[g], groups[g].options().clone());
+      else
+        shard_groups.emplace_back(pieces_of[g]);
+    }
+    optimizer_ = std::make_unique<Optim>(std::move(shard_groups), std::move(defaults));
+    for (std::size_t u = 0; u < units_.size(); ++u) units_[u]->attach(this, u);
+  }
+
+  ShardedParameters(const ShardedParameters&) = delete;
+  ShardedParameters& operator=(const ShardedParameters&) = delete;
+  ~ShardedParameters() {
+    for (auto* u : units_) u->attach(nullptr, 0);
+  }
+
+  [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }
+
+  /// Steps this rank's pieces with the reduced gradients in `grads`, then rebuilds the
+  /// whole parameters that stay resident (stages 1 and 2; stage 3's root parameters).
+  template <class Hook>
+  void step(const GradientBuckets<Comm, Hook>& grads) {
+    for (auto& piece : pieces_) {
+      auto& g = piece.tensor.mutable_grad();
+      if (!grads.used_anywhere(piece.param)) {
+        g = at::Tensor();
+        continue;
+      }
+      const auto& reduced = grads.reduced(layout_->params()[piece.param].bucket);
+      // Stage 1 reduces whole buckets: this rank's shard starts at rank * S.
+      g = reduced.narrow(0, (GradientBuckets<Comm, Hook>::shards ? 0 : shard_begin(piece.bucket)) + piece.begin,
+                         piece.tensor.numel());
+    }
+    optimizer_->step();
+    using Request = decltype(comm_->iall_gather(std::declval<const at::Tensor&>(), std::declval<at::Tensor&>()));
+    std::vector<Request> gathers;
+    for (auto& s : shards_)
+      if (s.resident) gathers.push_back(comm_->iall_gather(s.shard, s.full));
+    for (auto& r : gathers) r.wait();
+  }
+
+  /// Runs `f` with every unit's parameters gathered (stage 3), then frees them again.
+  /// Collective at stage 3: every rank calls it.
+  template <class F>
+  void with_gathered(F&& f) {
+    for (std::size_t u = 0; u < units_.size(); ++u) gather(u);
+    f();
+    for (std::size_t u = 0; u < units_.size(); ++u) release(u);
+  }
+
+  /// Starts a new step's record of unit gathers (what a rank that joins replays).
+  void begin_step() { sequence_.clear(); }
+  /// Ends a step that had data: its gathers become the ones a joined rank replays.
+  void end_step() {
+    for (std::size_t u = 0; u < units_.size(); ++u) release(u);  // a prefetch no unit used
+    if (!sequence_.empty()) replay_.swap(sequence_);
+  }
+
+  // Note [Joining at stage 3]
+  // A rank with no batch must still take part in every gather the others make. Their
+  // sequence of unit gathers is a function of the model's forward and backward, the
+  // same every step, so a joined rank replays the sequence of its own last step with
+  // data: gathers in the same order on the gather communicator, while its (empty)
+  // gradients are reduce-scattered in bucket order on the other one.
+  void replay_gathers(int rank) {
+    if (!units_.empty() && replay_.empty())
+      throw error("DataParallel::join", rank,
+                  "at ZeRO stage 3 a rank joins by repeating the unit gathers of its last step, and this rank has "
+                  "had no step yet; give every rank at least one batch (DistributedSampler does)");
+    for (auto u : replay_) {
+      gather(u);
+      release(u);
+    }
+  }
+
+  /// Called when every gradient of bucket `b` is ready: a stage-3 unit whose buckets are
+  /// all complete has finished its backward, and its parameters are freed.
+  void on_gradients_complete(std::size_t b) {
+    const int unit = layout_->buckets()[b].unit;
+    if (Stage < 3 || unit < 0) return;
+    auto& u = units_state_[static_cast<std::size_t>(unit)];
+    if (++u.complete == static_cast<int>(u.buckets.size())) {
+      u.complete = 0;
+      release(static_cast<std::size_t>(unit));
+    }
+  }
+
+  /// The bytes held between steps (stage 3: only the shards of unit parameters).
+  [[nodiscard]] ModelStateBytes bytes() const {
+    ModelStateBytes out;
+    for (const auto& s : shards_) out.parameters += s.resident ? detail::bytes_of(s.full) : detail::bytes_of(s.shard);
+    out.optimizer_state = detail::optimizer_state_bytes(*optimizer_);
+    return out;
+  }
+
+  // ---- detail::UnitObserver (stage 3) ---------------------------------------------
+  void before_forward(std::size_t u) override {
+    gather(u);
+    if (u + 1 < units_.size()) prefetch(u + 1);
+  }
+  void after_forward(std::size_t u) override { release(u); }
+  void before_backward(std::size_t u) override {
+    gather(u);
+    if (u > 0) prefetch(u - 1);
+  }
+
+ private:
+  struct Shard {
+    at::Tensor full;   // the whole bucket, padded; stage 3 units: storage only while gathered
+    at::Tensor shard;  // this rank's part: a view of `full` when resident, else its own storage
+    bool resident = true;
+  };
+  struct Piece {
+    at::Tensor tensor;      // a view into its bucket's shard: what the optimizer steps
+    std::size_t param = 0;  // in the layout
+    std::size_t bucket = 0;
+    std::int64_t begin = 0;  // offset in the shard
+  };
+  using GatherRequest = decltype(std::declval<Comm&>().iall_gather(std::declval<const at::Tensor&>(),
+                                                                   std::declval<at::Tensor&>()));
+  struct UnitState {
+    std::vector<std::size_t> buckets;
+    std::vector<GatherRequest> inflight;
+    bool gathered = false;
+    int complete = 0;
+  };
+
+  // Note [Two communicators]
+  // At stage 3 the parameter gathers of backward interleave with the gradient
+  // reduce-scatters, and where exactly depends on when each rank's gradients become
+  // ready. MPI requires one order of collectives per communicator, so the gathers use a
+  // communicator of their own (split once, at construction): each stream is in a fixed
+  // order on every rank, whatever their interleaving.
+  static Comm gather_communicator(Comm& comm) {
+    if constexpr (Stage == 3) return comm.split(0, comm.rank());
+    else return comm;
+  }
+
+  [[nodiscard]] std::int64_t shard_begin(std::size_t b) const {
+    return comm_->rank() * layout_->shard_numel(b);
+  }
+
+  void make_pieces() {
+    for (std::size_t b = 0; b < shards_.size(); ++b) {
+      const auto begin = shard_begin(b), end = begin + layout_->shard_numel(b);
+      for (auto i : layout_->buckets()[b].params) {
+        const auto& p = layout_->params()[i];
+        const auto lo = std::max(begin, p.offset), hi = std::min(end, p.offset + p.tensor.numel());
+        if (lo >= hi) continue;
+        pieces_.push_back({shards_[b].shard.narrow(0, lo - begin, hi - lo), i, b, lo - begin});
+      }
+    }
+  }
+
+  // The storage of a stage-3 bucket comes and goes; the parameters (views of it, saved
+  // for backward by autograd) keep pointing at the same StorageImpl.
+  static void allocate_storage(at::Tensor& full) {
+    auto* s = full.storage().unsafeGetStorageImpl();
+    if (s->data() != nullptr) return;
+    const auto bytes = detail::bytes_of(full);
+    s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+    s->set_nbytes(bytes);
+  }
+  static void release_storage(at::Tensor& full) {
+    auto* s = full.storage().unsafeGetStorageImpl();
+    s->set_data_ptr_noswap(at::DataPtr(nullptr, full.device()));
+    s->set_nbytes(0);
+  }
+
+  void launch(std::size_t u) {
+    auto& state = units_state_[u];
+    for (auto b : state.buckets) {
+      allocate_storage(shards_[b].full);
+      state.inflight.push_back(gather_comm_.iall_gather(shards_[b].shard, shards_[b].full));
+    }
+    sequence_.push_back(u);
+  }
+
+  void prefetch(std::size_t u) {
+    auto& state = units_state_[u];
+    if (!state.gathered && state.inflight.empty()) launch(u);
+  }
+
+  void gather(std::size_t u) {
+    auto& state = units_state_[u];
+    if (state.gathered) return;
+    if (state.inflight.empty()) launch(u);
+    for (auto& r : state.inflight) r.wait();
+    state.inflight.clear();
+    state.gathered = true;
+  }
+
+  void release(std::size_t u) {
+    auto& state = units_state_[u];
+    for (auto& r : state.inflight) r.wait();
+    if (!state.inflight.empty()) state.gathered = true;
+    state.inflight.clear();
+    if (!state.gathered) return;
+    for (auto b : state.buckets) release_storage(shards_[b].full);
+    state.gathered = false;
+  }
+
+  const BucketLayout* layout_;
+  Comm* comm_;
+  Comm gather_comm_;
+  std::vector<detail::UnitBase*> units_;
+  std::vector<UnitState> units_state_ = std::vector<UnitState>(units_.size());
+  std::vector<Shard> shards_;
+  std::vector<Piece> pieces_;
+  std::unique_ptr<Optim> optimizer_;
+  std::vector<std::size_t> sequence_, replay_;
+};
+
+}  // namespace paratrain

@@ -1,0 +1,126 @@
+#pragma once
+/// \file
+/// paratrain::Unit — marks a layer (or block) of a model as one unit of ZeRO stage 3:
+/// its parameters are gathered just before its forward and its backward, and freed after.
+
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+namespace paratrain {
+
+// Note [Units]
+// LibTorch's C++ modules have no forward pre-hooks, so ZeRO stage 3 cannot discover on
+// its own when a layer is about to run. The model says so instead: a layer declared as
+// `paratrain::Unit<torch::nn::Linear>` (or any `Unit<YourBlock>`) *is* that layer (it
+// derives from its implementation, so parameter names, options and clone() are
+// unchanged) with a forward that tells the strategy before and after it runs. Its
+// output passes through an identity autograd node whose backward runs before the
+// layer's own backward nodes (autograd reaches it first), which is where the strategy
+// gathers the layer's parameters again. Under every other strategy the unit is not
+// attached and its forward is the layer's, plus one pointer test.
+
+namespace detail {
+
+/// What a unit reports to the strategy that shards it (ZeRO stage 3).
+class UnitObserver {
+ public:
+  virtual void before_forward(std::size_t unit) = 0;
+  virtual void after_forward(std::size_t unit) = 0;
+  virtual void before_backward(std::size_t unit) = 0;
+
+ protected:
+  ~UnitObserver() = default;
+};
+
+/// The part of every Unit the strategy finds with dynamic_cast while walking the model.
+class UnitBase {
+ public:
+  void attach(UnitObserver* observer, std::size_t index) noexcept {
+    observer_ = observer;
+    index_ = index;
+  }
+  [[nodiscard]] bool attached() const noexcept { return observer_ != nullptr; }
+
+ protected:
+  ~UnitBase() = default;
+  UnitObserver* observer_ = nullptr;
+  std::size_t index_ = 0;
+};
+
+/// Identity in forward; in backward, tells the observer before the unit's own backward.
+struct BeforeBackward : torch::autograd::Function<BeforeBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, at::Tensor x, std::int64_t observer,
+                            std::int64_t index) {
+    ctx->saved_data["observer"] = observer;
+    ctx->saved_data["index"] = index;
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* observer = reinterpret_cast<UnitObserver*>(ctx->saved_data["observer"].toInt());
+    observer->before_backward(static_cast<std::size_t>(ctx->saved_data["index"].toInt()));
+    return {grads[0], at::Tensor(), at::Tensor()};
+  }
+};
+
+/// The parameter list of a module's `forward`, as a std::tuple (LibTorch's ModuleHolder
+/// needs a non-template forward, so a Unit's repeats its layer's).
+template <class F>
+struct forward_arguments {
+  static_assert(sizeof(F) == 0,
+                "paratrain: a Unit needs its layer to have exactly one, non-template `forward`; wrap the layer in a "
+                "block of your own with one forward and make that block the unit");
+};
+template <class C, class R, class... A>
+struct forward_arguments<R (C::*)(A...)> {
+  using type = std::tuple<A...>;
+};
+template <class C, class R, class... A>
+struct forward_arguments<R (C::*)(A...) const> {
+  using type = std::tuple<A...>;
+};
+
+}  // namespace detail
+
+/// The implementation behind `Unit<Layer>`: `Layer`'s implementation, reporting to a
+/// ZeRO-3 strategy around its forward. Note [Units].
+template <class Impl, class Args = typename detail::forward_arguments<decltype(&Impl::forward)>::type>
+class UnitImpl;
+
+template <class Impl, class... A>
+class UnitImpl<Impl, std::tuple<A...>> : public Impl, public detail::UnitBase {
+ public:
+  using Impl::Impl;
+
+  at::Tensor forward(A... args) {
+    using Out = decltype(Impl::forward(std::forward<A>(args)...));
+    static_assert(std::is_same_v<std::remove_cvref_t<Out>, at::Tensor>,
+                  "paratrain: a Unit's forward must return one torch::Tensor (ZeRO stage 3 attaches its backward "
+                  "gather to it); make the unit a block whose forward returns a Tensor");
+    if (observer_ == nullptr) return Impl::forward(std::forward<A>(args)...);
+    observer_->before_forward(index_);
+    at::Tensor out = Impl::forward(std::forward<A>(args)...);
+    observer_->after_forward(index_);
+    if (!at::GradMode::is_enabled() || !out.requires_grad()) return out;
+    return detail::BeforeBackward::apply(out, reinterpret_cast<std::int64_t>(observer_),
+                                         static_cast<std::int64_t>(index_));
+  }
+};
+
+/// A layer that is one unit of ZeRO stage 3 and an ordinary layer everywhere else:
+/// `paratrain::Unit<torch::nn::Linear> fc{nullptr};` then
+/// `fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(128, 10));`. Note [Units].
+template <class Layer>
+class Unit : public torch::nn::ModuleHolder<UnitImpl<typename Layer::ContainedType>> {
+ public:
+  using torch::nn::ModuleHolder<UnitImpl<typename Layer::ContainedType>>::ModuleHolder;
+};
+
+}  // namespace paratrain

@@ -1,0 +1,20 @@
+// expect: paratrain: Sharded overlaps reduce-scatter with backward: the communicator needs `ireduce_scatter
+// A communicator with blocking reduce-scatter and all-gather only cannot overlap ZeRO's
+// gradient reduction with backward: the message names the member and who has it.
+#include <torch/torch.h>
+
+#include "paratrain/comm/single_device.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+
+struct NetImpl : torch::nn::Module {
+  torch::Tensor forward(torch::Tensor x) { return x; }
+};
+TORCH_MODULE(Net);
+
+struct BlockingOnly : paratrain::comm::SingleDevice {
+  void ireduce_scatter() = delete;
+  void iall_gather() = delete;
+};
+
+paratrain::DataParallel<Net, BlockingOnly, paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage2>> strategy(
+    Net(), BlockingOnly(), torch::optim::SGDOptions(0.1));

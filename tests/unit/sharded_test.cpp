@@ -1,0 +1,161 @@
+// The promise, for every ZeRO stage: N ranks with per-rank batch b give, step by step, the
+// parameters of single-device training on the union of the ranks' samples.
+//
+// The reference is plain LibTorch on the concatenated batch (support/equivalence.hpp),
+// with the same parameter groups and torch::nn::utils::clip_grad_norm_; the strategy is
+// DataParallel<Mlp, Comm, Sharded<Optim, Stage>>. Memory is checked against the ZeRO
+// paper's formulas through paratrain::plan.
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/single_device.hpp"
+#include "paratrain/plan.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "support/doctest.hpp"
+#include "support/equivalence.hpp"
+
+namespace {
+
+namespace comm = paratrain::comm;
+namespace zero = paratrain::zero;
+using paratrain::Sharded;
+using namespace paratrain_test;
+
+template <class C, class S>
+struct Config {
+  using communicator = C;
+  using stage = S;
+};
+
+// SGD with momentum (a wrong gradient scale shows), Adam, and AdamW with weight decay
+// on the weights only (two parameter groups).
+template <class Comm, class Stage>
+void check_equivalence(Scenario s) {
+  Comm c;
+  const int world = c.size();
+  CAPTURE(world);
+  CAPTURE(Stage::value);
+  {
+    const auto opts = torch::optim::SGDOptions(0.1).momentum(0.9);
+    const auto want = reference<torch::optim::SGD>(s, world, opts);
+    const auto got = distributed<Comm, Sharded<torch::optim::SGD, Stage>>(s, Comm(), opts);
+    CHECK(max_relative_difference(got, want) <= 1e-5);
+  }
+  {
+    const auto opts = torch::optim::AdamOptions(1e-2);
+    const auto want = reference<torch::optim::Adam>(s, world, opts);
+    const auto got = distributed<Comm, Sharded<torch::optim::Adam, Stage>>(s, Comm(), opts);
+    CHECK(max_relative_difference(got, want) <= 1e-5);
+  }
+  {
+    s.groups = Groups::decay_weights_only;
+    const auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+    const auto want = reference<torch::optim::AdamW>(s, world, opts);
+    const auto got = distributed<Comm, Sharded<torch::optim::AdamW, Stage>>(s, Comm(), opts);
+    CHECK(max_relative_difference(got, want) <= 1e-5);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("Sharded equals single-device training at every ZeRO stage", Cfg,
+                   Config<comm::SingleDevice, zero::stage1>, Config<comm::SingleDevice, zero::stage3>,
+                   Config<comm::Mpi, zero::stage1>, Config<comm::Mpi, zero::stage2>, Config<comm::Mpi, zero::stage3>) {
+  using C = typename Cfg::communicator;
+  using S = typename Cfg::stage;
+  SUBCASE("plain") { check_equivalence<C, S>({}); }
+  SUBCASE("different batch sizes per rank, with accumulation over 2 micro-batches") {
+    check_equivalence<C, S>({.batch = 6, .varied_batch = true, .micro_batches = 2});
+  }
+  SUBCASE("an unused parameter, with find_unused_parameters") {
+    check_equivalence<C, S>({.features = {.unused_parameter = true}, .options = {.find_unused_parameters = true}});
+  }
+  SUBCASE("gradient clipping by the global norm") { check_equivalence<C, S>({.options = {.max_grad_norm = 0.05}}); }
+  SUBCASE("uneven inputs: rank r has r fewer batches, joined") { check_equivalence<C, S>({.uneven = true}); }
+  SUBCASE("a buffer, broadcast from rank 0; one parameter per bucket") {
+    check_equivalence<C, S>({.features = {.buffer = true}, .options = {.bucket_cap_bytes = 1, .first_bucket_cap_bytes = 1}});
+  }
+}
+
+TEST_CASE("DDP's gradient clipping equals clip_grad_norm_ on one device") {
+  comm::Mpi c;
+  const Scenario s{.varied_batch = true, .options = {.max_grad_norm = 0.05}};
+  const auto opts = torch::optim::SGDOptions(0.1).momentum(0.9);
+  CHECK(max_relative_difference(distributed<comm::Mpi, torch::optim::SGD>(s, comm::Mpi(), opts),
+                                reference<torch::optim::SGD>(s, c.size(), opts)) <= 1e-5);
+}
+
+namespace {
+
+// A model of known size: Ψ = 3 * (64*64 + 64) parameters in three units.
+struct WideImpl : torch::nn::Module {
+  WideImpl() {
+    for (int i = 0; i < 3; ++i) layers.push_back(register_module("l" + std::to_string(i), paratrain::Unit<torch::nn::Linear>(64, 64)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = torch::tanh(l(x));
+    return x;
+  }
+  std::vector<paratrain::Unit<torch::nn::Linear>> layers;
+};
+TORCH_MODULE(Wide);
+
+template <class Update>
+paratrain::ModelStateBytes measure(comm::Mpi c) {
+  torch::manual_seed(3);
+  paratrain::DataParallel<Wide, comm::Mpi, Update> dp(Wide(), std::move(c), torch::optim::AdamOptions(1e-3),
+                                                       {.bucket_cap_bytes = 1 << 14, .first_bucket_cap_bytes = 1 << 14});
+  const auto x = torch::randn({4, 64});
+  for (int k = 0; k < 2; ++k) dp.step({x, torch::randint(0, 64, {4}, torch::kLong)}, loss_fn);
+  return dp.model_state_bytes();
+}
+
+void check_bytes(const paratrain::ModelStateBytes& got, paratrain::plan::stage stage, int world, std::int64_t buckets) {
+  const double psi = 3 * (64 * 64 + 64);
+  const auto want = paratrain::plan::per_rank(
+      {.parameters = psi, .param_bytes = 4, .grad_bytes = 4, .optimizer_bytes = 8, .ranks = world}, stage);
+  // "One unit": the padding of one element short of N per bucket, in each component.
+  const double unit = 8.0 * (world - 1) * static_cast<double>(buckets);
+  CAPTURE(paratrain::plan::to_string(stage));
+  CHECK(std::abs(double(got.parameters) - want.parameters) <= unit);
+  CHECK(std::abs(double(got.gradients) - want.gradients) <= unit);
+  CHECK(std::abs(double(got.optimizer_state) - want.optimizer_state) <= unit);
+}
+
+}  // namespace
+
+TEST_CASE("Per-rank bytes of every strategy are the ZeRO formulas (paratrain::plan)") {
+  comm::Mpi c;
+  const int world = c.size();
+  using paratrain::plan::stage;
+  using Adam = torch::optim::Adam;
+  check_bytes(measure<Adam>(c), stage::ddp, world, 0);
+  // 16 KiB buckets: one per layer (its bias, then its 16 KiB weight), 3 at every stage.
+  check_bytes(measure<Sharded<Adam, zero::stage1>>(c), stage::stage1, world, 3);
+  check_bytes(measure<Sharded<Adam, zero::stage2>>(c), stage::stage2, world, 3);
+  check_bytes(measure<Sharded<Adam, zero::stage3>>(c), stage::stage3, world, 3);
+}
+
+TEST_CASE("ZeRO stage 3 without units is a start-up error that names the fix") {
+  using Stage3 = paratrain::DataParallel<torch::nn::Linear, comm::SingleDevice, Sharded<torch::optim::SGD, zero::stage3>>;
+  CHECK_THROWS_WITH_AS(Stage3(torch::nn::Linear(4, 2), torch::optim::SGDOptions(0.1)),
+                       doctest::Contains("paratrain::Unit"), paratrain::error);
+}
+
+TEST_CASE("ZeRO stage 3: evaluation gathers each unit, and ranks with fewer batches keep in step") {
+  comm::Mpi c;
+  const int world = c.size(), rank = c.rank();
+  paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>> dp(make_model({}, rank), c,
+                                                                                        torch::optim::SGDOptions(0.1));
+  auto want = make_model({}, 0);  // rank 0's initialisation, broadcast to all
+  const auto x = torch::randn({5, 8});
+  CHECK(torch::allclose(dp.predict(x), want->forward(x)));
+  // Empty batches (what fit's evaluation gives a rank with fewer samples) gather like any other.
+  for (int k = 0; k < rank; ++k) dp.predict(x.narrow(0, 0, 0));
+  for (int k = rank; k + 1 < world; ++k) dp.predict(x.narrow(0, 0, 0));
+  CHECK(dp.full_parameters().size() == want->parameters().size());
+}
