@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | ddp_vs_torch | fashion_mnist
+# Usage: scripts/bench.sh allreduce | ddp_vs_torch | zero | fashion_mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${PARATRAIN_BUILD_DIR:-build}
@@ -12,11 +12,16 @@ case "${1:-}" in
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target bench_ddp_vs_torch >&2
     benchmarks/ddp_vs_torch.sh ;;
+  zero)
+    PARATRAIN_WITH_PEER=1 scripts/deps.sh
+    scripts/build.sh --target bench_zero >&2
+    shift
+    benchmarks/zero_vs_torch.sh "$@" ;;
   fashion_mnist)
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target fashion_mnist_ddp >&2
     benchmarks/fashion_mnist_vs_torch.sh ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | ddp_vs_torch | fashion_mnist" >&2
+    echo "usage: scripts/bench.sh allreduce | ddp_vs_torch | zero | fashion_mnist" >&2
     exit 2 ;;
 esac
