@@ -7,6 +7,7 @@
 //   scripts/bench.sh sharding_collectives
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -25,10 +26,14 @@ int main(int argc, char** argv) {
   const double n = world.size();
   for (const bool in_place : {false, true}) {
     if (world.rank() == 0) {
-      std::printf("\nall_gather (float32, %s), %d ranks, segments of %s above %s\n\n",
-                  in_place ? "in place" : "out of place", world.size(),
-                  paratrain::bench::human_bytes(double(world.options().sharding_segment_bytes)).c_str(),
-                  paratrain::bench::human_bytes(double(world.options().all_gather_segment_above_bytes)).c_str());
+      const auto above = world.options().all_gather_segment_above_bytes;
+      std::printf("\nall_gather (float32, %s), %d ranks, %s\n\n", in_place ? "in place" : "out of place",
+                  world.size(),
+                  above == SIZE_MAX ? "one MPI call at every size (not segmented)"
+                                    : ("segments of " +
+                                       paratrain::bench::human_bytes(double(world.options().sharding_segment_bytes)) +
+                                       " above " + paratrain::bench::human_bytes(double(above)))
+                                          .c_str());
       std::printf("| size | MPI_Allgather%s busbw GB/s | comm::Mpi all_gather GB/s | ratio "
                   "| comm::Mpi iall_gather GB/s | ratio |\n",
                   in_place ? " (MPI_IN_PLACE)" : "");
