@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | ddp_vs_torch | zero | fashion_mnist
+# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | fashion_mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${PARATRAIN_BUILD_DIR:-build}
@@ -8,6 +8,10 @@ case "${1:-}" in
   allreduce)
     scripts/build.sh --target bench_allreduce >&2
     scripts/mpirun.sh 2 "$build/benchmarks/bench_allreduce" ;;
+  sharding_collectives)
+    scripts/build.sh --target bench_reduce_scatter bench_all_gather >&2
+    scripts/mpirun.sh 2 "$build/benchmarks/bench_reduce_scatter"
+    scripts/mpirun.sh 2 "$build/benchmarks/bench_all_gather" ;;
   ddp_vs_torch)
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target bench_ddp_vs_torch >&2
@@ -22,6 +26,6 @@ case "${1:-}" in
     scripts/build.sh --target fashion_mnist_ddp >&2
     benchmarks/fashion_mnist_vs_torch.sh ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | ddp_vs_torch | zero | fashion_mnist" >&2
+    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | fashion_mnist" >&2
     exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-// expect: paratrain: Sharded overlaps reduce-scatter with backward: the communicator needs `ireduce_scatter
+// expect: paratrain: this communicator cannot overlap sharding: it needs `ireduce_scatter
 // A communicator with blocking reduce-scatter and all-gather only cannot overlap ZeRO's
 // gradient reduction with backward: the message names the member and who has it.
 #include <torch/torch.h>

@@ -16,10 +16,14 @@ static_assert(paratrain::communicator<comm::SingleDevice>);
 static_assert(paratrain::sharding_communicator<comm::SingleDevice>);
 static_assert(paratrain::point_to_point_communicator<comm::SingleDevice>);
 static_assert(paratrain::async_communicator<comm::SingleDevice>);
+static_assert(paratrain::async_sharding_communicator<comm::SingleDevice>);
+static_assert(paratrain::explain_async_sharding_communicator<comm::SingleDevice>());
 static_assert(paratrain::communicator<comm::Mpi>);
 static_assert(paratrain::sharding_communicator<comm::Mpi>);
 static_assert(paratrain::point_to_point_communicator<comm::Mpi>);
 static_assert(paratrain::async_communicator<comm::Mpi>);
+static_assert(paratrain::async_sharding_communicator<comm::Mpi>);
+static_assert(paratrain::explain_async_sharding_communicator<comm::Mpi>());
 static_assert(paratrain::request<comm::Mpi::Request>);
 static_assert(paratrain::explain_sharding_communicator<comm::Mpi>());
 
@@ -38,6 +42,22 @@ static_assert(paratrain::communicator<OnlyReduces>);
 static_assert(!paratrain::sharding_communicator<OnlyReduces>);
 static_assert(!paratrain::point_to_point_communicator<OnlyReduces>);
 static_assert(!paratrain::async_communicator<OnlyReduces>);
+static_assert(!paratrain::async_sharding_communicator<OnlyReduces>);
+
+// Blocking sharding alone is not enough for the overlapped form.
+struct BlockingSharding : OnlyReduces {
+  void reduce_scatter(const at::Tensor&, at::Tensor&, reduce_op) {}
+  void all_gather(const at::Tensor&, at::Tensor&) {}
+};
+static_assert(paratrain::sharding_communicator<BlockingSharding>);
+static_assert(!paratrain::async_sharding_communicator<BlockingSharding>);
+
+// Non-blocking members that return nothing to wait on are not requests.
+struct VoidAsyncSharding : BlockingSharding {
+  void ireduce_scatter(const at::Tensor&, at::Tensor&, reduce_op) {}
+  void iall_gather(const at::Tensor&, at::Tensor&) {}
+};
+static_assert(!paratrain::async_sharding_communicator<VoidAsyncSharding>);
 
 struct RankIsLong : OnlyReduces {
   long rank() const { return 0; }

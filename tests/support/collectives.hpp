@@ -112,6 +112,130 @@ void check_all_gather(C& c) {
     }
 }
 
+// ---- non-blocking and large reduce_scatter / all_gather ------------------------------
+
+// Elements per rank for the non-blocking and in-place checks: empty, one, odd, and, for
+// float32 and bfloat16 (a predefined and a user-defined MPI reduction), a part whose
+// whole buffer (size() parts) is more than 8 MiB, so that comm::Mpi segments its
+// reduce-scatter (Note [Segmented reduce-scatter and all-gather]); that part is odd,
+// hence not a multiple of any segment, and not a multiple of 7, so that the formula's
+// i % 7 differs between the ranks' parts.
+inline std::vector<std::int64_t> part_sizes(int size, torch::Dtype dtype) {
+  if (dtype != torch::kFloat32 && dtype != torch::kBFloat16) return {0, 1, 333};
+  std::int64_t big = (std::int64_t{9} << 20) / static_cast<std::int64_t>(c10::elementSize(dtype)) / size + 1;
+  while (big % 2 == 0 || big % 7 == 0) ++big;
+  return {0, 1, 333, big};
+}
+
+// What rank r contributes to an all-gather: g(r, i) = (37 i + 101 r) mod 251 - 125,
+// integers exact in every dtype, with a prime period so that a part or a segment put
+// at the wrong offset shows.
+inline torch::Tensor gathered(int rank, std::int64_t n, torch::Dtype dtype) {
+  return ((torch::arange(n, torch::kLong) * 37 + 101 * rank).remainder(251) - 125).to(dtype);
+}
+inline torch::Tensor all_gathered(int size, std::int64_t part, torch::Dtype dtype) {
+  std::vector<torch::Tensor> parts;
+  for (int r = 0; r < size; ++r) parts.push_back(gathered(r, part, dtype));
+  return torch::cat(parts);
+}
+
+// Blocking and non-blocking reduce_scatter, `parts` elements per rank (part_sizes by default).
+template <class C>
+void check_ireduce_scatter(C& c, std::vector<std::int64_t> parts = {}) {
+  for (auto dtype : all_dtypes)
+    for (auto part : parts.empty() ? part_sizes(c.size(), dtype) : parts)
+      for (auto op : {reduce_op::sum, reduce_op::average, reduce_op::max}) {
+        if (op == reduce_op::average && !torch::isFloatingType(dtype)) continue;
+        if (part > 2000 && op != reduce_op::sum && dtype != torch::kFloat32) continue;  // keep the big case cheap
+        CAPTURE(describe(op, dtype, part));
+        const auto in = values(c.rank(), part * c.size(), dtype);
+        const auto mine =
+            expected(op, c.size(), part * c.size(), dtype).slice(0, c.rank() * part, (c.rank() + 1) * part);
+
+        auto async = torch::full({part}, -1, dtype);
+        auto request = c.ireduce_scatter(in, async, op);
+        request.wait();
+        CHECK(torch::equal(async, mine));
+
+        auto blocking = torch::full({part}, -1, dtype);
+        c.reduce_scatter(in, blocking, op);
+        CHECK(torch::equal(blocking, mine));
+        CHECK(torch::equal(in, values(c.rank(), part * c.size(), dtype)));  // `in` is left alone
+      }
+}
+
+// Blocking and non-blocking all_gather, out of place, `parts` elements per rank.
+template <class C>
+void check_iall_gather(C& c, std::vector<std::int64_t> parts = {}) {
+  for (auto dtype : all_dtypes)
+    for (auto part : parts.empty() ? part_sizes(c.size(), dtype) : parts) {
+      CAPTURE(describe(reduce_op::sum, dtype, part));
+      const auto in = gathered(c.rank(), part, dtype);
+      auto async = torch::full({part * c.size()}, -1, dtype);
+      auto request = c.iall_gather(in, async);
+      while (!request.test()) {
+      }
+      CHECK(torch::equal(async, all_gathered(c.size(), part, dtype)));
+
+      auto blocking = torch::full({part * c.size()}, -1, dtype);
+      c.all_gather(in, blocking);
+      CHECK(torch::equal(blocking, all_gathered(c.size(), part, dtype)));
+    }
+}
+
+// All-gather in place: `in` is part rank() of `out` itself, as when ZeRO gathers a flat
+// parameter buffer whose shard this rank updated where it lies.
+template <class C>
+void check_all_gather_in_place(C& c, std::vector<std::int64_t> parts = {}) {
+  for (auto dtype : all_dtypes)
+    for (auto part : parts.empty() ? part_sizes(c.size(), dtype) : parts)
+      for (bool non_blocking : {false, true}) {
+        CAPTURE(describe(reduce_op::sum, dtype, part));
+        CAPTURE(non_blocking);
+        auto out = torch::full({part * c.size()}, -1, dtype);
+        auto in = out.narrow(0, c.rank() * part, part);
+        in.copy_(gathered(c.rank(), part, dtype));
+        if (non_blocking) {
+          auto request = c.iall_gather(in, out);
+          request.wait();
+        } else {
+          c.all_gather(in, out);
+        }
+        CHECK(torch::equal(out, all_gathered(c.size(), part, dtype)));
+      }
+}
+
+// Several non-blocking collectives pending at once, progressed a different number of
+// times on each rank, then completed in reverse order.
+template <class C>
+void check_pending_segments(C& c) {
+  const std::int64_t part = 1001;
+  const auto in = values(c.rank(), part * c.size(), torch::kFloat32);
+  auto reduced = torch::full({part}, -1.0f);
+  auto first = c.ireduce_scatter(in, reduced, reduce_op::sum);
+  for (int i = 0; i < 3 * c.rank(); ++i) (void)first.test();  // rank r gets further than rank r - 1
+  auto gathered_out = torch::full({part * c.size()}, -1.0f);
+  auto mine = gathered(c.rank(), part, torch::kFloat32);
+  auto second = c.iall_gather(mine, gathered_out);
+  if (c.rank() == 0) (void)second.test();
+  auto summed = values(c.rank(), 77, torch::kFloat32);
+  c.all_reduce(summed, reduce_op::sum);  // blocking, between them
+  auto in_place = torch::full({part * c.size()}, -1.0f);
+  in_place.narrow(0, c.rank() * part, part).copy_(gathered(c.rank(), part, torch::kFloat32));
+  auto third = c.iall_gather(in_place.narrow(0, c.rank() * part, part), in_place);
+  third.wait();
+  second.wait();
+  first.wait();
+  CHECK(torch::equal(summed, expected(reduce_op::sum, c.size(), 77, torch::kFloat32)));
+  CHECK(torch::equal(reduced, expected(reduce_op::sum, c.size(), part * c.size(), torch::kFloat32)
+                                  .slice(0, c.rank() * part, (c.rank() + 1) * part)));
+  CHECK(torch::equal(gathered_out, all_gathered(c.size(), part, torch::kFloat32)));
+  CHECK(torch::equal(in_place, all_gathered(c.size(), part, torch::kFloat32)));
+  gathered_out.fill_(-1);
+  { auto dropped = c.iall_gather(mine, gathered_out); }  // the destructor finishes every segment
+  CHECK(torch::equal(gathered_out, all_gathered(c.size(), part, torch::kFloat32)));
+}
+
 template <class C>
 void check_misuse(C& c) {
   auto matrix = torch::ones({3, 4});

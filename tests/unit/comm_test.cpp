@@ -33,6 +33,47 @@ TEST_CASE_TEMPLATE("all_gather concatenates the ranks' tensors in rank order", C
   collectives::check_all_gather(c);
 }
 
+TEST_CASE_TEMPLATE("ireduce_scatter and reduce_scatter match the formula, segmented sizes included", C,
+                   comm::SingleDevice, comm::Mpi) {
+  C c;
+  collectives::check_ireduce_scatter(c);
+}
+
+TEST_CASE_TEMPLATE("iall_gather and all_gather match the formula, segmented sizes included", C, comm::SingleDevice,
+                   comm::Mpi) {
+  C c;
+  collectives::check_iall_gather(c);
+}
+
+TEST_CASE_TEMPLATE("all_gather in place: in is part rank() of out", C, comm::SingleDevice, comm::Mpi) {
+  C c;
+  collectives::check_all_gather_in_place(c);
+}
+
+// Tiny segments and a threshold of one element: every size but 0 and 1 is cut into many
+// segments, the last one short, in every dtype.
+TEST_CASE("comm::Mpi: reduce_scatter and all_gather cut into many uneven segments still match the formula") {
+  for (int window : {1, 3}) {
+    CAPTURE(window);
+    comm::Mpi c({.reduce_scatter_segment_above_bytes = 8,
+                  .all_gather_segment_above_bytes = 8,
+                  .sharding_segment_bytes = 100,
+                  .sharding_window = window});
+    const std::vector<std::int64_t> parts = {0, 1, 2, 49, 333, 1001};
+    collectives::check_ireduce_scatter(c, parts);
+    collectives::check_iall_gather(c, parts);
+    collectives::check_all_gather_in_place(c, parts);
+  }
+}
+
+// Note [Segment order]: segments not yet started when the next collective is called
+// must start before it, in the same order on every rank, however far test() got.
+TEST_CASE("comm::Mpi: collectives called while segmented requests are pending keep their order on every rank") {
+  comm::Mpi c(
+      {.reduce_scatter_segment_above_bytes = 8, .all_gather_segment_above_bytes = 8, .sharding_segment_bytes = 64});
+  collectives::check_pending_segments(c);
+}
+
 TEST_CASE_TEMPLATE("misuse throws paratrain::error naming the operation and the fix", C, comm::SingleDevice,
                    comm::Mpi) {
   C c;

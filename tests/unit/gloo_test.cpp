@@ -27,6 +27,8 @@ static_assert(paratrain::sharding_communicator<comm::Gloo>);
 static_assert(paratrain::point_to_point_communicator<comm::Gloo>);
 static_assert(paratrain::async_communicator<comm::Gloo>);
 static_assert(paratrain::explain_sharding_communicator<comm::Gloo>());
+static_assert(paratrain::async_sharding_communicator<comm::Gloo>);
+static_assert(paratrain::explain_async_sharding_communicator<comm::Gloo>());
 
 // ---- what every communicator does ---------------------------------------------------
 

@@ -31,6 +31,8 @@ static_assert(paratrain::point_to_point_communicator<comm::Nccl>);
 static_assert(paratrain::async_communicator<comm::Nccl>);
 static_assert(paratrain::request<comm::Nccl::Request>);
 static_assert(paratrain::explain_sharding_communicator<comm::Nccl>());
+static_assert(paratrain::async_sharding_communicator<comm::Nccl>);
+static_assert(paratrain::explain_async_sharding_communicator<comm::Nccl>());
 
 namespace {
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -35,6 +36,43 @@ namespace paratrain::comm {
 // MPI_Allreduce a raw call would, so they are never slower. docs/benchmarks.md has the
 // sweep that chose both numbers.
 
+// Note [Segmented reduce-scatter and all-gather]
+// ZeRO's collectives are large: a whole gradient buffer reduce-scattered, a parameter
+// buffer all-gathered. Measured on 2 ranks here (docs/benchmarks.md), OpenMPI 4.1's
+// MPI_Reduce_scatter_block and MPI_Ireduce_scatter_block fall from 2-4 GB/s at 8 MiB
+// to ~0.1 GB/s at 16 MiB and above (a reduction through scratch of the whole size).
+// Reduce-scatters of more than Options::reduce_scatter_segment_above_bytes (of `in`)
+// are therefore done as column segments: segment k is elements [k*s, (k+1)*s) of EVERY
+// rank's part, a complete reduce-scatter of its own of Options::sharding_segment_bytes.
+// Its size() pieces are strided in `in`, and MPI's predefined reductions refuse
+// derived datatypes (OpenMPI: "MPI_SUM is not defined for non-intrinsic datatypes";
+// our 16-bit reductions could not read them either), so each segment is packed into a
+// contiguous scratch buffer and reduced with one MPI_Ireduce_scatter_block straight
+// into its place in `out`. The copy costs far less than the cliff (~10x raw above it).
+// Issuing every segment at once loses the gain (libnbc then works on all of them
+// together: 0.07 GB/s, raw's rate, as iall_reduce does above 32 MiB), so a segmented
+// Request keeps at most Options::sharding_window segments in flight and starts the
+// next as one completes, inside wait() and test(): Note [Segment order]. The blocking
+// form waits on the same pipeline (faster than blocking segments one by one).
+// All-gather needs no scratch, and segmenting it did not pay: MPI_Iallgatherv segments
+// (displacements i*part + k*s, no copies) ran at 0.3-0.5x one MPI_Allgather from
+// 16 MiB to 256 MiB. It is one call at every size unless
+// Options::all_gather_segment_above_bytes says otherwise (the same pipeline, for MPI
+// libraries where it pays). An all-gather whose `in` is part rank() of `out` passes
+// MPI_IN_PLACE. Up to the thresholds both collectives make exactly the one MPI call a
+// raw user would (the blocking forms the blocking call: libnbc's non-blocking ones
+// cost ~10 us more per call on small buffers).
+
+// Note [Segment order]
+// MPI matches collectives on a communicator by the order in which each rank starts
+// them. Segments started lazily by test() would start at different points on different
+// ranks relative to the caller's next collective; so every collective of this
+// communicator first starts all segments not yet started of the one pending segmented
+// operation (at most one can be partly started: its predecessors were completed by the
+// same rule). The order of starts is then the program order on every rank. Code that
+// calls MPI itself on native() while a segmented request is pending must wait for it
+// first.
+
 /// A group of MPI processes: `MPI_COMM_WORLD`, or a part of it made with `split`.
 ///
 /// Every operation works in place on contiguous CPU tensors of float32, float64,
@@ -58,6 +96,16 @@ class Mpi {
     /// `segment_bytes`: Note [Segmented all-reduce]. Smaller ones take one MPI call.
     std::size_t segment_above_bytes = std::size_t{16} << 20;
     std::size_t segment_bytes = std::size_t{2} << 20;
+    /// Reduce-scatters whose `in` has more than `reduce_scatter_segment_above_bytes`,
+    /// and all-gathers whose `out` has more than `all_gather_segment_above_bytes` (by
+    /// default never: it did not pay here), are done as column segments of
+    /// `sharding_segment_bytes` (all ranks' pieces together), at most `sharding_window`
+    /// in flight: Note [Segmented reduce-scatter and all-gather]. Every rank must use
+    /// the same values.
+    std::size_t reduce_scatter_segment_above_bytes = std::size_t{8} << 20;
+    std::size_t all_gather_segment_above_bytes = SIZE_MAX;
+    std::size_t sharding_segment_bytes = std::size_t{2} << 20;
+    int sharding_window = 2;
     /// Before each collective, check that every rank calls the same operation with the
     /// same dtype, element count and root, and throw on every rank if not (instead of a
     /// hang or a silently wrong result). Costs one small all-reduce per collective.
@@ -89,6 +137,7 @@ class Mpi {
       if (this != &o) {
         finish_or_abandon();
         requests_ = std::exchange(o.requests_, {});
+        segments_ = std::move(o.segments_);
         keep_ = std::move(o.keep_);
         then_ = std::move(o.then_);
         op_ = o.op_;
@@ -100,6 +149,16 @@ class Mpi {
 
     /// Blocks until the operation is complete; the buffer is then valid.
     void wait() {
+      if (segments_) {
+        while (!segments_->in_flight.empty()) {
+          check(MPI_Wait(&segments_->in_flight.front(), MPI_STATUS_IGNORE), op_, rank_);
+          segments_->in_flight.erase(segments_->in_flight.begin());
+          segments_->start_some(op_, rank_);
+        }
+        segments_.reset();
+        complete();
+        return;
+      }
       if (requests_.empty()) return;
       check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE), op_, rank_);
       complete();
@@ -108,6 +167,18 @@ class Mpi {
     /// Makes progress (MPI progresses only inside its calls) and says whether the
     /// operation is complete.
     [[nodiscard]] bool test() {
+      if (segments_) {
+        while (!segments_->in_flight.empty()) {
+          int done = 0;
+          check(MPI_Test(&segments_->in_flight.front(), &done, MPI_STATUS_IGNORE), op_, rank_);
+          if (!done) return false;
+          segments_->in_flight.erase(segments_->in_flight.begin());
+          segments_->start_some(op_, rank_);
+        }
+        segments_.reset();
+        complete();
+        return true;
+      }
       if (requests_.empty()) return true;
       int done = 0;
       check(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE), op_,
@@ -119,6 +190,29 @@ class Mpi {
    private:
     friend class Mpi;
     Request(const char* op, int rank, std::vector<at::Tensor> keep) : keep_(std::move(keep)), op_(op), rank_(rank) {}
+
+    // A segmented operation: Note [Segmented reduce-scatter and all-gather]. Shared with
+    // the communicator, which may start the rest: Note [Segment order].
+    struct Segments {
+      std::int64_t count = 0;    // segments in all
+      std::int64_t started = 0;  // segments [0, started) have been started
+      std::size_t window = 2;
+      std::vector<MPI_Request> in_flight;  // oldest first
+      /// Starts segment k and returns MPI's error code. `reuse` says that segment
+      /// k - window is complete, so that its scratch may be reused; it is false when the
+      /// rest are started at once.
+      std::function<int(std::int64_t k, MPI_Request*, bool reuse)> start;
+
+      void start_some(const char* op, int rank) { start_up_to(window, op, rank); }
+      void start_all(const char* op, int rank) { start_up_to(static_cast<std::size_t>(count), op, rank); }
+      void start_up_to(std::size_t limit, const char* op, int rank) {
+        while (started < count && in_flight.size() < limit) {
+          const bool reuse = in_flight.size() < window;
+          auto& r = in_flight.emplace_back(MPI_REQUEST_NULL);
+          check(start(started++, &r, reuse), op, rank);
+        }
+      }
+    };
 
     void complete() {
       requests_.clear();
@@ -132,10 +226,18 @@ class Mpi {
     // it does not: a peer may have failed, and waiting could hang the rank that is
     // about to report the error. The buffer is then leaked on purpose.
     void finish_or_abandon() noexcept {
-      if (requests_.empty()) return;
+      if (requests_.empty() && !segments_) return;
       if (std::uncaught_exceptions() > 0) {
         new std::vector<at::Tensor>(std::move(keep_));
+        if (segments_) new std::shared_ptr<Segments>(std::move(segments_));
         requests_.clear();
+        return;
+      }
+      if (segments_) {
+        try {
+          wait();
+        } catch (...) {  // an error we cannot report from a destructor: leave the rest
+        }
         return;
       }
       MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
@@ -144,6 +246,7 @@ class Mpi {
     }
 
     std::vector<MPI_Request> requests_;
+    std::shared_ptr<Segments> segments_;
     std::vector<at::Tensor> keep_;
     std::function<void()> then_;
     const char* op_ = "";
@@ -167,12 +270,16 @@ class Mpi {
   [[nodiscard]] const boost::mpi::communicator& boost() const noexcept { return state_->comm; }
 
   /// An independent communicator over the same ranks.
-  [[nodiscard]] Mpi duplicate() const { return Mpi(state_->comm, state_->options); }
+  [[nodiscard]] Mpi duplicate() const {
+    start_pending_segments();
+    return Mpi(state_->comm, state_->options);
+  }
 
   /// The ranks that pass the same `color`, ordered by `key` (then by rank).
   /// Collective: every rank of this communicator must call it.
   [[nodiscard]] Mpi split(int color, int key = 0) const {
     if (color < 0) fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
+    start_pending_segments();
     return Mpi(std::make_shared<State>(state_->comm.split(color, key), state_->options));
   }
 
@@ -213,40 +320,42 @@ class Mpi {
   }
 
   /// Reduces `in` (size() equal parts, one per rank) and leaves part rank() in `out`.
-  void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) { ireduce_scatter(in, out, op).wait(); }
-
-  [[nodiscard]] Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
-    detail::check_reduction("reduce_scatter", rank(), in, op, "in");
-    if (in.numel() % size() != 0)
-      fail("reduce_scatter", "in has " + std::to_string(in.numel()) + " elements, not a multiple of the " +
-                                 std::to_string(size()) + " ranks; pad it to " +
-                                 std::to_string((in.numel() + size() - 1) / size() * size()) + " elements");
-    detail::check_pair("reduce_scatter", rank(), in, out, in.numel(), in.numel() / size(),
-                       "out must have in.numel() / size() elements");
-    validate("reduce_scatter", in, static_cast<int>(op));
-    Request r("reduce_scatter", rank(), {in, out});
-    check(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count("reduce_scatter", out), datatype(in),
-                                    state_->ops.op(in.scalar_type(), op), native(), &r.requests_.emplace_back()),
+  /// Large buffers go in segments: Note [Segmented reduce-scatter and all-gather].
+  void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
+    prepare_reduce_scatter(in, out, op);
+    if (reduce_scatter_segment(in) < out.numel()) {
+      start_reduce_scatter(in, out, op).wait();
+      return;
+    }
+    check(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count("reduce_scatter", out), datatype(in),
+                                   state_->ops.op(in.scalar_type(), op), native()),
           "reduce_scatter");
-    if (op == reduce_op::average) r.then_ = [out, n = size()]() mutable { out.div_(n); };
-    return r;
+    if (op == reduce_op::average) out.div_(size());
   }
 
-  /// Concatenates every rank's `in`, in rank order, into `out` on every rank.
-  void all_gather(const at::Tensor& in, at::Tensor& out) { iall_gather(in, out).wait(); }
+  [[nodiscard]] Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
+    prepare_reduce_scatter(in, out, op);
+    return start_reduce_scatter(in, out, op);
+  }
+
+  /// Concatenates every rank's `in`, in rank order, into `out` on every rank. In place
+  /// when `in` is part rank() of `out` (a view of it, as `out.narrow(0, rank() * n, n)`
+  /// is): this rank's part is then not copied. Large buffers go in segments:
+  /// Note [Segmented reduce-scatter and all-gather].
+  void all_gather(const at::Tensor& in, at::Tensor& out) {
+    const bool in_place = prepare_all_gather(in, out);
+    if (all_gather_segment(out) < in.numel()) {
+      start_all_gather(in, out, in_place).wait();
+      return;
+    }
+    check(MPI_Allgather(in_place ? MPI_IN_PLACE : in.data_ptr(), count("all_gather", in), datatype(in),
+                        out.data_ptr(), count("all_gather", in), datatype(in), native()),
+          "all_gather");
+  }
 
   [[nodiscard]] Request iall_gather(const at::Tensor& in, at::Tensor& out) {
-    detail::check_pair("all_gather", rank(), in, out, in.numel(), in.numel() * size(),
-                       "out must have in.numel() * size() elements");
-    validate("all_gather", in, 0);
-    Request r("all_gather", rank(), {in, out});
-    // `in` already in its place in `out` (a sharded buffer's own shard): MPI_IN_PLACE.
-    const bool in_place = in.numel() > 0 && static_cast<const char*>(in.data_ptr()) ==
-                                                static_cast<const char*>(out.data_ptr()) + rank() * in.numel() * in.element_size();
-    check(MPI_Iallgather(in_place ? MPI_IN_PLACE : in.data_ptr(), count("all_gather", in), datatype(in), out.data_ptr(),
-                         count("all_gather", in), datatype(in), native(), &r.requests_.emplace_back()),
-          "all_gather");
-    return r;
+    const bool in_place = prepare_all_gather(in, out);
+    return start_all_gather(in, out, in_place);
   }
 
   void send(const at::Tensor& t, int peer, int tag = 0) { isend(t, peer, tag).wait(); }
@@ -293,7 +402,10 @@ class Mpi {
     return r;
   }
 
-  void barrier() { check(MPI_Barrier(native()), "barrier"); }
+  void barrier() {
+    start_pending_segments();
+    check(MPI_Barrier(native()), "barrier");
+  }
 
  private:
   struct State {
@@ -309,6 +421,7 @@ class Mpi {
     boost::mpi::communicator comm;
     detail::MpiOps ops;
     Options options;
+    std::weak_ptr<Request::Segments> pending;  // Note [Segment order]
     int rank = 0;
     int size = 1;
   };
@@ -377,12 +490,134 @@ class Mpi {
     validate(op, t, static_cast<int>(r));
   }
 
+  // Every collective but barrier, split and duplicate passes here first, which is where
+  // the pending segments must start: Note [Segment order].
   // Note [Collective validation] (detail/collective_signature.hpp).
   void validate(std::string_view op, const at::Tensor& t, int detail) {
+    start_pending_segments();
     if (!options().validate) return;
     detail::CollectiveSignature signature(op, t, detail);
     check(MPI_Allreduce(MPI_IN_PLACE, signature.packed().data_ptr(), 8, MPI_INT64_T, MPI_MAX, native()), "validate");
     signature.check(rank());
+  }
+
+  // Note [Segment order]
+  void start_pending_segments() const {
+    if (auto segments = std::exchange(state_->pending, {}).lock()) segments->start_all("segments", rank());
+  }
+
+  /// Elements per rank in one segment of a reduce-scatter or all-gather whose whole
+  /// buffer is `whole`; INT64_MAX when it goes in one call.
+  std::int64_t sharding_segment(const at::Tensor& whole, std::size_t above) const noexcept {
+    if (static_cast<std::size_t>(whole.numel() * whole.element_size()) <= above) return INT64_MAX;
+    const auto per = static_cast<std::int64_t>(options().sharding_segment_bytes) / whole.element_size() / size();
+    return std::clamp<std::int64_t>(per, 1, INT_MAX);
+  }
+  std::int64_t reduce_scatter_segment(const at::Tensor& in) const noexcept {
+    return sharding_segment(in, options().reduce_scatter_segment_above_bytes);
+  }
+  std::int64_t all_gather_segment(const at::Tensor& out) const noexcept {
+    return sharding_segment(out, options().all_gather_segment_above_bytes);
+  }
+
+  void prepare_reduce_scatter(const at::Tensor& in, const at::Tensor& out, reduce_op op) {
+    detail::check_reduction("reduce_scatter", rank(), in, op, "in");
+    if (in.numel() % size() != 0)
+      fail("reduce_scatter", "in has " + std::to_string(in.numel()) + " elements, not a multiple of the " +
+                                 std::to_string(size()) + " ranks; pad it to " +
+                                 std::to_string((in.numel() + size() - 1) / size() * size()) + " elements");
+    detail::check_pair("reduce_scatter", rank(), in, out, in.numel(), in.numel() / size(),
+                       "out must have in.numel() / size() elements");
+    validate("reduce_scatter", in, static_cast<int>(op));
+  }
+
+  /// Checks the arguments and says whether the gather is in place.
+  bool prepare_all_gather(const at::Tensor& in, const at::Tensor& out) {
+    detail::check_pair("all_gather", rank(), in, out, in.numel(), in.numel() * size(),
+                       "out must have in.numel() * size() elements");
+    const auto bytes = in.numel() * in.element_size();
+    const auto* first = static_cast<const char*>(in.data_ptr());
+    const auto* whole = static_cast<const char*>(out.data_ptr());
+    const bool in_place = bytes > 0 && first == whole + rank() * bytes;
+    if (bytes > 0 && !in_place && first < whole + size() * bytes && whole < first + bytes)
+      fail("all_gather", "in overlaps out but is not part rank() of it; pass `out.narrow(0, rank() * n, n)` to "
+                         "gather in place, or a separate tensor");
+    validate("all_gather", in, 0);
+    return in_place;
+  }
+
+  Request start_reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
+    Request r("reduce_scatter", rank(), {in, out});
+    const auto type = datatype(in);
+    const auto mpi_op = state_->ops.op(in.scalar_type(), op);
+    if (op == reduce_op::average) r.then_ = [out, n = size()]() mutable { out.div_(n); };
+    const auto part = out.numel(), seg = reduce_scatter_segment(in);
+    if (seg >= part) {
+      check(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count("reduce_scatter", out), type, mpi_op,
+                                      native(), &r.requests_.emplace_back()),
+            "reduce_scatter");
+      return r;
+    }
+    // Each segment packs its size() strided pieces of `in` into scratch, then reduces
+    // them into its place in `out`.
+    const auto window = static_cast<std::size_t>(std::max(1, options().sharding_window));
+    r.segments_ = std::make_shared<Request::Segments>();
+    r.segments_->count = (part + seg - 1) / seg;
+    r.segments_->window = window;
+    r.segments_->start = [state = state_, in, out, part, seg, type, mpi_op,
+                          slots = std::vector<std::vector<char>>(window),
+                          extra = std::vector<std::vector<char>>()](std::int64_t k, MPI_Request* request,
+                                                                      bool reuse) mutable {
+      const auto size = static_cast<std::size_t>(in.element_size());
+      const auto from = k * seg, m = std::min(seg, part - from);
+      auto& scratch = reuse ? slots[static_cast<std::size_t>(k) % slots.size()] : extra.emplace_back();
+      scratch.resize(static_cast<std::size_t>(state->size * m) * size);
+      const auto* source = static_cast<const char*>(in.data_ptr());
+      for (int i = 0; i < state->size; ++i)
+        std::memcpy(scratch.data() + static_cast<std::size_t>(i * m) * size,
+                    source + static_cast<std::size_t>(i * part + from) * size, static_cast<std::size_t>(m) * size);
+      return MPI_Ireduce_scatter_block(scratch.data(), static_cast<char*>(out.data_ptr()) + from * in.element_size(),
+                                       static_cast<int>(m), type, mpi_op, state->native(), request);
+    };
+    r.segments_->start_some("reduce_scatter", rank());
+    state_->pending = r.segments_;
+    return r;
+  }
+
+  Request start_all_gather(const at::Tensor& in, at::Tensor& out, bool in_place) {
+    Request r("all_gather", rank(), {in, out});
+    const auto type = datatype(in);
+    const auto part = in.numel(), seg = all_gather_segment(out);
+    if (seg >= part) {
+      check(MPI_Iallgather(in_place ? MPI_IN_PLACE : in.data_ptr(), count("all_gather", in), type, out.data_ptr(),
+                           count("all_gather", in), type, native(), &r.requests_.emplace_back()),
+            "all_gather");
+      return r;
+    }
+    // Each segment places every rank's piece at its displacement in `out`, which must
+    // therefore be addressable with int displacements.
+    (void)count("all_gather", out);
+    const auto window = static_cast<std::size_t>(std::max(1, options().sharding_window));
+    r.segments_ = std::make_shared<Request::Segments>();
+    r.segments_->count = (part + seg - 1) / seg;
+    r.segments_->window = window;
+    r.segments_->start = [state = state_, in, out, part, seg, type, in_place,
+                          slots = std::vector<std::vector<int>>(window),
+                          extra = std::vector<std::vector<int>>()](std::int64_t k, MPI_Request* request,
+                                                                     bool reuse) mutable {
+      const auto from = k * seg, m = std::min(seg, part - from);
+      // Counts, then displacements: MPI reads them until the segment completes.
+      auto& layout = reuse ? slots[static_cast<std::size_t>(k) % slots.size()] : extra.emplace_back();
+      layout.assign(2 * static_cast<std::size_t>(state->size), static_cast<int>(m));
+      for (int i = 0; i < state->size; ++i)
+        layout[static_cast<std::size_t>(state->size + i)] = static_cast<int>(i * part + from);
+      const void* source = in_place ? MPI_IN_PLACE : static_cast<const char*>(in.data_ptr()) + from * in.element_size();
+      return MPI_Iallgatherv(source, static_cast<int>(m), type, out.data_ptr(), layout.data(),
+                             layout.data() + state->size, type, state->native(), request);
+    };
+    r.segments_->start_some("all_gather", rank());
+    state_->pending = r.segments_;
+    return r;
   }
 
   std::shared_ptr<State> state_;

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "paratrain/comm/mpi.hpp"
 #include "paratrain/comm/reduce_op.hpp"
@@ -65,7 +66,7 @@ class Nccl {
       if (event_ == nullptr) return;
       cuda_check(cudaEventSynchronize(event_), "wait", rank_);
       cudaEventDestroy(std::exchange(event_, nullptr));
-      keep_ = at::Tensor();
+      keep_.clear();
     }
     [[nodiscard]] bool test() {
       if (event_ == nullptr) return true;
@@ -73,7 +74,7 @@ class Nccl {
       if (rc == cudaErrorNotReady) return false;
       cuda_check(rc, "test", rank_);
       cudaEventDestroy(std::exchange(event_, nullptr));
-      keep_ = at::Tensor();
+      keep_.clear();
       return true;
     }
 
@@ -82,7 +83,7 @@ class Nccl {
     Request(cudaEvent_t e, int rank) : event_(e), rank_(rank) {}
     cudaEvent_t event_ = nullptr;
     int rank_ = -1;
-    at::Tensor keep_;  // the tensor's memory must outlive the operation (a caching allocator would reuse it)
+    std::vector<at::Tensor> keep_;  // must outlive the operation (a caching allocator would reuse the memory)
   };
 
   /// Rank 0 makes NCCL's unique id and broadcasts it over `bootstrap` (or its failure,
@@ -181,31 +182,40 @@ class Nccl {
   Request iall_reduce(at::Tensor& t, reduce_op op) {
     check_device("all_reduce", t);
     auto r = iall_reduce(t.data_ptr(), n(t), t.scalar_type(), op);
-    r.keep_ = t;
+    r.keep_ = {t};
     return r;
   }
   void all_reduce(at::Tensor& t, reduce_op op) { iall_reduce(t, op).wait(); }
   Request ibroadcast(at::Tensor& t, int root) {
     check_device("broadcast", t);
     auto r = ibroadcast(t.data_ptr(), n(t), t.scalar_type(), root);
-    r.keep_ = t;
+    r.keep_ = {t};
     return r;
   }
   void broadcast(at::Tensor& t, int root) { ibroadcast(t, root).wait(); }
-  void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
+  /// Reduces `in` (size() equal parts, one per rank) and leaves part rank() in `out`.
+  Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
     check_device("reduce_scatter", in);
     check_device("reduce_scatter", out);
     detail::check_pair("reduce_scatter", rank(), in, out, out.numel() * size(), out.numel(),
                        "in must have size() * out.numel() elements");
-    ireduce_scatter(in.data_ptr(), out.data_ptr(), n(out), in.scalar_type(), op).wait();
+    auto r = ireduce_scatter(in.data_ptr(), out.data_ptr(), n(out), in.scalar_type(), op);
+    r.keep_ = {in, out};
+    return r;
   }
-  void all_gather(const at::Tensor& in, at::Tensor& out) {
+  void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) { ireduce_scatter(in, out, op).wait(); }
+  /// Concatenates every rank's `in`, in rank order, into `out`. In place when `in` is
+  /// part rank() of `out`: NCCL detects that itself (sendbuff == recvbuff + rank * count).
+  Request iall_gather(const at::Tensor& in, at::Tensor& out) {
     check_device("all_gather", in);
     check_device("all_gather", out);
     detail::check_pair("all_gather", rank(), in, out, in.numel(), in.numel() * size(),
                        "out must have in.numel() * size() elements");
-    iall_gather(in.data_ptr(), out.data_ptr(), n(in), in.scalar_type()).wait();
+    auto r = iall_gather(in.data_ptr(), out.data_ptr(), n(in), in.scalar_type());
+    r.keep_ = {in, out};
+    return r;
   }
+  void all_gather(const at::Tensor& in, at::Tensor& out) { iall_gather(in, out).wait(); }
   void send(const at::Tensor& t, int peer, int /*tag*/ = 0) {
     check_device("send", t);
     isend(t.data_ptr(), n(t), t.scalar_type(), peer).wait();

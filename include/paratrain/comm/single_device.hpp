@@ -13,7 +13,10 @@ namespace paratrain::comm {
 /// The communicator of a single process: rank 0 of 1.
 ///
 /// Every collective is the identity: in-place ones (all_reduce, broadcast) touch
-/// nothing, and the out-of-place ones copy only when `out` is not already `in`.
+/// nothing, and the out-of-place ones copy only when `out` does not already hold `in`
+/// (same storage, same first element). The non-blocking forms (`iall_reduce`,
+/// `ibroadcast`, `ireduce_scatter`, `iall_gather`) do the same and return a completed
+/// Request.
 /// Arguments are checked exactly as comm::Mpi checks them, so a mistake shows up
 /// on one process before it costs a cluster job.
 ///
@@ -52,12 +55,14 @@ class SingleDevice {
     detail::check_reduction("reduce_scatter", 0, in, op, "in");
     copy("reduce_scatter", in, out, "out must have in.numel() / size() elements");
   }
-  void all_gather(const at::Tensor& in, at::Tensor& out) const {
-    copy("all_gather", in, out, "out must have in.numel() * size() elements");
-  }
   Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) const {
     reduce_scatter(in, out, op);
     return {};
+  }
+  /// In place when `in` is part rank() of `out` (here: all of it), as comm::Mpi allows;
+  /// nothing is copied then.
+  void all_gather(const at::Tensor& in, at::Tensor& out) const {
+    copy("all_gather", in, out, "out must have in.numel() * size() elements");
   }
   Request iall_gather(const at::Tensor& in, at::Tensor& out) const {
     all_gather(in, out);
@@ -84,7 +89,7 @@ class SingleDevice {
 
   static void copy(const char* op, const at::Tensor& in, at::Tensor& out, const char* rule) {
     detail::check_pair(op, 0, in, out, in.numel(), in.numel(), rule);
-    if (!out.is_same(in) && out.data_ptr() != in.data_ptr()) out.copy_(in.reshape(out.sizes()));
+    if (out.data_ptr() != in.data_ptr()) out.copy_(in.reshape(out.sizes()));
   }
 };
 

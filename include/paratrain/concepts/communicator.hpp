@@ -8,11 +8,13 @@
 /// | `sharding_communicator`      | reduce_scatter, all_gather             | `Sharded` (ZeRO/FSDP)      |
 /// | `point_to_point_communicator`| send, recv                             | `Pipeline`                 |
 /// | `async_communicator`         | iall_reduce returning a `request`      | overlapped DDP buckets     |
-/// | `async_sharding_communicator`| ireduce_scatter, iall_gather requests  | `Sharded` (overlap)        |
+/// | `async_sharding_communicator`| ireduce_scatter, iall_gather returning a `request` | overlapped ZeRO/FSDP gathers and gradient shards |
 ///
 /// Models: `comm::SingleDevice` (all of them, trivially), `comm::Mpi` (all of them),
-/// `comm::Nccl` (device buffers). A type of your own opts in by having the members;
-/// `static_assert(paratrain::explain_communicator<MyComm>())` says which one is missing.
+/// `comm::Gloo` (all of them), `comm::Nccl` (device buffers). A type of your own opts in
+/// by having the members; `static_assert(paratrain::explain_communicator<MyComm>())`
+/// (or `explain_sharding_communicator`, `explain_async_sharding_communicator`) says
+/// which one is missing.
 
 #include <ATen/core/Tensor.h>
 
@@ -49,16 +51,6 @@ concept sharding_communicator = communicator<C> &&
       c.all_gather(in, out);
     };
 
-/// A sharding communicator whose reduce-scatter and all-gather can run while the caller
-/// goes on computing (ZeRO's overlap of backward with gradient reduce-scatter, and of
-/// one unit's compute with the next unit's parameter all-gather).
-template <class C>
-concept async_sharding_communicator = sharding_communicator<C> &&
-    requires(C& c, const at::Tensor& in, at::Tensor& out) {
-      { c.ireduce_scatter(in, out, reduce_op::sum) } -> request;
-      { c.iall_gather(in, out) } -> request;
-    };
-
 /// A communicator whose ranks can exchange tensors pairwise.
 template <class C>
 concept point_to_point_communicator = communicator<C> &&
@@ -72,6 +64,15 @@ template <class C>
 concept async_communicator = communicator<C> && requires(C& c, at::Tensor& t) {
   { c.iall_reduce(t, reduce_op::sum) } -> request;
 };
+
+/// A sharding communicator whose reduce_scatter and all_gather can run while the caller
+/// goes on computing: prefetching the next ZeRO-3 unit, reducing a gradient shard.
+template <class C>
+concept async_sharding_communicator = sharding_communicator<C> &&
+    requires(C& c, const at::Tensor& in, at::Tensor& out) {
+      { c.ireduce_scatter(in, out, reduce_op::sum) } -> request;
+      { c.iall_gather(in, out) } -> request;
+    };
 
 /// Checks each requirement of `communicator` separately, so that a type that misses
 /// one gets a single message naming it. Use it in a `static_assert` at your API
@@ -105,19 +106,29 @@ consteval bool explain_sharding_communicator() {
   return true;
 }
 
-/// Like explain_sharding_communicator, for the non-blocking forms `Sharded` overlaps with.
+/// Like explain_sharding_communicator, for the non-blocking forms an overlapped
+/// sharded strategy needs on top.
 template <class C>
 consteval bool explain_async_sharding_communicator() {
   static_assert(explain_sharding_communicator<C>());
+  static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.ireduce_scatter(in, out, reduce_op::sum); },
+                "paratrain: this communicator cannot overlap sharding: it needs `ireduce_scatter(const at::Tensor& "
+                "in, at::Tensor& out, paratrain::reduce_op)` returning a request; use comm::Mpi, comm::Gloo, "
+                "comm::Nccl or comm::SingleDevice");
   static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) {
-    { c.ireduce_scatter(in, out, reduce_op::sum) } -> request;
-  }, "paratrain: Sharded overlaps reduce-scatter with backward: the communicator needs `ireduce_scatter(const "
-     "at::Tensor& in, at::Tensor& out, paratrain::reduce_op)` returning a request; use comm::Mpi, comm::Nccl, "
-     "comm::Gloo or comm::SingleDevice");
+                  { c.ireduce_scatter(in, out, reduce_op::sum) } -> request;
+                },
+                "paratrain: this communicator cannot overlap sharding: its ireduce_scatter must return a request "
+                "(a movable handle with `wait()` and `bool test()`)");
+  static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.iall_gather(in, out); },
+                "paratrain: this communicator cannot overlap sharding: it needs `iall_gather(const at::Tensor& in, "
+                "at::Tensor& out)` returning a request; use comm::Mpi, comm::Gloo, comm::Nccl or "
+                "comm::SingleDevice");
   static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) {
-    { c.iall_gather(in, out) } -> request;
-  }, "paratrain: Sharded prefetches parameters: the communicator needs `iall_gather(const at::Tensor& in, "
-     "at::Tensor& out)` returning a request; use comm::Mpi, comm::Nccl, comm::Gloo or comm::SingleDevice");
+                  { c.iall_gather(in, out) } -> request;
+                },
+                "paratrain: this communicator cannot overlap sharding: its iall_gather must return a request "
+                "(a movable handle with `wait()` and `bool test()`)");
   return true;
 }
 
