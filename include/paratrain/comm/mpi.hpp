@@ -39,8 +39,9 @@ namespace paratrain::comm {
 // Note [Segmented reduce-scatter and all-gather]
 // ZeRO's collectives are large: a whole gradient buffer reduce-scattered, a parameter
 // buffer all-gathered. Measured on 2 ranks here (docs/benchmarks.md), OpenMPI 4.1's
-// MPI_Reduce_scatter_block and MPI_Ireduce_scatter_block fall from 2-4 GB/s at 8 MiB
-// to ~0.1 GB/s at 16 MiB and above (a reduction through scratch of the whole size).
+// MPI_Reduce_scatter_block and MPI_Ireduce_scatter_block run at ~3 GB/s bus bandwidth
+// from 128 KiB to 2 MiB, 0.9 GB/s at 8 MiB, and 0.13 GB/s from 16 MiB on (a reduction
+// through scratch of the whole size).
 // Reduce-scatters of more than Options::reduce_scatter_segment_above_bytes (of `in`)
 // are therefore done as column segments: segment k is elements [k*s, (k+1)*s) of EVERY
 // rank's part, a complete reduce-scatter of its own of Options::sharding_segment_bytes.
@@ -48,7 +49,7 @@ namespace paratrain::comm {
 // derived datatypes (OpenMPI: "MPI_SUM is not defined for non-intrinsic datatypes";
 // our 16-bit reductions could not read them either), so each segment is packed into a
 // contiguous scratch buffer and reduced with one MPI_Ireduce_scatter_block straight
-// into its place in `out`. The copy costs far less than the cliff (~10x raw above it).
+// into its place in `out`. The copy costs far less than the cliff: 9-17x raw above it.
 // Issuing every segment at once loses the gain (libnbc then works on all of them
 // together: 0.07 GB/s, raw's rate, as iall_reduce does above 32 MiB), so a segmented
 // Request keeps at most Options::sharding_window segments in flight and starts the
@@ -56,12 +57,13 @@ namespace paratrain::comm {
 // form waits on the same pipeline (faster than blocking segments one by one).
 // All-gather needs no scratch, and segmenting it did not pay: MPI_Iallgatherv segments
 // (displacements i*part + k*s, no copies) ran at 0.3-0.5x one MPI_Allgather from
-// 16 MiB to 256 MiB. It is one call at every size unless
+// 16 MiB to 256 MiB (an exploratory sweep on a busy machine), and one MPI_Allgather has
+// no cliff here (5-15 GB/s up to 256 MiB). It is one call at every size unless
 // Options::all_gather_segment_above_bytes says otherwise (the same pipeline, for MPI
 // libraries where it pays). An all-gather whose `in` is part rank() of `out` passes
 // MPI_IN_PLACE. Up to the thresholds both collectives make exactly the one MPI call a
 // raw user would (the blocking forms the blocking call: libnbc's non-blocking ones
-// cost ~10 us more per call on small buffers).
+// cost 5-8 us more per call on small buffers).
 
 // Note [Segment order]
 // MPI matches collectives on a communicator by the order in which each rank starts
