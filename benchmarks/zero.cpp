@@ -61,11 +61,14 @@ int run(std::string_view name, paratrain::plan::stage stage, int layers, int ste
   const auto y = torch::randint(0, 10, {pool * batch}, torch::kLong);
   paratrain::DataParallel<Mlp, paratrain::comm::Mpi, Update> s(Mlp(layers), world, torch::optim::AdamOptions(1e-4));
   std::int64_t next = 0;
+  double exposed = 0;  // seconds waited for gradient reductions after backward
   const auto step = [&] {
     const auto start = (next++ % pool) * batch;
     s.step({x.narrow(0, start, batch), y.narrow(0, start, batch)}, loss_fn);
+    exposed += s.exposed_communication_seconds();
   };
   for (int i = 0; i < warmup; ++i) step();
+  exposed = 0;
   const auto seconds = paratrain::bench::time_alternating(world.native(), 3, steps / 3, {step});
   const auto held = s.model_state_bytes();
   std::int64_t parameters = 0;
@@ -84,9 +87,10 @@ int run(std::string_view name, paratrain::plan::stage stage, int layers, int ste
     std::printf(
         "{\"implementation\": \"paratrain\", \"strategy\": \"%s\", \"ranks\": %d, \"layers\": %d, \"parameters\": %lld, "
         "\"batch_per_rank\": %lld, \"steps\": %d, \"steps_per_s\": %.3f, \"peak_rss_mib\": %.1f, "
-        "\"held_mib\": %.1f, \"planned_mib\": %.1f}\n",
+        "\"exposed_comm_share\": %.3f, \"held_mib\": %.1f, \"planned_mib\": %.1f}\n",
         std::string(name).c_str(), world.size(), layers, static_cast<long long>(parameters),
-        static_cast<long long>(batch), steps / 3 * 3, 1 / seconds[0], rss, double(held.total()) / mib,
+        static_cast<long long>(batch), steps / 3 * 3, 1 / seconds[0], rss,
+        exposed / double(steps / 3 * 3 + 1) / seconds[0], double(held.total()) / mib,
         planned.total() / mib);
   return 0;
 }

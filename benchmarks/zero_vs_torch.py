@@ -80,6 +80,7 @@ def run(rank, args):
             "layers": args.layers, "parameters": sum(p.numel() for p in model.parameters()), "batch_per_rank": batch,
             "steps": per_trial * 3, "steps_per_s": round(1 / sorted(seconds)[1], 3),
             "peak_rss_mib": round(rss.item(), 1)}), flush=True)
+    dist.barrier()  # no rank leaves while another still talks to it: gloo's teardown hangs then
     dist.destroy_process_group()
 
 

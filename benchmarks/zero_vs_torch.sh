@@ -9,8 +9,8 @@
 #
 # Allocator (Note [Allocator] in include/paratrain/detail/allocator.hpp), stated per row:
 #   - "defaults":  nothing in the environment. paratrain then sets glibc's mmap threshold
-#                  to 64 MiB and trim threshold to 128 MiB itself; PyTorch keeps glibc's.
-#   - "tuned":     MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=134217728 for
+#                  to 64 MiB and trim threshold to 2 GiB itself; PyTorch keeps glibc's.
+#   - "tuned":     MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647 for
 #                  the process: PyTorch at its best, and the very settings paratrain
 #                  applies at its defaults, so paratrain's rows and PyTorch's tuned rows
 #                  run under equal allocator settings.
@@ -24,7 +24,7 @@ bench=$build/benchmarks/bench_zero
 python=/usr/bin/python3
 [[ -x $bench ]] || { echo "$bench is missing; build it: cmake --build $build --target bench_zero" >&2; exit 1; }
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-tuned=(MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=134217728)
+tuned=(MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 

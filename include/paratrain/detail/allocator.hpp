@@ -2,6 +2,7 @@
 /// \file
 /// The process's heap settings for multi-MiB tensors: Note [Allocator].
 
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 
@@ -13,21 +14,27 @@ namespace paratrain::detail {
 
 // Note [Allocator]
 // glibc serves every allocation above M_MMAP_THRESHOLD (128 KiB, raised dynamically up
-// to 32 MiB as mmapped blocks are freed) with a fresh mmap, and returns heap tops above
-// M_TRIM_THRESHOLD to the kernel. A training step allocates and frees the same
-// multi-MiB temporaries every time (activations, gradients, optimizer scratch), so under
-// those defaults each one is page-faulted anew every step: a LibTorch process with
-// 1024x1024 layers ran 3.3x slower (28-30 against 96-98 steps/s, one process, one
-// thread; docs/benchmarks.md). Raising both thresholds (mmap 64 MiB, trim 128 MiB)
-// keeps those blocks on the heap for reuse; buffers above 64 MiB are still mapped and
-// returned. We set them when the first strategy is built, so that every paratrain
-// program is fast by default without a launcher's help, unless:
+// to 32 MiB as mmapped blocks are freed) with a fresh mmap, and returns the top of the
+// heap to the kernel once more than M_TRIM_THRESHOLD of it is free. A training step
+// allocates and frees the same multi-MiB temporaries every time (activations, gradients,
+// optimizer scratch; under ZeRO also whole-bucket gradient buffers and, at stage 3, each
+// unit's parameters), so under those defaults they are page-faulted anew every step:
+//   - a LibTorch process with 1024x1024 layers ran 3.3x slower (28-30 against 96-98
+//     steps/s, one process, one thread; docs/benchmarks.md);
+//   - ZeRO-2 and ZeRO-3 on the 16.8M-parameter MLP (2 ranks) ran at 3.3 and 2.0 steps/s
+//     with the trim threshold at 128 MiB, and at 9.2 and 8.5 with it at 2 GiB (DDP: 8.5):
+//     they free more than 128 MiB per step, so glibc gave it back and faulted it in again
+//     (34% of the time in page faults under perf).
+// So: M_MMAP_THRESHOLD = 64 MiB (smaller blocks stay on the heap for reuse; larger ones
+// are still mapped and returned when freed) and M_TRIM_THRESHOLD = 2 GiB (the heap keeps
+// its high-water mark, as a caching allocator does; peak RSS is unchanged, only memory
+// that was already in use stays resident). We set them when the first strategy is built,
+// so that every paratrain program is fast by default without a launcher's help, unless:
 //   - the environment already sets MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_
 //     (the user has chosen; glibc applies those at start-up), or
 //   - PARATRAIN_MALLOC=default asks for glibc's own behaviour (the opt-out), or
 //   - another allocator (jemalloc, tcmalloc) is preloaded: mallopt then does not reach it.
-// The settings are process-wide and only move memory between "kept for reuse" and
-// "returned to the kernel"; peak RSS grows by at most the freed blocks kept.
+// benchmarks/*_vs_torch.sh give PyTorch the same two values ("at its best").
 
 /// Applies Note [Allocator] once per process; later calls do nothing.
 inline void tune_allocator() noexcept {
@@ -38,7 +45,7 @@ inline void tune_allocator() noexcept {
     if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr || std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr)
       return true;
     mallopt(M_MMAP_THRESHOLD, 64 << 20);
-    mallopt(M_TRIM_THRESHOLD, 128 << 20);
+    mallopt(M_TRIM_THRESHOLD, INT_MAX);  // 2 GiB
     return true;
   }();
   (void)done;
