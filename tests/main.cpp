@@ -22,13 +22,17 @@ int world_rank() {
   return rank;
 }
 
+int world_size() {
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
 // Listeners run before the console reporter, so this one prints the failure itself.
 struct AbortOnFailure : doctest::IReporter {
   explicit AbortOnFailure(const doctest::ContextOptions&) {}
   void log_assert(const doctest::AssertData& a) override {
-    int size = 1;
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (!a.m_failed || size == 1) return;
+    if (!a.m_failed || world_size() == 1) return;
     std::fprintf(stderr, "rank %d: %s:%d: %s( %s ) failed, with %s%s%s%s\nrank %d: ending the whole job (MPI_Abort)\n",
                  world_rank(), a.m_file, a.m_line, doctest::assertString(a.m_at), a.m_expr, a.m_decomp.c_str(),
                  a.m_threw ? " (threw: " : "", a.m_threw ? a.m_exception.c_str() : "", a.m_threw ? ")" : "",
@@ -37,9 +41,7 @@ struct AbortOnFailure : doctest::IReporter {
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
   void test_case_exception(const doctest::TestCaseException& e) override {
-    int size = 1;
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-    if (size == 1) return;
+    if (world_size() == 1) return;
     std::fprintf(stderr, "rank %d: test case threw: %s\nrank %d: ending the whole job (MPI_Abort)\n", world_rank(),
                  e.error_string.c_str(), world_rank());
     std::fflush(nullptr);

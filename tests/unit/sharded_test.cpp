@@ -12,6 +12,7 @@
 
 #include "paratrain/comm/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
+#include "paratrain/fit.hpp"
 #include "paratrain/plan.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
@@ -157,5 +158,33 @@ TEST_CASE("ZeRO stage 3: evaluation gathers each unit, and ranks with fewer batc
   // Empty batches (what fit's evaluation gives a rank with fewer samples) gather like any other.
   for (int k = 0; k < rank; ++k) dp.predict(x.narrow(0, 0, 0));
   for (int k = rank; k + 1 < world; ++k) dp.predict(x.narrow(0, 0, 0));
-  CHECK(dp.full_parameters().size() == want->parameters().size());
+  // Gathered whole, the parameters are rank 0's initial ones.
+  CHECK(max_relative_difference(dp.full_parameters(), want->parameters()) == 0);
+}
+
+TEST_CASE("ZeRO stage 3 under fit: ranks with fewer evaluation batches still evaluate every sample once") {
+  comm::Mpi c;
+  const int rank = c.rank();
+  const Data data;
+  // 13 samples in batches of 2: 4 and 3 batches on 2 ranks, 3, 2 and 2 on 3.
+  const paratrain::data::TensorDataset train(data.x.narrow(0, 0, 64), data.y.narrow(0, 0, 64));
+  const paratrain::data::TensorDataset test(data.x.narrow(0, 64, 13), data.y.narrow(0, 64, 13));
+  paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::Adam, zero::stage3>> dp(make_model({}, rank), c,
+                                                                                        torch::optim::AdamOptions(1e-2));
+  const auto result = paratrain::fit(dp, train, {.epochs = 1, .batch_size = 4, .eval = &test, .eval_batch_size = 2,
+                                                 .progress = false},
+                                     loss_fn);
+  const auto& e = result.epochs.back();
+  CHECK(e.eval_samples == 13);
+  // The reference: a plain model holding the trained parameters, on all 13 samples at once.
+  auto reference = make_model({}, 0);
+  {
+    torch::NoGradGuard no_grad;
+    const auto trained = dp.full_parameters();
+    auto params = reference->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) params[i].copy_(trained[i]);
+  }
+  torch::NoGradGuard no_grad;
+  CHECK(e.eval_loss == doctest::Approx(loss_fn(reference->forward(test.inputs()), test.targets()).item<double>())
+                           .epsilon(1e-5));
 }

@@ -221,13 +221,7 @@ class Gloo {
   void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) { ireduce_scatter(in, out, op).wait(); }
 
   [[nodiscard]] Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
-    detail::check_reduction("reduce_scatter", rank(), in, op, "in");
-    if (in.numel() % size() != 0)
-      fail("reduce_scatter", "in has " + std::to_string(in.numel()) + " elements, not a multiple of the " +
-                                 std::to_string(size()) + " ranks; pad it to " +
-                                 std::to_string((in.numel() + size() - 1) / size() * size()) + " elements");
-    detail::check_pair("reduce_scatter", rank(), in, out, in.numel(), in.numel() / size(),
-                       "out must have in.numel() / size() elements");
+    detail::check_reduce_scatter(rank(), size(), in, out, op);
     validate("reduce_scatter", in, static_cast<int>(op));
     auto whole = in.reshape({-1}).to(reduced_type(in), /*non_blocking=*/false, /*copy=*/true);
     Request r("reduce_scatter", rank(), {in, out, whole});
@@ -246,8 +240,7 @@ class Gloo {
   void all_gather(const at::Tensor& in, at::Tensor& out) { iall_gather(in, out).wait(); }
 
   [[nodiscard]] Request iall_gather(const at::Tensor& in, at::Tensor& out) {
-    detail::check_pair("all_gather", rank(), in, out, in.numel(), in.numel() * size(),
-                       "out must have in.numel() * size() elements");
+    detail::check_all_gather(rank(), size(), in, out);
     validate("all_gather", in, 0);
     Request r("all_gather", rank(), {in, out});
     const auto n = in.numel();

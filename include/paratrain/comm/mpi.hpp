@@ -523,20 +523,13 @@ class Mpi {
   }
 
   void prepare_reduce_scatter(const at::Tensor& in, const at::Tensor& out, reduce_op op) {
-    detail::check_reduction("reduce_scatter", rank(), in, op, "in");
-    if (in.numel() % size() != 0)
-      fail("reduce_scatter", "in has " + std::to_string(in.numel()) + " elements, not a multiple of the " +
-                                 std::to_string(size()) + " ranks; pad it to " +
-                                 std::to_string((in.numel() + size() - 1) / size() * size()) + " elements");
-    detail::check_pair("reduce_scatter", rank(), in, out, in.numel(), in.numel() / size(),
-                       "out must have in.numel() / size() elements");
+    detail::check_reduce_scatter(rank(), size(), in, out, op);
     validate("reduce_scatter", in, static_cast<int>(op));
   }
 
   /// Checks the arguments and says whether the gather is in place.
   bool prepare_all_gather(const at::Tensor& in, const at::Tensor& out) {
-    detail::check_pair("all_gather", rank(), in, out, in.numel(), in.numel() * size(),
-                       "out must have in.numel() * size() elements");
+    detail::check_all_gather(rank(), size(), in, out);
     const auto bytes = in.numel() * in.element_size();
     const auto* first = static_cast<const char*>(in.data_ptr());
     const auto* whole = static_cast<const char*>(out.data_ptr());

@@ -60,4 +60,21 @@ inline void check_pair(const char* op, int rank, const at::Tensor& in, const at:
                     rule);
 }
 
+/// The arguments of a reduce-scatter over `ranks` ranks: `in` divides into `ranks` equal
+/// parts (the message says how far to pad), `out` holds one of them.
+inline void check_reduce_scatter(int rank, int ranks, const at::Tensor& in, const at::Tensor& out, reduce_op r) {
+  check_reduction("reduce_scatter", rank, in, r, "in");
+  if (in.numel() % ranks != 0)
+    throw error("reduce_scatter", rank,
+                "in has " + std::to_string(in.numel()) + " elements, not a multiple of the " + std::to_string(ranks) +
+                    " ranks; pad it to " + std::to_string((in.numel() + ranks - 1) / ranks * ranks) + " elements");
+  check_pair("reduce_scatter", rank, in, out, in.numel(), in.numel() / ranks,
+             "out must have in.numel() / size() elements");
+}
+
+/// The arguments of an all-gather over `ranks` ranks: `out` holds `ranks` copies' worth of `in`.
+inline void check_all_gather(int rank, int ranks, const at::Tensor& in, const at::Tensor& out) {
+  check_pair("all_gather", rank, in, out, in.numel(), in.numel() * ranks, "out must have in.numel() * size() elements");
+}
+
 }  // namespace paratrain::detail

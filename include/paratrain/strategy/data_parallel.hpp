@@ -82,11 +82,8 @@ class DataParallel {
                 "paratrain::Sharded<Optimizer, paratrain::zero::stageN>");
   static_assert(explain_optimizer<typename detail::optimizer_of<Update>::type>());
 
-  static constexpr bool sharded = detail::is_sharded<Update>::value;
-  static constexpr int zero_stage = [] {
-    if constexpr (sharded) return Update::stage;
-    else return 0;
-  }();
+  static constexpr int zero_stage = detail::zero_stage_of<Update>;
+  static constexpr bool sharded = zero_stage > 0;
   static_assert(!sharded || explain_async_sharding_communicator<Comm>());
   static_assert(zero_stage < 3 || requires(const Comm& c) { { c.split(0, 0) } -> std::same_as<Comm>; },
                 "paratrain: ZeRO stage 3 gathers parameters on a communicator of its own and needs `Comm split(int "
@@ -101,7 +98,7 @@ class DataParallel {
   using optimizer_type = typename detail::optimizer_of<Update>::type;
   using Options = DataParallelOptions;
   /// 0 for DDP, else the ZeRO stage.
-  static constexpr int stage = zero_stage;
+  static constexpr int stage = detail::zero_stage_of<Update>;
 
   /// Collective: every rank of `comm` constructs its replica together.
   template <class OptimOptions>
@@ -126,17 +123,17 @@ class DataParallel {
       grads_ = std::make_unique<Grads>(*layout_, comm_, options.find_unused_parameters);
       optimizer_ = std::make_unique<optimizer_type>(std::move(groups), std::move(defaults));
     } else {
-      auto units = detail::find_units(*model_);
+      // Units matter at stage 3 only (Note [Units]); below, every parameter is resident.
+      const auto units = stage == 3 ? detail::find_units(*model_) : detail::UnitMap{};
       if (stage == 3 && units.units.empty())
         throw error("DataParallel", comm_.rank(),
                     "ZeRO stage 3 gathers parameters unit by unit, and this model declares no unit: declare its "
                     "layers or blocks as paratrain::Unit<Layer> (Note [Units], docs/sharding.md), or use stage 2");
-      if (stage < 3) units.units.clear();
       layout_ = std::make_unique<BucketLayout>(
           *model_, bucketing,
           [&](auto&, const at::Tensor& p) {
             const auto it = units.owner.find(p.unsafeGetTensorImpl());
-            return stage == 3 && it != units.owner.end() ? it->second : -1;
+            return it != units.owner.end() ? it->second : -1;
           },
           comm_.rank());
       shards_ = std::make_unique<Shards>(*layout_, comm_, groups, std::move(defaults), units.units);

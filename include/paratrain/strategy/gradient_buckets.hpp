@@ -95,7 +95,7 @@ class GradientBuckets {
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       if constexpr (shards) {
         buckets_[b].shard = at::zeros({layout.shard_numel(b)}, layout.buckets()[b].options);
-        for (auto i : layout.buckets()[b].params) tensor(i).mutable_grad() = at::Tensor();
+        release(b);
       } else {
         allocate(b);
       }
@@ -211,8 +211,13 @@ class GradientBuckets {
   /// After finish(): whether any rank produced a gradient for parameter `i` this step
   /// (always true without find_unused_parameters).
   [[nodiscard]] bool used_anywhere(std::size_t i) const { return used_anywhere_.at(i); }
-  /// The whole (DDP, ZeRO-1) or sharded (ZeRO-2/3) reduced gradient of bucket `b`.
-  [[nodiscard]] const at::Tensor& reduced(std::size_t b) const { return reduced(buckets_.at(b)); }
+  /// This rank's shard of bucket `b`'s reduced gradient (Note [Shard layout]): the part
+  /// a reduce-scatter left here, or that part of the whole all-reduced bucket.
+  [[nodiscard]] at::Tensor shard(std::size_t b) const {
+    if constexpr (shards) return buckets_.at(b).shard;
+    const auto n = layout_->shard_numel(b);
+    return buckets_.at(b).grad.narrow(0, comm_->rank() * n, n);
+  }
   /// Bytes of gradient storage held between steps.
   [[nodiscard]] std::size_t bytes() const {
     std::size_t n = 0;

@@ -48,7 +48,7 @@ class LocalDataParallel {
   static_assert(cloneable_module<Model>,
                 "paratrain: LocalDataParallel copies the model into replicas with clone(); derive the module from "
                 "torch::nn::Cloneable<NetImpl> (and build its submodules in reset()) instead of torch::nn::Module");
-  static_assert(!detail::is_sharded<Optim>::value,
+  static_assert(detail::zero_stage_of<Optim> == 0,
                 "paratrain: LocalDataParallel keeps its replicas in one process and cannot shard them; for ZeRO use "
                 "DataParallel<Net, comm::Mpi, Sharded<Optimizer, zero::stageN>> with one process per replica");
   static_assert(explain_optimizer<Optim>());

@@ -52,14 +52,14 @@ struct Sharded {
                 "paratrain: the second argument of Sharded is the ZeRO stage: paratrain::zero::stage1, stage2 or stage3");
   using optimizer_type = Optim;
   using stage_type = Stage;
-  static constexpr int stage = Stage::value;
 };
 
 namespace detail {
+/// 0 for an optimizer (DDP), else the ZeRO stage of Sharded<Optim, Stage>.
 template <class T>
-struct is_sharded : std::false_type {};
+inline constexpr int zero_stage_of = 0;
 template <class O, class S>
-struct is_sharded<Sharded<O, S>> : std::true_type {};
+inline constexpr int zero_stage_of<Sharded<O, S>> = S::value;
 
 /// The optimizer DataParallel drives: `Optim` itself, or the one inside Sharded<Optim, ...>.
 template <class T>
@@ -74,6 +74,6 @@ struct optimizer_of<Sharded<O, S>> {
 
 /// DataParallel's third argument: an optimizer (DDP) or a Sharded<Optimizer, Stage> (ZeRO).
 template <class P>
-concept update_policy = optimizer<P> || detail::is_sharded<P>::value;
+concept update_policy = optimizer<P> || (detail::zero_stage_of<P> > 0);
 
 }  // namespace paratrain

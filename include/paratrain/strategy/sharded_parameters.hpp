@@ -180,18 +180,13 @@ class ShardedParameters final : public detail::UnitObserver {
   void step(const GradientBuckets<Comm, Hook>& grads) {
     for (auto& piece : pieces_) {
       auto& g = piece.tensor.mutable_grad();
-      if (!grads.used_anywhere(piece.param)) {
+      if (grads.used_anywhere(piece.param))
+        g = grads.shard(piece.bucket).narrow(0, piece.begin, piece.tensor.numel());
+      else
         g = at::Tensor();
-        continue;
-      }
-      const auto& reduced = grads.reduced(layout_->params()[piece.param].bucket);
-      // Stage 1 reduces whole buckets: this rank's shard starts at rank * S.
-      g = reduced.narrow(0, (GradientBuckets<Comm, Hook>::shards ? 0 : shard_begin(piece.bucket)) + piece.begin,
-                         piece.tensor.numel());
     }
     optimizer_->step();
-    using Request = decltype(comm_->iall_gather(std::declval<const at::Tensor&>(), std::declval<at::Tensor&>()));
-    std::vector<Request> gathers;
+    std::vector<GatherRequest> gathers;
     for (auto& s : shards_)
       if (s.resident) gathers.push_back(comm_->iall_gather(s.shard, s.full));
     for (auto& r : gathers) r.wait();
@@ -339,20 +334,23 @@ class ShardedParameters final : public detail::UnitObserver {
     if (!state.gathered && state.inflight.empty()) launch(u);
   }
 
-  void gather(std::size_t u) {
-    auto& state = units_state_[u];
-    if (state.gathered) return;
-    if (state.inflight.empty()) launch(u);
+  // Completes a gather in flight (a prefetch): the unit is then gathered.
+  static void settle(UnitState& state) {
+    if (state.inflight.empty()) return;
     for (auto& r : state.inflight) r.wait();
     state.inflight.clear();
     state.gathered = true;
   }
 
+  void gather(std::size_t u) {
+    auto& state = units_state_[u];
+    if (!state.gathered && state.inflight.empty()) launch(u);
+    settle(state);
+  }
+
   void release(std::size_t u) {
     auto& state = units_state_[u];
-    for (auto& r : state.inflight) r.wait();
-    if (!state.inflight.empty()) state.gathered = true;
-    state.inflight.clear();
+    settle(state);
     if (!state.gathered) return;
     for (auto b : state.buckets) release_storage(shards_[b].full);
     state.gathered = false;
