@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/detail/gather_strings.hpp"
 
 namespace paratrain {
 
@@ -61,43 +62,18 @@ class Metrics {
   }
 
  private:
-  // The names every rank logged, sorted: each rank writes its names into its own row of
-  // a zeroed [ranks x names x length] table, and one sum all-reduce gives all the rows.
+  // The names every rank logged, sorted.
   template <class Group>
   std::vector<std::string> union_of_names(Group& group) {
-    const int ranks = group_size(group), rank = group.rank();
-    std::int64_t longest = 0;
-    for (const auto& [name, v] : values_) longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(name.size()));
-    auto shape = at::tensor({static_cast<std::int64_t>(values_.size()), longest}, at::kLong);
-    group.all_reduce(shape, reduce_op::max);
-    const auto count = shape[0].item<std::int64_t>(), length = shape[1].item<std::int64_t>();
-    if (count == 0) return {};
-    auto table = at::zeros({ranks, count, length}, at::kInt);
-    auto* t = table.data_ptr<std::int32_t>();
-    std::int64_t row = 0;
-    for (const auto& [name, v] : values_) {
-      for (std::size_t c = 0; c < name.size(); ++c)
-        t[(rank * count + row) * length + static_cast<std::int64_t>(c)] = static_cast<unsigned char>(name[c]);
-      ++row;
-    }
-    group.all_reduce(table, reduce_op::sum);
+    std::vector<std::string> mine;
+    for (const auto& [name, v] : values_) mine.push_back(name);
     std::vector<std::string> names;
-    for (std::int64_t r = 0; r < ranks * count; ++r) {
-      std::string name;
-      for (std::int64_t c = 0; c < length && t[r * length + c] != 0; ++c) name += static_cast<char>(t[r * length + c]);
-      if (!name.empty()) names.push_back(std::move(name));
-    }
+    for (auto& of_rank : detail::all_gather_strings(group, mine)) names.insert(names.end(), of_rank.begin(), of_rank.end());
     std::sort(names.begin(), names.end());
     names.erase(std::unique(names.begin(), names.end()), names.end());
     return names;
   }
 
-  // A strategy says world_size(), a communicator size().
-  template <class G>
-  static int group_size(G& g) {
-    if constexpr (requires { g.world_size(); }) return g.world_size();
-    else return g.size();
-  }
   std::map<std::string, std::pair<double, double>> values_;
 };
 

@@ -5,8 +5,10 @@
 
 #include "paratrain/config.hpp"
 
+#include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/comm/single_device.hpp"
+#include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/concepts/module.hpp"
 #include "paratrain/concepts/optimizer.hpp"

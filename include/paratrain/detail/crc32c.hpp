@@ -1,11 +1,15 @@
 #pragma once
 /// \file
-/// CRC-32C (Castagnoli), as TensorBoard's record framing uses it.
+/// CRC-32C (Castagnoli), as TensorBoard's record framing and checkpoint files use it.
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+#endif
 
 namespace paratrain::detail {
 
@@ -33,6 +37,35 @@ constexpr std::uint32_t crc32c(std::string_view data) noexcept {
 constexpr std::uint32_t masked_crc32c(std::string_view data) noexcept {
   const std::uint32_t c = crc32c(data);
   return ((c >> 15) | (c << 17)) + 0xa282ead8u;
+}
+
+// Checkpoints checksum gigabytes: there the SSE4.2 instruction (8 bytes a cycle, against
+// the table's one) is used where the processor has it.
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) inline std::uint32_t crc32c_sse42(std::uint32_t c, const unsigned char* p,
+                                                                     std::size_t n) noexcept {
+  std::uint64_t c64 = c;
+  for (; n >= 8; n -= 8, p += 8) {
+    std::uint64_t word;
+    __builtin_memcpy(&word, p, 8);
+    c64 = _mm_crc32_u64(c64, word);
+  }
+  c = static_cast<std::uint32_t>(c64);
+  for (; n > 0; --n, ++p) c = _mm_crc32_u8(c, *p);
+  return c;
+}
+#endif
+
+/// Extends `crc` (0 to begin) over `size` more bytes: crc32c_extend(0, "123456789", 9)
+/// == 0xE3069283, and extending in pieces gives the same as all at once.
+inline std::uint32_t crc32c_extend(std::uint32_t crc, const void* data, std::size_t size) noexcept {
+  auto c = crc ^ 0xFFFFFFFFu;
+  const auto* p = static_cast<const unsigned char*>(data);
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("sse4.2")) return crc32c_sse42(c, p, size) ^ 0xFFFFFFFFu;
+#endif
+  for (std::size_t i = 0; i < size; ++i) c = crc32c_table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
 }
 
 static_assert(crc32c("123456789") == 0xE3069283u, "CRC-32C check value (RFC 3720, iSCSI)");

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "paratrain/comm/single_device.hpp"
+#include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/concepts/module.hpp"
 #include "paratrain/concepts/optimizer.hpp"
@@ -26,6 +27,7 @@
 #include "paratrain/strategy/gradient_buckets.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/sharded_parameters.hpp"
+#include "paratrain/strategy/state_slices.hpp"
 
 namespace paratrain {
 
@@ -245,6 +247,17 @@ class DataParallel {
     out.gradients = grads_->bytes();
     return out;
   }
+  /// Where this rank keeps the model's and optimizer's state (paratrain::checkpointable):
+  /// DDP holds everything whole; ZeRO's optimizer steps pieces of the parameters, and
+  /// at stage 3 the unit parameters at rest are this rank's pieces too.
+  [[nodiscard]] CheckpointLayout checkpoint_layout() {
+    if constexpr (sharded) return shards_->checkpoint_layout(*model_);
+    else return detail::whole_model_layout(*model_);
+  }
+  /// After a checkpoint was loaded into checkpoint_layout()'s slices: nothing derives
+  /// from them here (every rank loaded its own). Collective, by the concept.
+  void loaded() noexcept {}
+
   /// Reports each step's phases and each bucket's all-reduce into `timeline` (fit's
   /// trace does this); null, the default, times nothing. Note [Zero-cost timeline].
   void set_timeline(observe::StepTimeline* timeline) noexcept {

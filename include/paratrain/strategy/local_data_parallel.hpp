@@ -15,12 +15,14 @@
 #include <utility>
 #include <vector>
 
+#include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/module.hpp"
 #include "paratrain/concepts/optimizer.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/data/batch.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/strategy/sharded.hpp"
+#include "paratrain/strategy/state_slices.hpp"
 
 namespace paratrain {
 
@@ -147,6 +149,14 @@ class LocalDataParallel {
   void all_reduce(at::Tensor&, reduce_op) const noexcept {}
   /// The model evaluates alone (replica 0 is the model): nothing to synchronize.
   void synchronize() const noexcept {}
+
+  /// The model (replica 0) holds the state (paratrain::checkpointable).
+  [[nodiscard]] CheckpointLayout checkpoint_layout() { return detail::whole_model_layout(*model_); }
+  /// After a checkpoint was loaded into the model: the other replicas copy it.
+  void loaded() {
+    copy_to_replicas();
+    copy_buffers_to_replicas();
+  }
 
   [[nodiscard]] int rank() const noexcept { return 0; }
   [[nodiscard]] int world_size() const noexcept { return 1; }

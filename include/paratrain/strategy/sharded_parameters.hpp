@@ -19,10 +19,12 @@
 #include <string>
 #include <vector>
 
+#include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
+#include "paratrain/strategy/state_slices.hpp"
 #include "paratrain/strategy/unit.hpp"
 
 namespace paratrain {
@@ -243,6 +245,39 @@ class ShardedParameters final : public detail::UnitObserver {
     ModelStateBytes out;
     for (const auto& s : shards_) out.parameters += s.resident ? detail::bytes_of(s.full) : detail::bytes_of(s.shard);
     out.optimizer_state = detail::optimizer_state_bytes(*optimizer_);
+    return out;
+  }
+
+  /// This rank's slices (paratrain::checkpointable): the optimizer's pieces; parameters
+  /// whole where they stay resident, else (stage 3 units) this rank's pieces of them.
+  [[nodiscard]] CheckpointLayout checkpoint_layout(const torch::nn::Module& model) const {
+    CheckpointLayout out;
+    std::map<const void*, std::size_t> index;  // TensorImpl -> layout param
+    for (std::size_t i = 0; i < layout_->params().size(); ++i)
+      index.emplace(layout_->params()[i].tensor.unsafeGetTensorImpl(), i);
+    std::map<std::size_t, const Piece*> piece_of;  // layout param -> this rank's piece (one at most)
+    for (const auto& piece : pieces_) piece_of.emplace(piece.param, &piece);
+    const auto slice_of = [&](const std::string& name, const at::Tensor& whole, std::size_t i) {
+      TensorSlice s{name, whole.sizes().vec(), 0, at::empty({0}, whole.options()), /*replicated=*/false};
+      if (auto it = piece_of.find(i); it != piece_of.end()) {
+        const auto& piece = *it->second;
+        s.begin = shard_begin(piece.bucket) + piece.begin - layout_->params()[i].offset;
+        s.tensor = piece.tensor;
+      }
+      return s;
+    };
+    for (const auto& p : model.named_parameters(/*recurse=*/true)) {
+      const auto it = index.find(p.value().unsafeGetTensorImpl());
+      if (it != index.end() && !shards_[layout_->params()[it->second].bucket].resident)
+        out.model.push_back(slice_of(p.key(), p.value(), it->second));
+      else
+        out.model.push_back(detail::whole_slice(p.key(), p.value()));
+    }
+    detail::add_buffers(model, out);
+    for (const auto& piece : pieces_) {
+      const auto& p = layout_->params()[piece.param];
+      out.optimized.push_back(slice_of(p.name, p.tensor, piece.param));
+    }
     return out;
   }
 

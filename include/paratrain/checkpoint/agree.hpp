@@ -1,0 +1,33 @@
+#pragma once
+/// \file
+/// Errors that every rank reports: what failed on one rank is thrown on all of them.
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/detail/gather_strings.hpp"
+#include "paratrain/error.hpp"
+
+namespace paratrain::checkpoint::detail {
+
+/// Collective over `group`: returns when no rank has an error, else throws
+/// paratrain::error on every rank with the first failing rank's message. A rank that
+/// fails must still call this (catch, then agree), or the others would wait for it.
+template <class Group>
+void agree(Group& group, const char* operation, const std::string& local_error) {
+  auto failed = at::full({1}, local_error.empty() ? 0 : 1, at::kLong);
+  group.all_reduce(failed, reduce_op::sum);
+  if (failed.item<std::int64_t>() == 0) return;
+  const auto errors = paratrain::detail::all_gather_strings(
+      group, local_error.empty() ? std::vector<std::string>{} : std::vector<std::string>{local_error});
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty())
+      throw error(operation, group.rank(),
+                  (static_cast<int>(r) == group.rank() ? "" : "rank " + std::to_string(r) + " failed: ") +
+                      errors[r].front());
+}
+
+}  // namespace paratrain::checkpoint::detail

@@ -1,0 +1,189 @@
+#pragma once
+/// \file
+/// paratrain::checkpoint::load — loads a training checkpoint into any checkpointable
+/// strategy at any world size: each rank reads the ranges it holds (resharding).
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "paratrain/checkpoint/agree.hpp"
+#include "paratrain/checkpoint/checkpointer.hpp"
+#include "paratrain/checkpoint/format.hpp"
+#include "paratrain/checkpoint/optimizer_state.hpp"
+#include "paratrain/concepts/checkpointable.hpp"
+
+namespace paratrain::checkpoint {
+
+struct LoadOptions {
+  /// Load the optimizer's state and options too; off, only the model (another optimizer,
+  /// fine-tuning).
+  bool optimizer = true;
+  /// Restore the random generators' states: rank r takes saving rank r's (r modulo the
+  /// saved world size where there are more ranks now).
+  bool rng = true;
+};
+
+/// What a loaded checkpoint says besides the state it put into the strategy.
+struct Loaded {
+  fs::path path;
+  std::int64_t step = 0;
+  int world_size = 0;            ///< ranks that saved it
+  Dict extra = make_dict();      ///< the saver's `extra`
+  Dict rank_extra = make_dict(); ///< this rank's `rank_extra` when the world size is the same; else empty
+};
+
+namespace detail {
+
+// Note [Loading in two phases]
+// Everything a load puts into the strategy is first read into memory of its own and
+// checked (names, shapes, checksums) on every rank; only when every rank has succeeded
+// is it copied into the model and the optimizer. A load that fails anywhere leaves every
+// rank's strategy as it was.
+struct Staged {
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (destination, what goes there)
+  std::vector<std::pair<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>> states;
+  std::vector<std::string> cleared;  // optimizer state keys of this rank's optimized slices
+  std::vector<Dict> group_options;
+  at::Tensor rng;
+};
+
+// Reads elements [begin, begin + numel) of `key`, as saved (dtype converted at commit).
+inline at::Tensor read_range(ChunkReader& reader, const TensorRecord& record, const std::string& key,
+                             std::int64_t begin, std::int64_t numel) {
+  auto out = at::empty({numel}, at::TensorOptions().dtype(record.dtype));
+  if (numel > 0) reader.read(key, begin, out);
+  return out;
+}
+
+inline void check_model(const Contents& c, const CheckpointLayout& layout) {
+  std::set<std::string> names;
+  for (const auto& sl : layout.model) {
+    names.insert(sl.name);
+    const auto* record = c.find("model/" + sl.name);
+    if (record == nullptr)
+      throw file_error(c.path, "has no '" + sl.name + "', which this model has: it was saved from a different model", 0);
+    if (record->shape != sl.shape)
+      throw file_error(c.path, "'" + sl.name + "' is " + shape_string(record->shape) + " there and " +
+                                   shape_string(sl.shape) + " in this model: it was saved from a different model",
+                       0);
+  }
+  for (const auto& [key, record] : c.tensors)
+    if (key.starts_with("model/") && !names.count(key.substr(6)))
+      throw file_error(c.path, "has '" + key.substr(6) + "', which this model lacks: it was saved from a different model", 0);
+}
+
+template <class Optim>
+void stage_optimizer(Optim& optimizer, const CheckpointLayout& layout, const Contents& c, ChunkReader& reader,
+                     Staged& staged) {
+  using Schema = schema_of<Optim>;
+  if (c.optimizer != Schema::name)
+    throw file_error(c.path, std::string("holds the state of optimizer ") + c.optimizer + ", and this strategy's is " +
+                                 Schema::name + " (load with {.optimizer = false} to take the model alone)",
+                     0);
+  auto& groups = optimizer.param_groups();
+  if (groups.size() != c.param_groups.size())
+    throw file_error(c.path, "has " + std::to_string(c.param_groups.size()) + " parameter groups, this optimizer " +
+                                 std::to_string(groups.size()),
+                     0);
+  std::map<const void*, int> group;
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (const auto& p : groups[g].params()) group.emplace(p.unsafeGetTensorImpl(), static_cast<int>(g));
+  for (const auto& sl : layout.optimized) {
+    const auto saved = c.group_of.find(sl.name);
+    const int now = group.at(sl.tensor.unsafeGetTensorImpl());
+    if (saved == c.group_of.end()) throw file_error(c.path, "has no optimizer entry for parameter '" + sl.name + "'", 0);
+    if (saved->second != now)
+      throw file_error(c.path, "puts '" + sl.name + "' in parameter group " + std::to_string(saved->second) +
+                                   ", this optimizer in group " + std::to_string(now),
+                       0);
+  }
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const auto options = c.param_groups.get(g);
+    if (!options.isGenericDict()) throw file_error(c.path / index_name, "has malformed group options (corrupt)", 0);
+    staged.group_options.push_back(options.toGenericDict());
+  }
+  for (const auto& sl : layout.optimized) {
+    if (sl.tensor.numel() == 0) continue;
+    staged.cleared.push_back(state_key(sl.tensor));
+    ParamStateTensors t;
+    for (const char* field : Schema::fields) {
+      const auto key = "optim/" + sl.name + "/" + field;
+      const auto* record = c.find(key);
+      if (record == nullptr) continue;
+      if (record->shape != sl.shape)
+        throw file_error(c.path, "'" + key + "' is " + shape_string(record->shape) + ", its parameter " +
+                                     shape_string(sl.shape),
+                         0);
+      const auto saved = read_range(reader, *record, key, sl.begin, sl.tensor.numel());
+      t.tensors.emplace(field, saved.to(sl.tensor.options().requires_grad(false)).view(sl.tensor.sizes()));
+    }
+    const auto step_key = "optim/" + sl.name + "/step";
+    if (const auto* record = c.find(step_key)) t.step = read_range(reader, *record, step_key, 0, 1).item<std::int64_t>();
+    if (!t.tensors.empty() || t.step) staged.states.emplace_back(state_key(sl.tensor), Schema::make(t));
+  }
+}
+
+template <class Optim>
+void commit(Staged& staged, Optim& optimizer) {
+  at::NoGradGuard no_grad;
+  for (auto& [to, from] : staged.copies) to.detach().copy_(from.view(to.sizes()));
+  auto& groups = optimizer.param_groups();
+  for (std::size_t g = 0; g < staged.group_options.size(); ++g)
+    schema_of<Optim>::set_options(groups[g].options(), staged.group_options[g]);
+  auto& state = optimizer.state();
+  for (const auto& key : staged.cleared) state.erase(key);
+  for (auto& [key, s] : staged.states) state[key] = std::move(s);
+  if (staged.rng.defined()) {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(staged.rng);
+  }
+}
+
+}  // namespace detail
+
+/// Loads the checkpoint directory `path` into `s`: the model's parameters and buffers,
+/// the optimizer's state and options, the RNG states, whatever strategy and world size
+/// saved it. Collective. A problem (a missing or corrupt file, a different model, an
+/// incomplete checkpoint) throws paratrain::error on every rank, naming the file, and
+/// leaves `s` as it was (Note [Loading in two phases]).
+template <checkpointable S>
+Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
+  static_assert(known_optimizer<detail::optimizer_t<S>>,
+                "paratrain: checkpoints know the state of torch::optim::SGD, Adam, AdamW, Adagrad and RMSprop (and "
+                "optimizers derived from them); specialise paratrain::checkpoint::optimizer_schema for another");
+  Loaded out;
+  detail::Staged staged;
+  std::string err;
+  try {
+    const auto c = read_contents(path);
+    const auto layout = s.checkpoint_layout();
+    detail::check_model(c, layout);
+    ChunkReader reader(c);
+    for (const auto& sl : layout.model) {
+      if (sl.tensor.numel() == 0) continue;
+      const auto key = "model/" + sl.name;
+      staged.copies.emplace_back(sl.tensor, detail::read_range(reader, *c.find(key), key, sl.begin, sl.tensor.numel()));
+    }
+    if (options.optimizer) detail::stage_optimizer(s.optimizer(), layout, c, reader, staged);
+    const auto rng_key = "rng/cpu/" + std::to_string(s.rank() % c.world_size);
+    if (const auto* record = c.find(rng_key); options.rng && record != nullptr)
+      staged.rng = detail::read_range(reader, *record, rng_key, 0, detail::numel_of(record->shape));
+    out = {path, c.step, c.world_size, c.extra,
+           c.world_size == s.world_size() ? c.rank_extra[static_cast<std::size_t>(s.rank())] : make_dict()};
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  detail::agree(s, "checkpoint::load", err);
+  detail::commit(staged, s.optimizer());
+  s.loaded();
+  return out;
+}
+
+}  // namespace paratrain::checkpoint

@@ -1,0 +1,91 @@
+#pragma once
+/// \file
+/// paratrain::checkpoint::save_model / load_model — the whole model in one file that
+/// Python's `torch.load` and LibTorch's `torch::pickle_load` read: a state dict.
+
+#include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+#include <torch/serialize.h>
+
+#include <filesystem>
+#include <set>
+#include <string>
+
+#include "paratrain/checkpoint/agree.hpp"
+#include "paratrain/checkpoint/files.hpp"
+#include "paratrain/checkpoint/format.hpp"
+#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/concepts/checkpointable.hpp"
+
+namespace paratrain::checkpoint {
+
+/// Writes the whole model of `s` to `file` (rank 0 writes; atomically): a dict from
+/// each parameter's and buffer's name (named_parameters() / named_buffers()) to the
+/// tensor, on the CPU. In Python, `model.load_state_dict(torch.load(file))` on the same
+/// architecture. Collective: sharded tensors (ZeRO-3) are assembled one at a time, so no
+/// rank but rank 0 ever holds more than one whole tensor of them.
+template <checkpointable S>
+void save_model(S& s, const fs::path& file) {
+  const auto layout = s.checkpoint_layout();
+  c10::Dict<std::string, at::Tensor> dict;
+  std::string err;
+  for (const auto& sl : layout.model) {
+    at::Tensor whole;
+    if (sl.replicated) {
+      whole = sl.tensor.detach();
+    } else {
+      const auto options = sl.tensor.options().requires_grad(false);
+      whole = at::zeros({detail::numel_of(sl.shape)}, options);
+      // Each element is in one rank's slice and zero elsewhere, so the sum is exact.
+      if (sl.tensor.numel() > 0) whole.narrow(0, sl.begin, sl.tensor.numel()).copy_(sl.tensor.detach().reshape({-1}));
+      s.all_reduce(whole, reduce_op::sum);
+      whole = whole.view(sl.shape);
+    }
+    if (s.rank() == 0) dict.insert(sl.name, whole.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous());
+  }
+  if (s.rank() == 0) try {
+      if (file.has_parent_path()) fs::create_directories(file.parent_path());
+      detail::write_file_atomically(file, torch::pickle_save(dict));
+      detail::sync_directory(file.has_parent_path() ? file.parent_path() : fs::path("."));
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+  detail::agree(s, "checkpoint::save_model", err);
+}
+
+/// Loads a file of save_model (or Python's `torch.save(model.state_dict(), file)`) into
+/// the model of `s`; each rank takes the slices it holds. Every name must match, with its
+/// shape (load_state_dict's strict mode); the optimizer is untouched. Collective.
+template <checkpointable S>
+void load_model(S& s, const fs::path& file) {
+  const auto layout = s.checkpoint_layout();
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+  std::string err;
+  try {
+    const auto value = detail::read_dict(file, detail::read_file(file));
+    std::set<std::string> names;
+    for (const auto& sl : layout.model) {
+      names.insert(sl.name);
+      const auto it = value.find(sl.name);
+      if (it == value.end() || !it->value().isTensor())
+        throw detail::file_error(file, "has no tensor '" + sl.name + "', which this model has: a different model", 0);
+      const auto t = it->value().toTensor();
+      if (t.sizes().vec() != sl.shape)
+        throw detail::file_error(file, "'" + sl.name + "' is " + detail::shape_string(t.sizes().vec()) + " there and " +
+                                           detail::shape_string(sl.shape) + " in this model: a different model",
+                                 0);
+      if (sl.tensor.numel() > 0) copies.emplace_back(sl.tensor, t.reshape({-1}).narrow(0, sl.begin, sl.tensor.numel()));
+    }
+    for (const auto& item : value)
+      if (!names.count(item.key().toStringRef()))
+        throw detail::file_error(file, "has '" + item.key().toStringRef() + "', which this model lacks: a different model", 0);
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  detail::agree(s, "checkpoint::load_model", err);
+  at::NoGradGuard no_grad;
+  for (auto& [to, from] : copies) to.detach().copy_(from.view(to.sizes()));
+  s.loaded();
+}
+
+}  // namespace paratrain::checkpoint

@@ -1,0 +1,35 @@
+#pragma once
+/// \file
+/// The CheckpointLayout of a model held whole (single device, DDP, DP): every parameter
+/// and buffer a replicated slice of itself.
+
+#include <torch/nn/module.h>
+
+#include <string>
+#include <utility>
+
+#include "paratrain/concepts/checkpointable.hpp"
+
+namespace paratrain::detail {
+
+inline TensorSlice whole_slice(std::string name, const at::Tensor& t) {
+  return {std::move(name), t.sizes().vec(), 0, t, /*replicated=*/true};
+}
+
+/// Every buffer of `model`, whole.
+inline void add_buffers(const torch::nn::Module& model, CheckpointLayout& out) {
+  for (const auto& b : model.named_buffers(/*recurse=*/true)) out.model.push_back(whole_slice(b.key(), b.value()));
+}
+
+/// `model` held whole on every rank, its optimizer over its own parameters.
+inline CheckpointLayout whole_model_layout(const torch::nn::Module& model) {
+  CheckpointLayout out;
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) {
+    out.model.push_back(whole_slice(p.key(), p.value()));
+    if (p.value().requires_grad()) out.optimized.push_back(whole_slice(p.key(), p.value()));
+  }
+  add_buffers(model, out);
+  return out;
+}
+
+}  // namespace paratrain::detail
