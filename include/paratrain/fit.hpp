@@ -22,6 +22,7 @@
 #include "paratrain/data/exact_sampler.hpp"
 #include "paratrain/detail/progress.hpp"
 #include "paratrain/error.hpp"
+#include "paratrain/fit_checkpoints.hpp"
 #include "paratrain/metrics.hpp"
 #include "paratrain/observe/observer.hpp"
 
@@ -65,6 +66,9 @@ struct FitResult {
   double samples_per_second = 0;  ///< over all ranks and epochs
   /// Every rank's step-time statistics and the stragglers, with ObserveOptions::straggler_report.
   std::optional<observe::StepTimeReport> step_times;
+  /// The checkpoint this run resumed from (FitOptions::checkpoint); `epochs` then holds
+  /// only the epochs it finished, the first of them possibly begun before.
+  std::optional<std::filesystem::path> resumed_from;
 };
 
 struct FitOptions {
@@ -86,6 +90,8 @@ struct FitOptions {
   std::function<void(const EpochInfo&)> on_epoch{};
   /// TensorBoard, trace, metrics files, straggler report: all off by default (observe/observer.hpp).
   observe::ObserveOptions observe{};
+  /// Save checkpoints while training and resume from them: off by default (fit_checkpoints.hpp).
+  CheckpointOptions checkpoint{};
 };
 
 /// Cross-entropy over class indices: fit's default loss.
@@ -179,7 +185,7 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
                                                   .shuffle = options.shuffle,
                                                   .seed = options.seed,
                                                   .drop_last = options.drop_last});
-  const auto base_lrs = detail::base_learning_rates(s.optimizer());
+  auto base_lrs = detail::base_learning_rates(s.optimizer());
   const double global_batch = double(options.batch_size) * options.accumulation * s.world_size();
   const auto& scaling = options.lr_scaling;
   const double target_factor = scaling.reference_batch > 0 ? global_batch / double(scaling.reference_batch) : 1.0;
@@ -195,16 +201,43 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
   Metrics window;   // fit's loss since the last progress line
   std::int64_t step = 0;
   double total_samples = 0;
-  for (int epoch = 0; epoch < options.epochs; ++epoch) {
-    sampler.set_epoch(epoch);
+  detail::FitCheckpoints<S> checkpoints(s, options.checkpoint);
+  detail::FitPosition start{.dataset_size = train.size(),
+                            .seed = static_cast<std::int64_t>(options.seed),
+                            .shuffle = options.shuffle,
+                            .drop_last = options.drop_last};
+  if (const auto resumed = checkpoints.resume(metrics)) {
+    if (resumed->dataset_size != start.dataset_size || resumed->seed != start.seed ||
+        resumed->shuffle != start.shuffle || resumed->drop_last != start.drop_last)
+      throw error("fit", s.rank(),
+                  "the checkpoint " + checkpoints.resumed_from()->string() +
+                      " was saved with another data set size, seed, shuffle or drop_last, so its place in the sample "
+                      "order means nothing here; resume with the options it was saved with");
+    start = *resumed;
+    base_lrs = start.base_lrs;  // the loaded optimizer holds the scheduled rates of its step
+    step = start.step;
+    result.resumed_from = checkpoints.resumed_from();
+  }
+  // The loop's position after `done` steps of this epoch, for a checkpoint.
+  const auto position_after = [&](int epoch, std::int64_t epoch_step, std::int64_t visited) {
+    detail::FitPosition p = start;
+    p.epoch = epoch, p.epoch_step = epoch_step, p.position = visited, p.step = step + 1, p.base_lrs = base_lrs;
+    return p;
+  };
+  for (int epoch = static_cast<int>(start.epoch); epoch < options.epochs; ++epoch) {
+    const bool resumed_epoch = epoch == start.epoch;
+    sampler.set_epoch(epoch, resumed_epoch ? start.position : 0);
     const auto indices = sampler.indices();
     std::vector<at::Tensor> micro;
     for (auto&& chunk : data::batches(indices, options.batch_size)) micro.push_back(data::to_tensor(chunk));
-    const auto steps = static_cast<std::int64_t>((micro.size() + options.accumulation - 1) / options.accumulation);
+    // Steps of this epoch: those done before the resume, then those left.
+    const std::int64_t done = resumed_epoch ? start.epoch_step : 0;
+    const auto steps = done + static_cast<std::int64_t>((micro.size() + options.accumulation - 1) / options.accumulation);
+    bool save_at_end = options.checkpoint.every_epoch;
     EpochInfo info{.epoch = epoch};
     double epoch_samples = 0;
     const auto epoch_start = clock::now();
-    for (std::int64_t k = 0;; ++k, ++step) {
+    for (std::int64_t k = done;; ++k, ++step) {
       if (scaling.reference_batch > 0 || options.lr_schedule) {
         const double warm = scaling.warmup_epochs * double(std::max<std::int64_t>(steps, 1));
         const double warmed = warm > 0 ? std::min(1.0, double(step) / warm) : 1.0;
@@ -216,7 +249,7 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
       const auto step_start = clock::now();
       StepResult r;
       if (k < steps) {
-        const auto first = static_cast<std::size_t>(k * options.accumulation);
+        const auto first = static_cast<std::size_t>((k - done) * options.accumulation);
         const auto last = std::min(micro.size(), first + static_cast<std::size_t>(options.accumulation)) - 1;
         double loss_sum = 0, samples = 0;
         for (auto m = first; m < last; ++m) {
@@ -244,6 +277,16 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
       observer.step(step, step_start, step_end, r.loss, r.samples);
       if (options.on_step) options.on_step(si);
       const bool last_step = r.ranks_with_next == 0;
+      checkpoints.poll();
+      if (options.checkpoint.every_steps > 0 && (step + 1) % options.checkpoint.every_steps == 0) {
+        if (last_step) {
+          save_at_end = true;  // after the epoch's evaluation, as the next epoch's start
+        } else {
+          const auto visited = std::min<std::int64_t>(
+              sampler.size(), (k + 1 - done) * options.accumulation * options.batch_size);
+          checkpoints.save(position_after(epoch, k + 1, sampler.start() + visited * s.world_size()), metrics);
+        }
+      }
       if ((k + 1) % options.log_every == 0 && !last_step) {
         const auto m = window.sync(s);  // Note [Safe metric reduction]: every rank is here
         const double secs = std::chrono::duration<double>(clock::now() - epoch_start).count();
@@ -274,11 +317,17 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
                                                     .c_str()
                                               : "",
                                  info.samples_per_second, info.seconds));
+    if (save_at_end && checkpoints.saving()) {
+      auto p = position_after(epoch + 1, 0, 0);
+      p.step = step;  // `step` already counts the epoch's last step
+      checkpoints.save(p, Metrics{});
+    }
     if (options.on_epoch) options.on_epoch(info);
     result.train_seconds += info.seconds;
     total_samples += epoch_samples;
     result.epochs.push_back(std::move(info));
   }
+  checkpoints.wait();
   result.step_times = observer.finish();
   result.samples_per_second = result.train_seconds > 0 ? total_samples / result.train_seconds : 0;
   if (scaling.reference_batch > 0 || options.lr_schedule)

@@ -38,6 +38,16 @@ class Metrics {
     w += weight;
   }
 
+  /// This rank's running sums, name -> (sum of value * weight, sum of weight): what a
+  /// checkpoint keeps to resume mid-epoch.
+  [[nodiscard]] const std::map<std::string, std::pair<double, double>>& sums() const noexcept { return values_; }
+  /// Adds sums as sums() gave them.
+  void add_sums(const std::string& name, double sum, double weight) {
+    auto& [s, w] = values_[name];
+    s += sum;
+    w += weight;
+  }
+
   /// This rank's means so far.
   [[nodiscard]] std::map<std::string, double> local() const {
     std::map<std::string, double> out;

@@ -3,6 +3,7 @@
 /// Errors that every rank reports: what failed on one rank is thrown on all of them.
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include <string>
 #include <vector>
@@ -12,6 +13,12 @@
 #include "paratrain/error.hpp"
 
 namespace paratrain::checkpoint::detail {
+
+/// An exception's message; LibTorch's without the C++ backtrace it carries.
+inline std::string message_of(const std::exception& e) {
+  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
 
 /// Collective over `group`: returns when no rank has an error, else throws
 /// paratrain::error on every rank with the first failing rank's message. A rank that

@@ -221,7 +221,7 @@ class Checkpointer {
         fs::remove_all(partial);
         fs::create_directories(partial);
       } catch (const std::exception& e) {
-        err = std::string("cannot create the checkpoint directory: ") + e.what();
+        err = "cannot create the checkpoint directory: " + detail::message_of(e);
       }
     detail::agree(*s_, "checkpoint::save", err);
 
@@ -238,7 +238,7 @@ class Checkpointer {
         err = partial.string() + ": not enough space: this rank's part needs " + std::to_string(bytes >> 20) +
               " MiB, the file system has " + std::to_string(free >> 20) + " MiB free";
     } catch (const std::exception& e) {
-      err = e.what();
+      err = detail::message_of(e);
     }
     job.rank_extra = std::move(rank_extra);
     try {
@@ -253,7 +253,7 @@ class Checkpointer {
       try {
         job_->written = detail::write_rank(job_->partial, rank, world, job_->step, job_->entries, job_->groups, job_->rank_extra);
       } catch (const std::exception& e) {
-        job_->error = e.what();
+        job_->error = detail::message_of(e);
       }
       job_->entries.clear();  // the snapshot's memory goes as soon as it is on disk
       done_ = true;
@@ -357,7 +357,7 @@ class Checkpointer {
         detail::sync_directory(options_.directory);
         prune();
       } catch (const std::exception& e) {
-        err = e.what();
+        err = detail::message_of(e);
         cleanup();
       }
     detail::agree(*s_, "checkpoint::save", err);

@@ -94,6 +94,8 @@ inline Dict read_dict(const fs::path& path, const std::vector<char>& bytes) {
     auto v = torch::pickle_load(bytes);
     if (!v.isGenericDict()) throw std::runtime_error("not a dict");
     return v.toGenericDict();
+  } catch (const c10::Error& e) {
+    throw file_error(path, std::string("is not a paratrain checkpoint file (") + e.what_without_backtrace() + ")", 0);
   } catch (const std::exception& e) {
     throw file_error(path, std::string("is not a paratrain checkpoint file (") + e.what() + ")", 0);
   }

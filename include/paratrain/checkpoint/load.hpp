@@ -178,7 +178,7 @@ Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
     out = {path, c.step, c.world_size, c.extra,
            c.world_size == s.world_size() ? c.rank_extra[static_cast<std::size_t>(s.rank())] : make_dict()};
   } catch (const std::exception& e) {
-    err = e.what();
+    err = detail::message_of(e);
   }
   detail::agree(s, "checkpoint::load", err);
   detail::commit(staged, s.optimizer());

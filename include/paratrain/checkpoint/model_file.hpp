@@ -48,7 +48,7 @@ void save_model(S& s, const fs::path& file) {
       detail::write_file_atomically(file, torch::pickle_save(dict));
       detail::sync_directory(file.has_parent_path() ? file.parent_path() : fs::path("."));
     } catch (const std::exception& e) {
-      err = e.what();
+      err = detail::message_of(e);
     }
   detail::agree(s, "checkpoint::save_model", err);
 }
@@ -80,7 +80,7 @@ void load_model(S& s, const fs::path& file) {
       if (!names.count(item.key().toStringRef()))
         throw detail::file_error(file, "has '" + item.key().toStringRef() + "', which this model lacks: a different model", 0);
   } catch (const std::exception& e) {
-    err = e.what();
+    err = detail::message_of(e);
   }
   detail::agree(s, "checkpoint::load_model", err);
   at::NoGradGuard no_grad;

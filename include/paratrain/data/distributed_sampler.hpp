@@ -69,16 +69,27 @@ class DistributedSampler {
   DistributedSampler(std::int64_t dataset_size, Options options)
       : dataset_size_(dataset_size), options_(options) {
     validate();
-    // PyTorch's formulas; in integers, ceil((n - N) / N) for a ragged n is floor(n / N).
-    const auto n = dataset_size_;
-    const auto replicas = options_.num_replicas;
-    num_samples_ = options_.drop_last ? n / replicas : (n + replicas - 1) / replicas;
-    total_size_ = num_samples_ * replicas;
+    set_epoch(0);
   }
 
-  /// Chooses the permutation of the next indices() call; a no-op unless shuffling.
-  void set_epoch(std::int64_t epoch) noexcept { epoch_ = epoch; }
+  /// Chooses the permutation of the next indices() call (a no-op unless shuffling), and
+  /// where in it they begin: `start` positions of the epoch's order were already visited
+  /// by all ranks together, as when a run resumes from a checkpoint (Note [Resuming
+  /// mid-epoch]). Throws paratrain::error if start < 0.
+  void set_epoch(std::int64_t epoch, std::int64_t start = 0) {
+    if (start < 0) throw error("DistributedSampler", static_cast<int>(options_.rank), "start must be >= 0");
+    epoch_ = epoch;
+    start_ = start;
+    // PyTorch's formulas, over what remains of the order; in integers, ceil((n - N) / N)
+    // for a ragged n is floor(n / N).
+    const auto rest = std::max<std::int64_t>(dataset_size_ - start_, 0);
+    const auto replicas = options_.num_replicas;
+    num_samples_ = options_.drop_last ? rest / replicas : (rest + replicas - 1) / replicas;
+    total_size_ = start_ + num_samples_ * replicas;
+  }
   [[nodiscard]] std::int64_t epoch() const noexcept { return epoch_; }
+  /// The position in the epoch's order where this epoch's indices begin (set_epoch's start).
+  [[nodiscard]] std::int64_t start() const noexcept { return start_; }
 
   /// This rank's indices for the current epoch: size() of them, each in
   /// [0, dataset_size). Costs O(dataset_size), since every rank draws the whole
@@ -92,16 +103,16 @@ class DistributedSampler {
     // order[i % n] at position i. Without drop_last total_size >= n; with it
     // total_size <= n, where i % n == i. An empty dataset has total_size 0, so the
     // loop never divides by n == 0 (PyTorch yields nothing there too).
-    for (auto i = options_.rank; i < total_size_; i += options_.num_replicas) {
+    for (auto i = start_ + options_.rank; i < total_size_; i += options_.num_replicas) {
       mine.push_back(order[static_cast<std::size_t>(i % dataset_size_)]);
     }
     return mine;
   }
 
-  /// The number of indices each rank gets per epoch (PyTorch's `num_samples`, `len()`).
+  /// The number of indices each rank gets this epoch (PyTorch's `num_samples`, `len()`).
   [[nodiscard]] std::int64_t size() const noexcept { return num_samples_; }
-  /// The length of the padded or truncated order shared out among ranks
-  /// (PyTorch's `total_size`): size() * num_replicas.
+  /// Where the padded or truncated order shared out among ranks ends (PyTorch's
+  /// `total_size` when start is 0): start() + size() * num_replicas.
   [[nodiscard]] std::int64_t total_size() const noexcept { return total_size_; }
   [[nodiscard]] std::int64_t dataset_size() const noexcept { return dataset_size_; }
   [[nodiscard]] const Options& options() const noexcept { return options_; }
@@ -132,6 +143,7 @@ class DistributedSampler {
   std::int64_t dataset_size_;
   Options options_;
   std::int64_t epoch_ = 0;
+  std::int64_t start_ = 0;
   std::int64_t num_samples_ = 0;
   std::int64_t total_size_ = 0;
 };

@@ -1,0 +1,555 @@
+// Checkpoints: a resumed run equals the uninterrupted one bitwise at the same world size;
+// a checkpoint saved by any strategy at N ranks loads into any other at M ranks, and the
+// training that follows equals single-device LibTorch (the independent reference) within
+// 1e-5; every bad checkpoint is a clear error on every rank that leaves the earlier ones
+// loadable. The SIGKILL and Python tests are driven from ctest (tests/checkpoint/).
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "paratrain/checkpoint/checkpoint.hpp"
+#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/single_device.hpp"
+#include "paratrain/fit.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/local_data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "support/doctest.hpp"
+#include "support/equivalence.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace comm = paratrain::comm;
+namespace zero = paratrain::zero;
+namespace ckpt = paratrain::checkpoint;
+using paratrain::Sharded;
+using namespace paratrain_test;
+
+void barrier(comm::Mpi& c) {
+  auto t = torch::zeros({1});
+  c.all_reduce(t, paratrain::reduce_op::sum);
+}
+
+// A fresh directory that every rank of `c` names alike.
+fs::path shared_dir(comm::Mpi& c, const std::string& what) {
+  auto id = torch::full({1}, c.rank() == 0 ? static_cast<std::int64_t>(::getpid()) : 0, torch::kLong);
+  c.all_reduce(id, paratrain::reduce_op::sum);
+  const auto dir = fs::temp_directory_path() / ("paratrain-" + what + "-" + std::to_string(id.item<std::int64_t>()));
+  if (c.rank() == 0) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  barrier(c);
+  return dir;
+}
+
+// Global step k trains on samples [k G, (k+1) G); rank r of `world` takes a contiguous
+// part of them, so with G = 13 the ranks' batch sizes differ (13; 6, 7; 4, 4, 5; 3, 3, 3, 4).
+constexpr std::int64_t G = 13;
+paratrain::Batch part(const Data& d, int k, int world, int rank) {
+  const auto begin = k * G + G * rank / world, end = k * G + G * (rank + 1) / world;
+  return {d.x.narrow(0, begin, end - begin), d.y.narrow(0, begin, end - begin)};
+}
+
+template <class S>
+void train(S& s, const Data& d, int from, int to) {
+  for (int k = from; k < to; ++k) s.step(part(d, k, s.world_size(), s.rank()), loss_fn);
+}
+
+// Plain LibTorch on one device over the global batches: the independent reference.
+template <class Optim, class Opts>
+std::vector<torch::Tensor> reference_steps(const Data& d, int steps, Opts opts) {
+  auto model = make_model({}, 0);
+  Optim optim(model->parameters(), opts);
+  for (int k = 0; k < steps; ++k) {
+    optim.zero_grad();
+    const auto b = part(d, k, 1, 0);
+    loss_fn(model->forward(b.input), b.target).backward();
+    optim.step();
+  }
+  return model->parameters();
+}
+
+// A model unlike the one saved, so that a load has to change every parameter.
+Mlp other_model(int rank) {
+  auto m = make_model({}, rank);
+  torch::NoGradGuard no_grad;
+  for (auto& p : m->parameters()) p.add_(1.0);
+  return m;
+}
+
+double max_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
+  return worst;
+}
+
+template <class U, class O>
+struct Case {
+  using update = U;
+  using options = O;
+};
+torch::optim::SGDOptions options_of(torch::optim::SGDOptions*) { return torch::optim::SGDOptions(0.1).momentum(0.9); }
+torch::optim::AdamOptions options_of(torch::optim::AdamOptions*) { return torch::optim::AdamOptions(1e-2); }
+torch::optim::AdamWOptions options_of(torch::optim::AdamWOptions*) {
+  return torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+}
+torch::optim::RMSpropOptions options_of(torch::optim::RMSpropOptions*) {
+  return torch::optim::RMSpropOptions(1e-2).momentum(0.5).centered(true);
+}
+torch::optim::AdagradOptions options_of(torch::optim::AdagradOptions*) { return torch::optim::AdagradOptions(0.1); }
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("A checkpoint resumes every strategy bitwise at the same world size", Cfg,
+                   Case<torch::optim::SGD, torch::optim::SGDOptions>,
+                   Case<torch::optim::Adagrad, torch::optim::AdagradOptions>,
+                   Case<Sharded<torch::optim::SGD, zero::stage1>, torch::optim::SGDOptions>,
+                   Case<Sharded<torch::optim::RMSprop, zero::stage2>, torch::optim::RMSpropOptions>,
+                   Case<Sharded<torch::optim::Adam, zero::stage3>, torch::optim::AdamOptions>,
+                   Case<Sharded<torch::optim::AdamW, zero::stage3>, torch::optim::AdamWOptions>) {
+  using Strategy = paratrain::DataParallel<Mlp, comm::Mpi, typename Cfg::update>;
+  comm::Mpi c;
+  const auto dir = shared_dir(c, "roundtrip");
+  const Data d;
+  const auto opts = options_of(static_cast<typename Cfg::options*>(nullptr));
+  std::vector<torch::Tensor> uninterrupted;
+  {
+    Strategy s(make_model({}, c.rank()), c, opts);
+    train(s, d, 0, 5);
+    ckpt::save(s, dir, 5);
+    train(s, d, 5, 10);
+    uninterrupted = s.full_parameters();
+  }
+  Strategy s(other_model(c.rank()), c, opts);
+  const auto loaded = ckpt::load(s, ckpt::path_of(dir, 5));
+  CHECK(loaded.step == 5);
+  CHECK(loaded.world_size == c.size());
+  train(s, d, 5, 10);
+  CHECK(max_difference(s.full_parameters(), uninterrupted) == 0);
+  if (c.rank() == 0) fs::remove_all(dir);
+}
+
+namespace {
+// Mlp's layers, cloneable: LocalDataParallel copies the model into its replicas.
+struct TwinImpl : torch::nn::Cloneable<TwinImpl> {
+  TwinImpl() { reset(); }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::tanh(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Twin);
+}  // namespace
+
+TEST_CASE("LocalDataParallel and single-device DataParallel load each other's checkpoints") {
+  comm::Mpi world;
+  if (world.size() != 1) return;  // one process: LocalDataParallel is process-local
+  const auto dir = shared_dir(world, "local");
+  const Data d;
+  const auto opts = torch::optim::SGDOptions(0.1).momentum(0.9);
+  torch::manual_seed(7);
+  paratrain::LocalDataParallel<Twin, torch::optim::SGD> local(Twin(), opts, {.replicas = 2});
+  train(local, d, 0, 4);
+  ckpt::save(local, dir, 4);
+  train(local, d, 4, 8);
+  paratrain::DataParallel<Twin, comm::SingleDevice, torch::optim::SGD> single(Twin(), opts);
+  ckpt::load(single, ckpt::path_of(dir, 4));
+  train(single, d, 4, 8);
+  CHECK(max_relative_difference(single.model()->parameters(), local.model()->parameters()) <= 1e-5);
+  // And back: the replicas take the loaded state too.
+  ckpt::save(single, dir, 8);
+  paratrain::LocalDataParallel<Twin, torch::optim::SGD> again(Twin(), opts, {.replicas = 2});
+  ckpt::load(again, ckpt::path_of(dir, 8));
+  train(again, d, 8, 10);
+  train(single, d, 8, 10);
+  CHECK(max_relative_difference(again.model()->parameters(), single.model()->parameters()) <= 1e-5);
+  fs::remove_all(dir);
+}
+
+// ZeRO-3 at W -> DDP at W/2 -> single device -> ZeRO-1 at min(3, W): at 4 ranks the
+// issue's chain, 4 -> 2 -> 1 -> 3; every link followed by training.
+template <class Optim, class Opts>
+void reshard_chain(const Opts& opts) {
+  comm::Mpi world;
+  const int w = world.size(), rank = world.rank();
+  const auto dir = shared_dir(world, "chain");
+  const Data d;
+  const auto sub = [&](int m) { return world.split(rank < m ? 0 : 1, rank); };
+  {
+    paratrain::DataParallel<Mlp, comm::Mpi, Sharded<Optim, zero::stage3>> s(make_model({}, rank), world, opts);
+    train(s, d, 0, 4);
+    ckpt::save(s, dir / "a", 4);
+  }
+  barrier(world);
+  const int m = std::max(1, w / 2);
+  auto half = sub(m);
+  if (rank < m) {
+    paratrain::DataParallel<Mlp, comm::Mpi, Optim> s(other_model(rank), half, opts);
+    CHECK(ckpt::load(s, ckpt::path_of(dir / "a", 4)).world_size == w);
+    train(s, d, 4, 8);
+    ckpt::save(s, dir / "b", 8);
+  }
+  barrier(world);
+  if (rank == 0) {
+    paratrain::DataParallel<Mlp, comm::SingleDevice, Optim> s(other_model(0), opts);
+    ckpt::load(s, ckpt::path_of(dir / "b", 8));
+    train(s, d, 8, 12);
+    ckpt::save(s, dir / "c", 12);
+  }
+  barrier(world);
+  const int three = std::min(3, w);
+  auto last = sub(three);
+  if (rank < three) {
+    paratrain::DataParallel<Mlp, comm::Mpi, Sharded<Optim, zero::stage1>> s(other_model(rank), last, opts);
+    ckpt::load(s, ckpt::path_of(dir / "c", 12));
+    train(s, d, 12, 16);
+    CAPTURE(w);
+    CHECK(max_relative_difference(s.full_parameters(), reference_steps<Optim>(d, 16, opts)) <= 1e-5);
+  }
+  barrier(world);
+  if (rank == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("Resharding: ZeRO-3 at N, DDP at N/2, one device, ZeRO-1 at 3, each followed by training, equal LibTorch") {
+  SUBCASE("SGD with momentum") { reshard_chain<torch::optim::SGD>(torch::optim::SGDOptions(0.1).momentum(0.9)); }
+  SUBCASE("Adam") { reshard_chain<torch::optim::Adam>(torch::optim::AdamOptions(1e-2)); }
+}
+
+namespace {
+
+struct Interrupt {};
+
+const paratrain::data::TensorDataset& fit_data() {
+  static const Data d;
+  static const paratrain::data::TensorDataset set(d.x.narrow(0, 0, 240), d.y.narrow(0, 0, 240));
+  return set;
+}
+
+template <class Strategy>
+paratrain::FitResult run_fit(Strategy& s, std::int64_t batch, paratrain::CheckpointOptions checkpoint,
+                             std::int64_t interrupt_after = -1) {
+  return paratrain::fit(s, fit_data(),
+                        {.epochs = 3,
+                         .batch_size = batch,
+                         .lr_schedule = [](double epoch) { return 1.0 / (1.0 + epoch); },
+                         .progress = false,
+                         .on_step = [&](const paratrain::StepInfo& i) {
+                           if (i.step == interrupt_after) throw Interrupt{};
+                         },
+                         .checkpoint = checkpoint},
+                        loss_fn);
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("fit stopped mid-epoch and resumed ends bitwise where the uninterrupted run does", Update,
+                   torch::optim::SGD, Sharded<torch::optim::Adam, zero::stage2>, Sharded<torch::optim::Adam, zero::stage3>) {
+  using Strategy = paratrain::DataParallel<Mlp, comm::Mpi, Update>;
+  using Opts = std::conditional_t<std::is_same_v<Update, torch::optim::SGD>, torch::optim::SGDOptions, torch::optim::AdamOptions>;
+  const auto opts = options_of(static_cast<Opts*>(nullptr));
+  comm::Mpi c;
+  const auto dir = shared_dir(c, "fit");
+  Strategy whole(make_model({}, c.rank()), c, opts);
+  const auto want = run_fit(whole, 8, {});
+  for (const bool async : {true, false}) {
+    CAPTURE(async);
+    if (c.rank() == 0) fs::remove_all(dir / "run");
+    barrier(c);
+    {
+      Strategy s(make_model({}, c.rank()), c, opts);
+      // Steps 0-16 and saves after 4, 8, 12, 16 (the second epoch's fourth step at 1 rank);
+      // step 17 never finishes.
+      CHECK_THROWS_AS(run_fit(s, 8, {.directory = dir / "run", .every_steps = 4, .async = async}, 17), Interrupt);
+    }
+    barrier(c);
+    Strategy s(other_model(c.rank()), c, opts);
+    const auto got = run_fit(s, 8, {.directory = dir / "run", .every_steps = 4, .async = async});
+    REQUIRE(got.resumed_from.has_value());
+    // In the background the last save may not have been published before the stop.
+    const auto name = got.resumed_from->filename().string();
+    CHECK((name == "step-000000016" || (async && name == "step-000000012")));
+    CHECK(max_difference(s.full_parameters(), whole.full_parameters()) == 0);
+    // The resumed epoch's loss counts its steps before the interruption too.
+    CHECK(got.epochs.back().train_loss == want.epochs.back().train_loss);
+  }
+  if (c.rank() == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("fit resumed at another world size with the same global batch equals the uninterrupted run within 1e-5") {
+  comm::Mpi c;
+  const int w = c.size(), rank = c.rank();
+  const auto dir = shared_dir(c, "fit-reshard");
+  const auto opts = torch::optim::SGDOptions(0.1).momentum(0.9);
+  paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>> whole(make_model({}, rank), c, opts);
+  run_fit(whole, 12 / w, {});
+  const auto want = whole.full_parameters();
+  {
+    paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>> s(make_model({}, rank), c, opts);
+    // 20 steps an epoch; saves after 7, 14 and 21 steps (mid-epoch), then stopped.
+    CHECK_THROWS_AS(run_fit(s, 12 / w, {.directory = dir, .every_steps = 7, .async = false}, 23), Interrupt);
+  }
+  barrier(c);
+  if (rank == 0) {  // the same global batch of 12 on one device
+    paratrain::DataParallel<Mlp, comm::SingleDevice, torch::optim::SGD> s(other_model(0), opts);
+    const auto got = run_fit(s, 12, {.directory = dir});
+    CHECK(got.resumed_from.has_value());
+    CHECK(max_relative_difference(s.model()->parameters(), want) <= 1e-5);
+    fs::remove_all(dir);
+  }
+  barrier(c);
+}
+
+namespace {
+
+void flip_byte(const fs::path& file, std::int64_t offset) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset);
+  char b = 0;
+  f.read(&b, 1);
+  b = static_cast<char>(b ^ 0x5a);
+  f.seekp(offset);
+  f.write(&b, 1);
+}
+
+// Every rank gets a paratrain::error from `f` that names `needle` (a file, the problem).
+template <class F>
+void check_error_names(F&& f, const std::string& needle) {
+  std::string what;
+  try {
+    f();
+  } catch (const paratrain::error& e) {
+    what = e.what();
+  }
+  CAPTURE(what);
+  CAPTURE(needle);
+  CHECK(what.find(needle) != std::string::npos);
+}
+
+// A 8.4M-parameter model: its checkpoints take long enough to write to be killed midway.
+struct BigImpl : torch::nn::Module {
+  BigImpl() : a(register_module("a", torch::nn::Linear(2048, 2048))), b(register_module("b", torch::nn::Linear(2048, 2048))) {}
+  torch::Tensor forward(torch::Tensor x) { return b(torch::relu(a(x))); }
+  torch::nn::Linear a, b;
+};
+TORCH_MODULE(Big);
+
+}  // namespace
+
+TEST_CASE("Bad checkpoints are a clear error on every rank, and the earlier checkpoint stays loadable") {
+  using Ddp = paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::SGD>;
+  comm::Mpi c;
+  const int w = c.size(), rank = c.rank();
+  const auto dir = shared_dir(c, "bad");
+  const Data d;
+  const auto opts = torch::optim::SGDOptions(0.1).momentum(0.9);
+  Ddp s(make_model({}, rank), c, opts);
+  train(s, d, 0, 2);
+  ckpt::save(s, dir, 2);
+  const auto good = s.full_parameters();
+  const auto step2 = ckpt::path_of(dir, 2);
+  const auto loads_good = [&] {
+    Ddp t(other_model(rank), c, opts);
+    ckpt::load(t, step2);
+    CHECK(max_difference(t.full_parameters(), good) == 0);
+  };
+  // Each case damages a copy of the good checkpoint, so that it stays as it was.
+  const auto damaged = dir / "step-000000003";
+  const auto with_copy = [&](auto&& damage) {
+    if (rank == 0) {
+      fs::remove_all(damaged);
+      fs::copy(step2, damaged);
+      damage();
+    }
+    barrier(c);
+  };
+  const auto last_data = damaged / ("rank-0000" + std::to_string(w - 1) + ".bin");
+
+  SUBCASE("a truncated data file") {
+    with_copy([&] { fs::resize_file(last_data, fs::file_size(last_data) / 2); });
+    check_error_names([&] { ckpt::load(s, damaged); }, last_data.filename().string() + ": has");
+    check_error_names([&] { ckpt::load(s, damaged); }, "truncated");
+  }
+  SUBCASE("a flipped byte in a data file") {
+    with_copy([&] { flip_byte(last_data, 3); });
+    check_error_names([&] { ckpt::load(s, damaged); }, last_data.filename().string() + ": chunk 'model/");
+    check_error_names([&] { ckpt::load(s, damaged); }, "fails its checksum");
+  }
+  SUBCASE("a flipped byte in a chunk table") {
+    with_copy([&] { flip_byte(damaged / "rank-00000.pt", 100); });
+    check_error_names([&] { ckpt::load(s, damaged); }, "rank-00000.pt: fails its checksum");
+  }
+  SUBCASE("a missing shard") {
+    with_copy([&] { fs::remove(last_data); });
+    check_error_names([&] { ckpt::load(s, damaged); }, last_data.filename().string() + ": is missing");
+  }
+  SUBCASE("a truncated index") {
+    with_copy([&] { fs::resize_file(damaged / "index.pt", 40); });
+    check_error_names([&] { ckpt::load(s, damaged); }, "index.pt: is not a paratrain checkpoint file");
+  }
+  SUBCASE("a checkpoint still being written (no index yet) is neither loaded nor the latest") {
+    with_copy([&] {
+      fs::remove(damaged / "index.pt");
+      fs::rename(damaged, dir / ".step-000000003.partial");
+      fs::create_directories(damaged);
+      fs::copy(dir / ".step-000000003.partial", damaged);
+    });
+    check_error_names([&] { ckpt::load(s, damaged); }, "has no index.pt: the checkpoint is incomplete");
+    CHECK(ckpt::latest(dir) == step2);
+  }
+  SUBCASE("a different model") {
+    using Wider = paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::SGD>;
+    Wider with_head(make_model({.unused_parameter = true}, rank), c, opts,
+                    {.find_unused_parameters = true});
+    check_error_names([&] { ckpt::load(with_head, step2); }, "has no 'head.weight', which this model has");
+    ckpt::save(with_head, dir / "head", 1);
+    check_error_names([&] { ckpt::load(s, ckpt::path_of(dir / "head", 1)); }, "has 'head.bias', which this model lacks");
+  }
+  SUBCASE("another optimizer") {
+    paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::Adam> adam(make_model({}, rank), c, torch::optim::AdamOptions(1e-3));
+    check_error_names([&] { ckpt::load(adam, step2); }, "holds the state of optimizer SGD, and this strategy's is Adam");
+    ckpt::load(adam, step2, {.optimizer = false});  // the model alone
+    CHECK(max_difference(adam.full_parameters(), good) == 0);
+  }
+  SUBCASE("a shard only one rank reads is corrupt: every rank fails, naming it") {
+    using Zero3 = paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>>;
+    Zero3 z(make_model({}, rank), c, opts);
+    train(z, d, 0, 2);
+    ckpt::save(z, dir / "z", 2);
+    const auto shard = ckpt::path_of(dir / "z", 2) / ("rank-0000" + std::to_string(w - 1) + ".bin");
+    if (rank == 0) flip_byte(shard, 0);
+    barrier(c);
+    // Only rank w - 1 reads that chunk; the others say it failed.
+    check_error_names([&] { ckpt::load(z, ckpt::path_of(dir / "z", 2)); },
+                      (rank == w - 1 ? "" : "rank " + std::to_string(w - 1) + " failed: ") + shard.string() + ": chunk");
+  }
+  SUBCASE("an unwritable directory") {
+    if (rank == 0) std::ofstream(dir / "a-file") << "not a directory";
+    barrier(c);
+    check_error_names([&] { ckpt::save(s, dir / "a-file" / "ckpt", 3); }, "cannot create the checkpoint directory");
+  }
+  SUBCASE("a full disk: a write that fails midway leaves nothing behind") {
+    // The file-size limit makes write() fail as a full disk does (EFBIG instead of ENOSPC).
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit old{};
+    ::getrlimit(RLIMIT_FSIZE, &old);
+    rlimit small = old;
+    small.rlim_cur = 256;
+    if (rank == w - 1) ::setrlimit(RLIMIT_FSIZE, &small);
+    check_error_names([&] { ckpt::save(s, dir, 3); }, "write failed: File too large");
+    ::setrlimit(RLIMIT_FSIZE, &old);
+    barrier(c);
+    CHECK(!fs::exists(ckpt::path_of(dir, 3)));
+    CHECK(!fs::exists(dir / ".step-000000003.partial"));
+  }
+  if (rank == 0) fs::remove_all(damaged);
+  barrier(c);
+  loads_good();
+  CHECK(ckpt::latest(dir) == step2);
+  barrier(c);
+  if (rank == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("keep: the newest k checkpoints stay, the older ones and a killed writer's leftovers go") {
+  comm::Mpi c;
+  const auto dir = shared_dir(c, "keep");
+  const Data d;
+  paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::SGD> s(make_model({}, c.rank()), c, torch::optim::SGDOptions(0.1));
+  if (c.rank() == 0) fs::create_directories(dir / ".step-000000099.partial");
+  barrier(c);
+  ckpt::Checkpointer saver(s, {.directory = dir, .keep = 2, .async = true});
+  for (int k = 1; k <= 5; ++k) {
+    train(s, d, k - 1, k);
+    saver.save(k);
+  }
+  saver.wait();
+  CHECK(ckpt::list(dir) == std::vector<fs::path>{ckpt::path_of(dir, 4), ckpt::path_of(dir, 5)});
+  CHECK(!fs::exists(dir / ".step-000000099.partial"));
+  barrier(c);
+  if (c.rank() == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("The whole model in one file: from ZeRO-3, into DDP, equal to what every rank trained") {
+  comm::Mpi c;
+  const auto dir = shared_dir(c, "model-file");
+  const Data d;
+  paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::Adam, zero::stage3>> z(make_model({}, c.rank()), c,
+                                                                                        torch::optim::AdamOptions(1e-2));
+  train(z, d, 0, 3);
+  ckpt::save_model(z, dir / "model.pt");
+  paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::Adam> ddp(other_model(c.rank()), c, torch::optim::AdamOptions(1e-2));
+  ckpt::load_model(ddp, dir / "model.pt");
+  CHECK(max_difference(ddp.full_parameters(), z.full_parameters()) == 0);
+  // Plain LibTorch reads it too.
+  std::ifstream in(dir / "model.pt", std::ios::binary);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
+  const auto dict = torch::pickle_load(bytes).toGenericDict();
+  CHECK(dict.at("fc1.weight").toTensor().equal(ddp.model()->fc1->weight));
+  barrier(c);
+  if (c.rank() == 0) fs::remove_all(dir);
+}
+
+// Run by ctest (tests/checkpoint/python_load.py checks the files with PyTorch): a ZeRO-3
+// model's file, and inputs with the outputs paratrain predicts for them.
+TEST_CASE("Export for the Python load test" * doctest::skip()) {
+  const char* out = std::getenv("PARATRAIN_CHECKPOINT_EXPORT");
+  REQUIRE(out != nullptr);
+  comm::Mpi c;
+  const Data d;
+  paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::Adam, zero::stage3>> z(
+      make_model({.buffer = true}, c.rank()), c, torch::optim::AdamOptions(1e-2));
+  train(z, d, 0, 3);
+  ckpt::save_model(z, fs::path(out) / "model.pt");
+  const auto x = d.x.narrow(0, 1000, 16);
+  const auto y = z.predict(x);
+  if (c.rank() == 0) {
+    c10::Dict<std::string, torch::Tensor> io;
+    io.insert("input", x.contiguous());
+    io.insert("output", y.contiguous());
+    const auto bytes = torch::pickle_save(io);
+    std::ofstream(fs::path(out) / "io.pt", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  barrier(c);
+}
+
+// Run by ctest (tests/checkpoint/kill_during_write.sh): saves a large model again and
+// again until a rank is killed with SIGKILL in the middle of a write.
+TEST_CASE("Checkpoint writer for the kill test" * doctest::skip()) {
+  const char* out = std::getenv("PARATRAIN_CHECKPOINT_KILL_DIR");
+  REQUIRE(out != nullptr);
+  comm::Mpi c;
+  std::ofstream(fs::path(out) / ("pid-" + std::to_string(c.rank()))) << ::getpid();
+  paratrain::DataParallel<Big, comm::Mpi, Sharded<torch::optim::Adam, zero::stage2>> s(Big(), c,
+                                                                                       torch::optim::AdamOptions(1e-3));
+  const auto x = torch::randn({4, 2048});
+  const auto mse = [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); };
+  for (std::int64_t k = 1;; ++k) {
+    s.step({x, x}, mse);
+    ckpt::save(s, fs::path(out) / "ckpt", k);
+  }
+}
+
+TEST_CASE("Checkpoint after the kill test" * doctest::skip()) {
+  const char* out = std::getenv("PARATRAIN_CHECKPOINT_KILL_DIR");
+  REQUIRE(out != nullptr);
+  comm::Mpi c;
+  const auto latest = ckpt::latest(fs::path(out) / "ckpt");
+  REQUIRE(latest.has_value());
+  paratrain::DataParallel<Big, comm::Mpi, Sharded<torch::optim::Adam, zero::stage1>> s(Big(), c,
+                                                                                       torch::optim::AdamOptions(1e-3));
+  const auto loaded = ckpt::load(s, *latest);  // every chunk's checksum holds
+  CHECK(loaded.step >= 1);
+  MESSAGE("loaded " << latest->string() << " after the kill");
+}
