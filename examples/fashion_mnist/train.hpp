@@ -24,6 +24,8 @@ struct Args {
   double lr = 2e-3;
   std::string data = "/usr/share/datasets/fashion-mnist";
   std::int64_t train_samples = 0;  // 0: all 60000; fewer for a quick smoke run
+  std::string checkpoint_dir;      // checkpoints here, and resume from the newest one
+  std::int64_t checkpoint_every = 200;  // steps between checkpoints (and one after every epoch)
 };
 
 inline Args parse(int argc, char** argv) {
@@ -36,9 +38,12 @@ inline Args parse(int argc, char** argv) {
     else if (k == "--lr") a.lr = std::atof(v);
     else if (k == "--data") a.data = v;
     else if (k == "--train-samples") a.train_samples = std::atoll(v);
+    else if (k == "--checkpoint-dir") a.checkpoint_dir = v;
+    else if (k == "--checkpoint-every") a.checkpoint_every = std::atoll(v);
     else
       throw std::invalid_argument("unknown option " + std::string(k) +
-                                  " (--epochs, --batch, --lr, --data, --train-samples)");
+                                  " (--epochs, --batch, --lr, --data, --train-samples, --checkpoint-dir, "
+                                  "--checkpoint-every)");
   }
   return a;
 }
@@ -102,7 +107,16 @@ int run(int argc, char** argv) {
                                       .log_every = 200,
                                       .on_epoch = [&](const paratrain::EpochInfo& e) {
                                         if (!seconds_to_90 && e.eval_accuracy >= 0.90) seconds_to_90 = elapsed();
-                                      }});
+                                      },
+                                      // Stopped (Ctrl-C, kill, a time limit), the same command resumes.
+                                      .checkpoint = {.directory = args.checkpoint_dir,
+                                                     .every_steps = args.checkpoint_dir.empty() ? 0 : args.checkpoint_every,
+                                                     .every_epoch = true}});
+  if (result.resumed_from && root) std::printf("resumed from %s\n", result.resumed_from->c_str());
+  if (result.epochs.empty()) {
+    if (root) std::printf("nothing left to train: the newest checkpoint is after epoch %d\n", args.epochs);
+    return 0;
+  }
   const auto& last = result.epochs.back();
   if (root) {
     std::printf("test accuracy %.2f%% after %d epochs; %.0f samples/s; %.1f s wall%s\n", 100 * last.eval_accuracy,
