@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | fashion_mnist
+# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | fashion_mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${PARATRAIN_BUILD_DIR:-build}
@@ -21,11 +21,15 @@ case "${1:-}" in
     scripts/build.sh --target bench_zero >&2
     shift
     benchmarks/zero_vs_torch.sh "$@" ;;
+  checkpoint)
+    PARATRAIN_WITH_PEER=1 scripts/deps.sh
+    scripts/build.sh --target bench_checkpoint >&2
+    benchmarks/checkpoint_vs_torch.sh ;;
   fashion_mnist)
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target fashion_mnist_ddp >&2
     benchmarks/fashion_mnist_vs_torch.sh ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | fashion_mnist" >&2
+    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | fashion_mnist" >&2
     exit 2 ;;
 esac

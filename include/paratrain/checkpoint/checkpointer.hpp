@@ -94,11 +94,11 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
   const int rank = s.rank();
   std::vector<std::int64_t> load(static_cast<std::size_t>(s.world_size()), 0);
   std::vector<Entry> mine;
-  const auto add = [&](std::string key, bool replicated, const at::Tensor& t, std::vector<std::int64_t> shape,
-                       std::int64_t begin) {
+  const auto add = [&](std::string key, bool replicated, int writer, const at::Tensor& t,
+                       std::vector<std::int64_t> shape, std::int64_t begin) {
     if (!t.defined() || t.numel() == 0) return;
     if (replicated) {
-      const auto owner = std::min_element(load.begin(), load.end()) - load.begin();
+      const auto owner = writer >= 0 ? writer : std::min_element(load.begin(), load.end()) - load.begin();
       load[static_cast<std::size_t>(owner)] += t.numel() * static_cast<std::int64_t>(t.element_size());
       if (owner != rank) return;
     }
@@ -106,15 +106,16 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
     if (copy || !flat.is_cpu()) flat = flat.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
     mine.push_back({std::move(key), std::move(shape), begin, flat.contiguous()});
   };
-  for (const auto& sl : layout.model) add("model/" + sl.name, sl.replicated, sl.tensor, sl.shape, sl.begin);
+  for (const auto& sl : layout.model) add("model/" + sl.name, sl.replicated, sl.writer, sl.tensor, sl.shape, sl.begin);
   auto& state = s.optimizer().state();
   for (const auto& sl : layout.optimized) {
     const auto it = state.find(state_key(sl.tensor));
     if (it == state.end()) continue;
     const auto t = Schema::get(static_cast<const typename Schema::state_type&>(*it->second));
     for (const auto& [field, tensor] : t.tensors)
-      add("optim/" + sl.name + "/" + field, sl.replicated, tensor, sl.shape, sl.begin);
-    if (t.step && sl.begin == 0) add("optim/" + sl.name + "/step", sl.replicated, at::scalar_tensor(*t.step, at::kLong), {}, 0);
+      add("optim/" + sl.name + "/" + field, sl.replicated, sl.writer, tensor, sl.shape, sl.begin);
+    if (t.step && sl.begin == 0)
+      add("optim/" + sl.name + "/step", sl.replicated, sl.writer, at::scalar_tensor(*t.step, at::kLong), {}, 0);
   }
   auto generator = at::detail::getDefaultCPUGenerator();
   at::Tensor rng;
@@ -122,7 +123,7 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
     std::lock_guard<std::mutex> lock(generator.mutex());
     rng = generator.get_state();
   }
-  add("rng/cpu/" + std::to_string(rank), false, rng, {rng.numel()}, 0);
+  add("rng/cpu/" + std::to_string(rank), false, -1, rng, {rng.numel()}, 0);
   return mine;
 }
 

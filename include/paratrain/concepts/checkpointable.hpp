@@ -20,7 +20,11 @@ struct TensorSlice {
   std::vector<std::int64_t> shape;  ///< of the whole tensor
   std::int64_t begin = 0;           ///< flat offset of `tensor`'s first element in the whole
   at::Tensor tensor;                ///< the live storage: saved from, loaded into; may be empty
-  bool replicated = true;           ///< every rank holds the same elements (written by one)
+  bool replicated = true;           ///< every rank holds it whole (written by one)
+  /// Which rank writes a replicated slice: -1 when every rank holds the same values (the
+  /// checkpoint picks one to balance the bytes); else the rank whose values count, as
+  /// rank 0's buffers do under DataParallel, which broadcasts them before each step.
+  int writer = -1;
 };
 
 /// Where a strategy keeps the state of its model and optimizer on this rank.

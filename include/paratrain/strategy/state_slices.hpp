@@ -16,9 +16,14 @@ inline TensorSlice whole_slice(std::string name, const at::Tensor& t) {
   return {std::move(name), t.sizes().vec(), 0, t, /*replicated=*/true};
 }
 
-/// Every buffer of `model`, whole.
+/// Every buffer of `model`, whole: rank 0's count. Each rank's batch-norm statistics
+/// move with its own samples during a step, and DataParallel makes them rank 0's again
+/// (broadcast_buffers) before the next one, so rank 0's are what training goes on with.
 inline void add_buffers(const torch::nn::Module& model, CheckpointLayout& out) {
-  for (const auto& b : model.named_buffers(/*recurse=*/true)) out.model.push_back(whole_slice(b.key(), b.value()));
+  for (const auto& b : model.named_buffers(/*recurse=*/true)) {
+    out.model.push_back(whole_slice(b.key(), b.value()));
+    out.model.back().writer = 0;
+  }
 }
 
 /// `model` held whole on every rank, its optimizer over its own parameters.
