@@ -23,25 +23,14 @@
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"
+#include "wide_mlp.hpp"
 
 namespace {
 
-constexpr std::int64_t width = 2048, batch = 32, pool = 8;
+constexpr std::int64_t batch = 32, pool = 8;
 
-struct MlpImpl : torch::nn::Module {
-  explicit MlpImpl(int layers) {
-    for (int i = 0; i < layers; ++i)
-      hidden.push_back(register_module("fc" + std::to_string(i), paratrain::Unit<torch::nn::Linear>(width, width)));
-    head = register_module("head", paratrain::Unit<torch::nn::Linear>(width, 10));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (auto& l : hidden) x = torch::relu(l(x));
-    return head(x);
-  }
-  std::vector<paratrain::Unit<torch::nn::Linear>> hidden;
-  paratrain::Unit<torch::nn::Linear> head{nullptr};
-};
-TORCH_MODULE(Mlp);
+using Mlp = paratrain::bench::WideMlp;
+constexpr std::int64_t width = paratrain::bench::wide_mlp_width;
 
 torch::Tensor loss_fn(const torch::Tensor& out, const torch::Tensor& target) {
   return torch::nn::functional::cross_entropy(out, target);
