@@ -40,8 +40,9 @@ int main(int argc, char** argv) {
       std::printf("|---:|---:|---:|---:|---:|---:|\n");
     }
     for (std::size_t bytes = 4096; bytes <= max_bytes; bytes *= 2) {
-      auto out = torch::ones({static_cast<std::int64_t>(bytes / 4)});
-      const auto part = out.numel() / world.size();
+      // Whole parts at any world size (3 ranks too): `out` is size() parts of `in`.
+      const auto part = static_cast<std::int64_t>(bytes / 4) / world.size();
+      auto out = torch::ones({part * world.size()});
       const auto in = in_place ? out.narrow(0, world.rank() * part, part) : torch::ones({part});
       const int iterations = static_cast<int>(std::clamp<std::size_t>((std::size_t{128} << 20) / bytes, 3, 2000));
       auto seconds = paratrain::bench::time_alternating(

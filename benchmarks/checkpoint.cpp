@@ -4,9 +4,9 @@
 // 4 layers are 16.8M parameters, 12 are 50.4M. Prints one JSON line per measurement on
 // rank 0; benchmarks/checkpoint_vs_torch.sh runs it beside torch.save / torch.load.
 //   scripts/mpirun.sh 2 build/benchmarks/bench_checkpoint <ddp|zero3> [layers 4] [dir]
-#include <sys/resource.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "driver.hpp"
 #include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/mpi.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
@@ -48,33 +49,36 @@ int run(std::string_view name, int layers, const fs::path& dir) {
   std::int64_t parameters = 0;
   for (const auto& p : s.model()->parameters()) parameters += p.numel();
   const auto barrier = [&] { MPI_Barrier(world.native()); };
-  const auto max_over_ranks = [&](double v) {
-    MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, world.native());
-    return v;
-  };
-  const auto report = [&](const char* what, const char* mode, double seconds, double blocked, double bytes) {
+  const auto slowest = [&](double v) { return paratrain::bench::max_over_ranks(world.native(), v); };
+  // The best of two repetitions of each, as checkpoint_vs_torch.py takes PyTorch's.
+  struct Best {
+    double seconds = 1e300, blocked = 1e300;
+    void add(double s, double b) { seconds = std::min(seconds, s), blocked = std::min(blocked, b); }
+  } sync_save, async_save, sharded_load, full_save, full_load;
+  const auto report = [&](const char* what, const char* mode, const Best& best, double bytes) {
     if (rank == 0)
       std::printf("{\"implementation\": \"paratrain\", \"strategy\": \"%s\", \"ranks\": %d, \"parameters\": %lld, "
                   "\"what\": \"%s\", \"mode\": \"%s\", \"seconds\": %.3f, \"blocked_seconds\": %.3f, "
                   "\"mib_per_rank\": %.1f}\n",
-                  std::string(name).c_str(), world.size(), static_cast<long long>(parameters), what, mode, seconds,
-                  blocked, bytes / double(1 << 20));
+                  std::string(name).c_str(), world.size(), static_cast<long long>(parameters), what, mode,
+                  best.seconds, best.blocked, bytes / double(1 << 20));
     std::fflush(stdout);
   };
   if (rank == 0) fs::remove_all(dir), fs::create_directories(dir);
   barrier();
   // One warm-up save, so that every measurement finds the page cache alike.
   paratrain::checkpoint::save(s, dir / "warm", 1);
+  double bytes = 0, model_bytes = 0;
   std::int64_t id = 2;
   for (int rep = 0; rep < 2; ++rep) {
     // Synchronous: training waits for the whole save.
     barrier();
     auto t = clock_type::now();
     paratrain::checkpoint::save(s, dir / "sync", id);
-    const double sync = max_over_ranks(seconds_since(t));
+    const double sync = slowest(seconds_since(t));
+    sync_save.add(sync, sync);
     const auto path = paratrain::checkpoint::path_of(dir / "sync", id++);
-    const double bytes = max_over_ranks(double(fs::file_size(path / ("rank-0000" + std::to_string(rank) + ".bin"))));
-    if (rep == 1) report("sharded save", "sync", sync, sync, bytes);
+    bytes = slowest(double(fs::file_size(path / paratrain::checkpoint::detail::rank_data_name(rank))));
 
     // Asynchronous: blocked while snapshotting and at each step's poll; training goes on.
     paratrain::checkpoint::Checkpointer<S> saver(s, {.directory = dir / "async", .async = true});
@@ -82,39 +86,40 @@ int run(std::string_view name, int layers, const fs::path& dir) {
     t = clock_type::now();
     saver.save(id++);
     double blocked = seconds_since(t);
-    int steps = 0;
     for (;;) {
       const auto p = clock_type::now();
       const bool published = saver.poll();
       blocked += seconds_since(p);
       if (published) break;
       step();
-      ++steps;
     }
-    const double total = max_over_ranks(seconds_since(t));
-    blocked = max_over_ranks(blocked);
-    if (rep == 1) report("sharded save", "async", total, blocked, bytes);
+    async_save.add(slowest(seconds_since(t)), slowest(blocked));
 
     barrier();
     t = clock_type::now();
     paratrain::checkpoint::load(s, path);
-    const double load = max_over_ranks(seconds_since(t));
-    if (rep == 1) report("sharded load", "sync", load, load, bytes);
+    const double load = slowest(seconds_since(t));
+    sharded_load.add(load, load);
 
     barrier();
     t = clock_type::now();
     paratrain::checkpoint::save_model(s, dir / "model.pt");
-    const double save_model = max_over_ranks(seconds_since(t));
-    const double model_bytes = rank == 0 ? double(fs::file_size(dir / "model.pt")) : 0.0;
-    if (rep == 1) report("full save", "sync", save_model, save_model, max_over_ranks(model_bytes));
+    const double save_model = slowest(seconds_since(t));
+    full_save.add(save_model, save_model);
+    model_bytes = slowest(rank == 0 ? double(fs::file_size(dir / "model.pt")) : 0.0);
     barrier();
     t = clock_type::now();
     paratrain::checkpoint::load_model(s, dir / "model.pt");
-    const double load_model = max_over_ranks(seconds_since(t));
-    if (rep == 1) report("full load", "sync", load_model, load_model, max_over_ranks(model_bytes));
+    const double load_model = slowest(seconds_since(t));
+    full_load.add(load_model, load_model);
     if (rank == 0) fs::remove_all(dir / "sync"), fs::remove_all(dir / "async");
     barrier();
   }
+  report("sharded save", "sync", sync_save, bytes);
+  report("sharded save", "async", async_save, bytes);
+  report("sharded load", "sync", sharded_load, bytes);
+  report("full save", "sync", full_save, model_bytes);
+  report("full load", "sync", full_load, model_bytes);
   if (rank == 0) fs::remove_all(dir);
   return 0;
 }

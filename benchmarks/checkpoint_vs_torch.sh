@@ -13,6 +13,7 @@ dir=${PARATRAIN_BENCH_DIR:-$build}/checkpoint_bench.tmp
 python=/usr/bin/python3
 export MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647 OMP_NUM_THREADS=1
 out=$(mktemp)
+trap 'rm -f "$out"' EXIT
 for layers in 4 12; do
   $python benchmarks/checkpoint_vs_torch.py "$layers" "$dir" >>"$out"
   for ranks in 1 2; do
@@ -39,4 +40,3 @@ for r in rows:
           f"{r['mib_per_rank']:8.1f} {r['seconds']:8.3f} {r['blocked_seconds']:9.3f} {t['seconds']:8.3f} "
           f"{t['seconds'] / r['blocked_seconds']:20.2f}")
 PY
-rm -f "$out"

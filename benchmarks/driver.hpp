@@ -15,6 +15,12 @@
 
 namespace paratrain::bench {
 
+/// The largest of every rank's `v`; collective over `comm`.
+inline double max_over_ranks(MPI_Comm comm, double v) {
+  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, comm);
+  return v;
+}
+
 /// Seconds per call of `f`, the median over trials of `iterations` calls each,
 /// started together on every rank and ended by the slowest.
 inline std::vector<double> time_alternating(MPI_Comm comm, int trials, int iterations,
@@ -26,9 +32,8 @@ inline std::vector<double> time_alternating(MPI_Comm comm, int trials, int itera
       MPI_Barrier(comm);
       const auto start = std::chrono::steady_clock::now();
       for (int i = 0; i < iterations; ++i) candidates[c]();
-      double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      MPI_Allreduce(MPI_IN_PLACE, &elapsed, 1, MPI_DOUBLE, MPI_MAX, comm);
-      seconds[c].push_back(elapsed / iterations);
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      seconds[c].push_back(max_over_ranks(comm, elapsed) / iterations);
     }
   std::vector<double> median;
   for (auto& s : seconds) {

@@ -31,8 +31,9 @@ int main(int argc, char** argv) {
     std::printf("|---:|---:|---:|---:|---:|---:|\n");
   }
   for (std::size_t bytes = 4096; bytes <= max_bytes; bytes *= 2) {
-    const auto in = torch::ones({static_cast<std::int64_t>(bytes / 4)});
-    auto out = torch::empty({in.numel() / world.size()});
+    // Whole parts at any world size (3 ranks too): `in` is size() parts of `out`.
+    auto out = torch::empty({static_cast<std::int64_t>(bytes / 4) / world.size()});
+    const auto in = torch::ones({out.numel() * world.size()});
     const int iterations = static_cast<int>(std::clamp<std::size_t>((std::size_t{128} << 20) / bytes, 3, 2000));
     auto seconds = paratrain::bench::time_alternating(
         world.native(), /*trials=*/5, iterations,

@@ -51,13 +51,15 @@ int run(std::string_view name, paratrain::plan::stage stage, int layers, int ste
   paratrain::DataParallel<Mlp, paratrain::comm::Mpi, Update> s(Mlp(layers), world, torch::optim::AdamOptions(1e-4));
   std::int64_t next = 0;
   double exposed = 0;  // seconds waited for gradient reductions after backward
+  int calls = 0;       // steps that `exposed` sums over
   const auto step = [&] {
     const auto start = (next++ % pool) * batch;
     s.step({x.narrow(0, start, batch), y.narrow(0, start, batch)}, loss_fn);
     exposed += s.exposed_communication_seconds();
+    ++calls;
   };
   for (int i = 0; i < warmup; ++i) step();
-  exposed = 0;
+  exposed = 0, calls = 0;
   const auto seconds = paratrain::bench::time_alternating(world.native(), 3, steps / 3, {step});
   const auto held = s.model_state_bytes();
   std::int64_t parameters = 0;
@@ -69,8 +71,7 @@ int run(std::string_view name, paratrain::plan::stage stage, int layers, int ste
                                                   .ranks = world.size()},
                                                  stage);
   // The largest peak RSS over the ranks.
-  double rss = peak_rss_mib();
-  MPI_Allreduce(MPI_IN_PLACE, &rss, 1, MPI_DOUBLE, MPI_MAX, world.native());
+  const double rss = paratrain::bench::max_over_ranks(world.native(), peak_rss_mib());
   const double mib = 1 << 20;
   if (world.rank() == 0)
     std::printf(
@@ -79,7 +80,7 @@ int run(std::string_view name, paratrain::plan::stage stage, int layers, int ste
         "\"exposed_comm_share\": %.3f, \"held_mib\": %.1f, \"planned_mib\": %.1f}\n",
         std::string(name).c_str(), world.size(), layers, static_cast<long long>(parameters),
         static_cast<long long>(batch), steps / 3 * 3, 1 / seconds[0], rss,
-        exposed / double(steps / 3 * 3 + 1) / seconds[0], double(held.total()) / mib,
+        exposed / double(calls) / seconds[0], double(held.total()) / mib,
         planned.total() / mib);
   return 0;
 }

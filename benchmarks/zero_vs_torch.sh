@@ -53,7 +53,6 @@ jq -rs '
   def f(d): . * pow(10; d) | round / pow(10; d) | tostring;
   group_by([.implementation, .strategy, .allocator, .layers]) | map(.[0] + {
     steps_per_s: (map(.steps_per_s) | median), peak_rss_mib: (map(.peak_rss_mib) | median), runs: length}) as $rows
-  | def torch_best(l): $rows | map(select(.implementation == "pytorch" and .layers == l)) | max_by(.steps_per_s);
   def torch_zero1_best(l): $rows | map(select(.implementation == "pytorch" and .strategy == "zero1" and .layers == l)) | max_by(.steps_per_s);
   def ours(s; l): $rows | map(select(.implementation == "paratrain" and .strategy == s and .layers == l)) | .[0];
   "| model | implementation | strategy | allocator | steps/s | × paratrain DDP | × PyTorch ZeRO-1 at its best | peak RSS/rank MiB | model states held MiB | planned MiB |",

@@ -110,7 +110,7 @@ int run(int argc, char** argv) {
                                       },
                                       // Stopped (Ctrl-C, kill, a time limit), the same command resumes.
                                       .checkpoint = {.directory = args.checkpoint_dir,
-                                                     .every_steps = args.checkpoint_dir.empty() ? 0 : args.checkpoint_every,
+                                                     .every_steps = args.checkpoint_every,
                                                      .every_epoch = true}});
   if (result.resumed_from && root) std::printf("resumed from %s\n", result.resumed_from->c_str());
   if (result.epochs.empty()) {

@@ -218,10 +218,11 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
     step = start.step;
     result.resumed_from = checkpoints.resumed_from();
   }
-  // The loop's position after `done` steps of this epoch, for a checkpoint.
-  const auto position_after = [&](int epoch, std::int64_t epoch_step, std::int64_t visited) {
+  // The loop's position for a checkpoint: `steps_done` optimizer steps in all, `epoch_step`
+  // of them in `epoch`, which visited `position` places of the epoch's sample order.
+  const auto position = [&](std::int64_t steps_done, int epoch, std::int64_t epoch_step, std::int64_t visited) {
     detail::FitPosition p = start;
-    p.epoch = epoch, p.epoch_step = epoch_step, p.position = visited, p.step = step + 1, p.base_lrs = base_lrs;
+    p.step = steps_done, p.epoch = epoch, p.epoch_step = epoch_step, p.position = visited, p.base_lrs = base_lrs;
     return p;
   };
   for (int epoch = static_cast<int>(start.epoch); epoch < options.epochs; ++epoch) {
@@ -284,7 +285,7 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
         } else {
           const auto visited = std::min<std::int64_t>(
               sampler.size(), (k + 1 - done) * options.accumulation * options.batch_size);
-          checkpoints.save(position_after(epoch, k + 1, sampler.start() + visited * s.world_size()), metrics);
+          checkpoints.save(position(step + 1, epoch, k + 1, sampler.start() + visited * s.world_size()), metrics);
         }
       }
       if ((k + 1) % options.log_every == 0 && !last_step) {
@@ -317,11 +318,8 @@ FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options,
                                                     .c_str()
                                               : "",
                                  info.samples_per_second, info.seconds));
-    if (save_at_end && checkpoints.saving()) {
-      auto p = position_after(epoch + 1, 0, 0);
-      p.step = step;  // `step` already counts the epoch's last step
-      checkpoints.save(p, Metrics{});
-    }
+    if (save_at_end && checkpoints.saving())
+      checkpoints.save(position(step, epoch + 1, 0, 0), Metrics{});  // `step` counts the epoch's last step
     if (options.on_epoch) options.on_epoch(info);
     result.train_seconds += info.seconds;
     total_samples += epoch_samples;

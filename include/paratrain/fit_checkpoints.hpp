@@ -115,7 +115,6 @@ class FitCheckpoints {
   using Saver = typename saver_of<S, possible>::type;
 
  public:
-
   FitCheckpoints(S& s, const CheckpointOptions& options) : s_(&s), options_(options) {
     if (options.directory.empty() && options.resume_from.empty()) return;
     if (options.every_steps < 0 || options.keep < 0)
@@ -185,7 +184,7 @@ class FitCheckpoints {
   std::optional<std::filesystem::path> agreed_latest() {
     const auto mine = checkpoint::latest(options_.directory);
     auto step = at::full({1}, -1, at::kLong);
-    if (s_->rank() == 0 && mine) step[0] = static_cast<std::int64_t>(std::stoll(mine->filename().string().substr(5)));
+    if (s_->rank() == 0 && mine) step[0] = *checkpoint::step_of(*mine);
     s_->all_reduce(step, reduce_op::max);
     const auto chosen = step.item<std::int64_t>();
     if (chosen < 0) return std::nullopt;

@@ -27,6 +27,7 @@ while [[ -z "$killed" ]]; do
       break
     fi
   done
+  sleep 0.002
 done
 echo "SIGKILL to rank 1 while it wrote $killed"
 wait $writer && { echo "the writer did not fail"; exit 1; }

@@ -34,11 +34,6 @@ namespace ckpt = paratrain::checkpoint;
 using paratrain::Sharded;
 using namespace paratrain_test;
 
-void barrier(comm::Mpi& c) {
-  auto t = torch::zeros({1});
-  c.all_reduce(t, paratrain::reduce_op::sum);
-}
-
 // A fresh directory that every rank of `c` names alike.
 fs::path shared_dir(comm::Mpi& c, const std::string& what) {
   auto id = torch::full({1}, c.rank() == 0 ? static_cast<std::int64_t>(::getpid()) : 0, torch::kLong);
@@ -48,7 +43,7 @@ fs::path shared_dir(comm::Mpi& c, const std::string& what) {
     fs::remove_all(dir);
     fs::create_directories(dir);
   }
-  barrier(c);
+  c.barrier();
   return dir;
 }
 
@@ -65,10 +60,10 @@ void train(S& s, const Data& d, int from, int to) {
   for (int k = from; k < to; ++k) s.step(part(d, k, s.world_size(), s.rank()), loss_fn);
 }
 
-// Plain LibTorch on one device over the global batches: the independent reference.
-template <class Optim, class Opts>
-std::vector<torch::Tensor> reference_steps(const Data& d, int steps, Opts opts) {
-  auto model = make_model({}, 0);
+// Plain LibTorch on one device over the global batches, from `model` (by default the
+// initialisation every strategy starts from: rank 0's): the independent reference.
+template <class Optim, class Opts, class Model = Mlp>
+std::vector<torch::Tensor> reference_steps(const Data& d, int steps, Opts opts, Model model = make_model({}, 0)) {
   Optim optim(model->parameters(), opts);
   for (int k = 0; k < steps; ++k) {
     optim.zero_grad();
@@ -85,13 +80,6 @@ Mlp other_model(int rank) {
   torch::NoGradGuard no_grad;
   for (auto& p : m->parameters()) p.add_(1.0);
   return m;
-}
-
-double max_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  REQUIRE(a.size() == b.size());
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
-  return worst;
 }
 
 template <class U, class O>
@@ -130,13 +118,16 @@ TEST_CASE_TEMPLATE("A checkpoint resumes every strategy bitwise at the same worl
     ckpt::save(s, dir, 5);
     train(s, d, 5, 10);
     uninterrupted = s.full_parameters();
+    // The uninterrupted run itself is single-device LibTorch's.
+    CHECK(max_relative_difference(uninterrupted, reference_steps<typename Strategy::optimizer_type>(d, 10, opts)) <=
+          1e-5);
   }
   Strategy s(other_model(c.rank()), c, opts);
   const auto loaded = ckpt::load(s, ckpt::path_of(dir, 5));
   CHECK(loaded.step == 5);
   CHECK(loaded.world_size == c.size());
   train(s, d, 5, 10);
-  CHECK(max_difference(s.full_parameters(), uninterrupted) == 0);
+  CHECK(max_relative_difference(s.full_parameters(), uninterrupted) == 0);
   if (c.rank() == 0) fs::remove_all(dir);
 }
 
@@ -162,6 +153,8 @@ TEST_CASE("LocalDataParallel and single-device DataParallel load each other's ch
   const auto opts = torch::optim::SGDOptions(0.1).momentum(0.9);
   torch::manual_seed(7);
   paratrain::LocalDataParallel<Twin, torch::optim::SGD> local(Twin(), opts, {.replicas = 2});
+  torch::manual_seed(7);
+  const auto want = reference_steps<torch::optim::SGD>(d, 10, opts, Twin());  // from the same initialisation
   train(local, d, 0, 4);
   ckpt::save(local, dir, 4);
   train(local, d, 4, 8);
@@ -176,6 +169,7 @@ TEST_CASE("LocalDataParallel and single-device DataParallel load each other's ch
   train(again, d, 8, 10);
   train(single, d, 8, 10);
   CHECK(max_relative_difference(again.model()->parameters(), single.model()->parameters()) <= 1e-5);
+  CHECK(max_relative_difference(again.model()->parameters(), want) <= 1e-5);
   fs::remove_all(dir);
 }
 
@@ -193,7 +187,7 @@ void reshard_chain(const Opts& opts) {
     train(s, d, 0, 4);
     ckpt::save(s, dir / "a", 4);
   }
-  barrier(world);
+  world.barrier();
   const int m = std::max(1, w / 2);
   auto half = sub(m);
   if (rank < m) {
@@ -202,14 +196,14 @@ void reshard_chain(const Opts& opts) {
     train(s, d, 4, 8);
     ckpt::save(s, dir / "b", 8);
   }
-  barrier(world);
+  world.barrier();
   if (rank == 0) {
     paratrain::DataParallel<Mlp, comm::SingleDevice, Optim> s(other_model(0), opts);
     ckpt::load(s, ckpt::path_of(dir / "b", 8));
     train(s, d, 8, 12);
     ckpt::save(s, dir / "c", 12);
   }
-  barrier(world);
+  world.barrier();
   const int three = std::min(3, w);
   auto last = sub(three);
   if (rank < three) {
@@ -219,7 +213,7 @@ void reshard_chain(const Opts& opts) {
     CAPTURE(w);
     CHECK(max_relative_difference(s.full_parameters(), reference_steps<Optim>(d, 16, opts)) <= 1e-5);
   }
-  barrier(world);
+  world.barrier();
   if (rank == 0) fs::remove_all(dir);
 }
 
@@ -267,21 +261,21 @@ TEST_CASE_TEMPLATE("fit stopped mid-epoch and resumed ends bitwise where the uni
   for (const bool async : {true, false}) {
     CAPTURE(async);
     if (c.rank() == 0) fs::remove_all(dir / "run");
-    barrier(c);
+    c.barrier();
     {
       Strategy s(make_model({}, c.rank()), c, opts);
       // Steps 0-16 and saves after 4, 8, 12, 16 (the second epoch's fourth step at 1 rank);
       // step 17 never finishes.
       CHECK_THROWS_AS(run_fit(s, 8, {.directory = dir / "run", .every_steps = 4, .async = async}, 17), Interrupt);
     }
-    barrier(c);
+    c.barrier();
     Strategy s(other_model(c.rank()), c, opts);
     const auto got = run_fit(s, 8, {.directory = dir / "run", .every_steps = 4, .async = async});
     REQUIRE(got.resumed_from.has_value());
     // In the background the last save may not have been published before the stop.
     const auto name = got.resumed_from->filename().string();
     CHECK((name == "step-000000016" || (async && name == "step-000000012")));
-    CHECK(max_difference(s.full_parameters(), whole.full_parameters()) == 0);
+    CHECK(max_relative_difference(s.full_parameters(), whole.full_parameters()) == 0);
     // The resumed epoch's loss counts its steps before the interruption too.
     CHECK(got.epochs.back().train_loss == want.epochs.back().train_loss);
   }
@@ -301,7 +295,7 @@ TEST_CASE("fit resumed at another world size with the same global batch equals t
     // 20 steps an epoch; saves after 7, 14 and 21 steps (mid-epoch), then stopped.
     CHECK_THROWS_AS(run_fit(s, 12 / w, {.directory = dir, .every_steps = 7, .async = false}, 23), Interrupt);
   }
-  barrier(c);
+  c.barrier();
   if (rank == 0) {  // the same global batch of 12 on one device
     paratrain::DataParallel<Mlp, comm::SingleDevice, torch::optim::SGD> s(other_model(0), opts);
     const auto got = run_fit(s, 12, {.directory = dir});
@@ -309,7 +303,7 @@ TEST_CASE("fit resumed at another world size with the same global batch equals t
     CHECK(max_relative_difference(s.model()->parameters(), want) <= 1e-5);
     fs::remove_all(dir);
   }
-  barrier(c);
+  c.barrier();
 }
 
 namespace {
@@ -363,7 +357,7 @@ TEST_CASE("Bad checkpoints are a clear error on every rank, and the earlier chec
   const auto loads_good = [&] {
     Ddp t(other_model(rank), c, opts);
     ckpt::load(t, step2);
-    CHECK(max_difference(t.full_parameters(), good) == 0);
+    CHECK(max_relative_difference(t.full_parameters(), good) == 0);
   };
   // Each case damages a copy of the good checkpoint, so that it stays as it was.
   const auto damaged = dir / "step-000000003";
@@ -373,9 +367,9 @@ TEST_CASE("Bad checkpoints are a clear error on every rank, and the earlier chec
       fs::copy(step2, damaged);
       damage();
     }
-    barrier(c);
+    c.barrier();
   };
-  const auto last_data = damaged / ("rank-0000" + std::to_string(w - 1) + ".bin");
+  const auto last_data = damaged / ckpt::detail::rank_data_name(w - 1);
 
   SUBCASE("a truncated data file") {
     with_copy([&] { fs::resize_file(last_data, fs::file_size(last_data) / 2); });
@@ -421,28 +415,28 @@ TEST_CASE("Bad checkpoints are a clear error on every rank, and the earlier chec
     paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::Adam> adam(make_model({}, rank), c, torch::optim::AdamOptions(1e-3));
     check_error_names([&] { ckpt::load(adam, step2); }, "holds the state of optimizer SGD, and this strategy's is Adam");
     ckpt::load(adam, step2, {.optimizer = false});  // the model alone
-    CHECK(max_difference(adam.full_parameters(), good) == 0);
+    CHECK(max_relative_difference(adam.full_parameters(), good) == 0);
   }
   SUBCASE("a shard only one rank reads is corrupt: every rank fails, naming it") {
     using Zero3 = paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>>;
     Zero3 z(make_model({}, rank), c, opts);
     train(z, d, 0, 2);
     ckpt::save(z, dir / "z", 2);
-    const auto shard = ckpt::path_of(dir / "z", 2) / ("rank-0000" + std::to_string(w - 1) + ".bin");
+    const auto shard = ckpt::path_of(dir / "z", 2) / ckpt::detail::rank_data_name(w - 1);
     if (rank == 0) flip_byte(shard, 0);
-    barrier(c);
+    c.barrier();
     // Only rank w - 1 reads that chunk; the others say it failed.
     check_error_names([&] { ckpt::load(z, ckpt::path_of(dir / "z", 2)); },
                       (rank == w - 1 ? "" : "rank " + std::to_string(w - 1) + " failed: ") + shard.string() + ": chunk");
   }
   SUBCASE("an unwritable directory") {
     if (rank == 0) std::ofstream(dir / "a-file") << "not a directory";
-    barrier(c);
+    c.barrier();
     check_error_names([&] { ckpt::save(s, dir / "a-file" / "ckpt", 3); }, "cannot create the checkpoint directory");
   }
   SUBCASE("a full disk: a write that fails midway leaves nothing behind") {
     // The file-size limit makes write() fail as a full disk does (EFBIG instead of ENOSPC).
-    ::signal(SIGXFSZ, SIG_IGN);
+    const auto old_handler = ::signal(SIGXFSZ, SIG_IGN);
     rlimit old{};
     ::getrlimit(RLIMIT_FSIZE, &old);
     rlimit small = old;
@@ -450,15 +444,16 @@ TEST_CASE("Bad checkpoints are a clear error on every rank, and the earlier chec
     if (rank == w - 1) ::setrlimit(RLIMIT_FSIZE, &small);
     check_error_names([&] { ckpt::save(s, dir, 3); }, "write failed: File too large");
     ::setrlimit(RLIMIT_FSIZE, &old);
-    barrier(c);
+    ::signal(SIGXFSZ, old_handler);
+    c.barrier();
     CHECK(!fs::exists(ckpt::path_of(dir, 3)));
     CHECK(!fs::exists(dir / ".step-000000003.partial"));
   }
   if (rank == 0) fs::remove_all(damaged);
-  barrier(c);
+  c.barrier();
   loads_good();
   CHECK(ckpt::latest(dir) == step2);
-  barrier(c);
+  c.barrier();
   if (rank == 0) fs::remove_all(dir);
 }
 
@@ -468,7 +463,7 @@ TEST_CASE("keep: the newest k checkpoints stay, the older ones and a killed writ
   const Data d;
   paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::SGD> s(make_model({}, c.rank()), c, torch::optim::SGDOptions(0.1));
   if (c.rank() == 0) fs::create_directories(dir / ".step-000000099.partial");
-  barrier(c);
+  c.barrier();
   ckpt::Checkpointer saver(s, {.directory = dir, .keep = 2, .async = true});
   for (int k = 1; k <= 5; ++k) {
     train(s, d, k - 1, k);
@@ -477,7 +472,7 @@ TEST_CASE("keep: the newest k checkpoints stay, the older ones and a killed writ
   saver.wait();
   CHECK(ckpt::list(dir) == std::vector<fs::path>{ckpt::path_of(dir, 4), ckpt::path_of(dir, 5)});
   CHECK(!fs::exists(dir / ".step-000000099.partial"));
-  barrier(c);
+  c.barrier();
   if (c.rank() == 0) fs::remove_all(dir);
 }
 
@@ -491,13 +486,13 @@ TEST_CASE("The whole model in one file: from ZeRO-3, into DDP, equal to what eve
   ckpt::save_model(z, dir / "model.pt");
   paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::Adam> ddp(other_model(c.rank()), c, torch::optim::AdamOptions(1e-2));
   ckpt::load_model(ddp, dir / "model.pt");
-  CHECK(max_difference(ddp.full_parameters(), z.full_parameters()) == 0);
+  CHECK(max_relative_difference(ddp.full_parameters(), z.full_parameters()) == 0);
   // Plain LibTorch reads it too.
   std::ifstream in(dir / "model.pt", std::ios::binary);
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
   const auto dict = torch::pickle_load(bytes).toGenericDict();
   CHECK(dict.at("fc1.weight").toTensor().equal(ddp.model()->fc1->weight));
-  barrier(c);
+  c.barrier();
   if (c.rank() == 0) fs::remove_all(dir);
 }
 
@@ -521,7 +516,7 @@ TEST_CASE("Export for the Python load test" * doctest::skip()) {
     const auto bytes = torch::pickle_save(io);
     std::ofstream(fs::path(out) / "io.pt", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   }
-  barrier(c);
+  c.barrier();
 }
 
 // Run by ctest (tests/checkpoint/kill_during_write.sh): saves a large model again and

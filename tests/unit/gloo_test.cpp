@@ -46,6 +46,12 @@ TEST_CASE("comm::Gloo: all_gather concatenates the ranks' tensors in rank order"
   collectives::check_all_gather(gloo_world());
 }
 
+TEST_CASE("comm::Gloo: non-blocking reduce_scatter and all_gather (ZeRO's), in place too, match the formulas") {
+  collectives::check_ireduce_scatter(gloo_world());
+  collectives::check_iall_gather(gloo_world());
+  collectives::check_all_gather_in_place(gloo_world());
+}
+
 TEST_CASE("comm::Gloo: misuse throws paratrain::error naming the operation and the fix") {
   collectives::check_misuse(gloo_world());
 }
@@ -179,6 +185,20 @@ void check_data_parallel(paratrain::DataParallelOptions options) {
 }
 
 }  // namespace
+
+TEST_CASE("comm::Gloo: ZeRO stages 2 and 3 with SGD equal single-device training, batches differing per rank") {
+  using namespace paratrain_test;
+  auto& world = gloo_world();
+  const Scenario scenario{.steps = 8, .varied_batch = true, .options = {.bucket_cap_bytes = 1, .first_bucket_cap_bytes = 1}};
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  const auto want = reference<torch::optim::SGD>(scenario, world.size(), sgd);
+  using paratrain::Sharded;
+  namespace zero = paratrain::zero;
+  CHECK(max_relative_difference(distributed<comm::Gloo, Sharded<torch::optim::SGD, zero::stage2>>(scenario, world, sgd),
+                                want) <= 1e-5);
+  CHECK(max_relative_difference(distributed<comm::Gloo, Sharded<torch::optim::SGD, zero::stage3>>(scenario, world, sgd),
+                                want) <= 1e-5);
+}
 
 TEST_CASE("comm::Gloo: DataParallel equals single-device training on the union of the ranks' batches") {
   SUBCASE("one bucket") { check_data_parallel({}); }

@@ -147,7 +147,7 @@ TEST_CASE("ZeRO stage 3 without units is a start-up error that names the fix") {
                        doctest::Contains("paratrain::Unit"), paratrain::error);
 }
 
-TEST_CASE("ZeRO stage 3: evaluation gathers each unit, and ranks with fewer batches keep in step") {
+TEST_CASE("ZeRO stage 3: evaluation gathers each unit, for empty batches too") {
   comm::Mpi c;
   const int world = c.size(), rank = c.rank();
   paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>> dp(make_model({}, rank), c,
@@ -156,8 +156,7 @@ TEST_CASE("ZeRO stage 3: evaluation gathers each unit, and ranks with fewer batc
   const auto x = torch::randn({5, 8});
   CHECK(torch::allclose(dp.predict(x), want->forward(x)));
   // Empty batches (what fit's evaluation gives a rank with fewer samples) gather like any other.
-  for (int k = 0; k < rank; ++k) dp.predict(x.narrow(0, 0, 0));
-  for (int k = rank; k + 1 < world; ++k) dp.predict(x.narrow(0, 0, 0));
+  for (int k = 0; k + 1 < world; ++k) dp.predict(x.narrow(0, 0, 0));
   // Gathered whole, the parameters are rank 0's initial ones.
   CHECK(max_relative_difference(dp.full_parameters(), want->parameters()) == 0);
 }
@@ -187,4 +186,34 @@ TEST_CASE("ZeRO stage 3 under fit: ranks with fewer evaluation batches still eva
   torch::NoGradGuard no_grad;
   CHECK(e.eval_loss == doctest::Approx(loss_fn(reference->forward(test.inputs()), test.targets()).item<double>())
                            .epsilon(1e-5));
+}
+
+TEST_CASE("ZeRO stage 3: a step with an empty batch on some ranks takes part in the others' gathers") {
+  comm::Mpi c;
+  const int world = c.size(), rank = c.rank();
+  const Data data;
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>> dp(make_model({}, rank), c, sgd);
+  // Step 0: every rank has 4 samples; step 1: rank 0 alone has any (the others step()
+  // with an empty batch, not join()).
+  const auto mine = [&](int k) {
+    auto b = data.of(world, rank, k, 4);
+    return k == 1 && rank > 0 ? paratrain::Batch{b.input.narrow(0, 0, 0), b.target.narrow(0, 0, 0)} : b;
+  };
+  for (int k = 0; k < 2; ++k) dp.step(mine(k), loss_fn);
+  // Plain LibTorch on the same samples.
+  auto model = make_model({}, 0);
+  torch::optim::SGD optim(model->parameters(), sgd);
+  for (int k = 0; k < 2; ++k) {
+    std::vector<torch::Tensor> xs, ys;
+    for (int r = 0; r < (k == 1 ? 1 : world); ++r) {
+      const auto b = data.of(world, r, k, 4);
+      xs.push_back(b.input);
+      ys.push_back(b.target);
+    }
+    optim.zero_grad();
+    loss_fn(model->forward(torch::cat(xs)), torch::cat(ys)).backward();
+    optim.step();
+  }
+  CHECK(max_relative_difference(dp.full_parameters(), model->parameters()) <= 1e-5);
 }

@@ -20,14 +20,11 @@ inline std::string message_of(const std::exception& e) {
   return e.what();
 }
 
-/// Collective over `group`: returns when no rank has an error, else throws
-/// paratrain::error on every rank with the first failing rank's message. A rank that
-/// fails must still call this (catch, then agree), or the others would wait for it.
+/// Collective over `group`, for when some rank is known to have failed (`local_error`
+/// is empty on the others): throws paratrain::error on every rank with the first
+/// failing rank's message.
 template <class Group>
-void agree(Group& group, const char* operation, const std::string& local_error) {
-  auto failed = at::full({1}, local_error.empty() ? 0 : 1, at::kLong);
-  group.all_reduce(failed, reduce_op::sum);
-  if (failed.item<std::int64_t>() == 0) return;
+[[noreturn]] void raise_everywhere(Group& group, const char* operation, const std::string& local_error) {
   const auto errors = paratrain::detail::all_gather_strings(
       group, local_error.empty() ? std::vector<std::string>{} : std::vector<std::string>{local_error});
   for (std::size_t r = 0; r < errors.size(); ++r)
@@ -35,6 +32,17 @@ void agree(Group& group, const char* operation, const std::string& local_error) 
       throw error(operation, group.rank(),
                   (static_cast<int>(r) == group.rank() ? "" : "rank " + std::to_string(r) + " failed: ") +
                       errors[r].front());
+  throw error(operation, group.rank(), "a rank failed without saying why");
+}
+
+/// Collective over `group`: returns when no rank has an error, else throws
+/// paratrain::error on every rank with the first failing rank's message. A rank that
+/// fails must still call this (catch, then agree), or the others would wait for it.
+template <class Group>
+void agree(Group& group, const char* operation, const std::string& local_error) {
+  auto failed = at::full({1}, local_error.empty() ? 0 : 1, at::kLong);
+  group.all_reduce(failed, reduce_op::sum);
+  if (failed.item<std::int64_t>() != 0) raise_everywhere(group, operation, local_error);
 }
 
 }  // namespace paratrain::checkpoint::detail

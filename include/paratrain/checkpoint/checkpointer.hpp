@@ -45,18 +45,23 @@ inline fs::path path_of(const fs::path& directory, std::int64_t step) {
   return directory / detail::numbered("step-", step, 9);
 }
 
+/// The step of a checkpoint directory named as path_of names it; none for other names.
+inline std::optional<std::int64_t> step_of(const fs::path& checkpoint) {
+  const auto name = checkpoint.filename().string();
+  if (name.size() != 14 || !name.starts_with("step-") ||
+      !std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return std::nullopt;
+  return static_cast<std::int64_t>(std::stoll(name.substr(5)));
+}
+
 /// The complete checkpoints in `directory` (those with an index), oldest first.
 inline std::vector<fs::path> list(const fs::path& directory) {
   std::vector<std::pair<std::int64_t, fs::path>> found;
   std::error_code ec;
   if (!fs::is_directory(directory, ec)) return {};
-  for (const auto& e : fs::directory_iterator(directory, ec)) {
-    const auto name = e.path().filename().string();
-    if (name.size() != 14 || !name.starts_with("step-") ||
-        !std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      continue;
-    if (fs::exists(e.path() / detail::index_name, ec)) found.emplace_back(std::stoll(name.substr(5)), e.path());
-  }
+  for (const auto& e : fs::directory_iterator(directory, ec))
+    if (const auto step = step_of(e.path()); step && fs::exists(e.path() / detail::index_name, ec))
+      found.emplace_back(*step, e.path());
   std::sort(found.begin(), found.end());
   std::vector<fs::path> out;
   for (auto& [step, path] : found) out.push_back(std::move(path));
@@ -231,8 +236,7 @@ class Checkpointer {
       const auto layout = s_->checkpoint_layout();
       job.entries = detail::collect(*s_, layout, options_.async);
       job.groups = detail::groups_of(s_->optimizer(), layout);
-      job.options = s_->optimizer().param_groups().empty() ? c10::impl::GenericList(c10::AnyType::get())
-                                                           : group_options();
+      job.options = group_options();
       std::uint64_t bytes = 1 << 20;  // the chunk table, roughly
       for (const auto& e : job.entries) bytes += static_cast<std::uint64_t>(e.data.nbytes()) + alignment;
       if (const auto free = detail::free_bytes(partial); free < bytes)
@@ -314,24 +318,24 @@ class Checkpointer {
     auto job = std::move(*job_);
     job_.reset();
     const int rank = s_->rank(), world = s_->world_size();
-    auto table = at::zeros({world, 3}, at::kLong);
+    // One all-reduce gives every rank's table sizes and checksums, and whether any failed.
+    auto table = at::zeros({world, 4}, at::kLong);
     table[rank][0] = static_cast<std::int64_t>(job.written.meta_crc32c);
     table[rank][1] = job.written.meta_bytes;
     table[rank][2] = job.written.data_bytes;
-    std::string err = job.error;
+    table[rank][3] = job.error.empty() ? 0 : 1;
+    std::string err;
     const auto cleanup = [&] {
       if (rank == 0) {
         std::error_code ec;
         fs::remove_all(job.partial, ec);
       }
     };
-    try {
-      detail::agree(*s_, "checkpoint::save", err);
-    } catch (...) {
-      cleanup();
-      throw;
-    }
     s_->all_reduce(table, reduce_op::sum);
+    if (table.select(1, 3).sum().item<std::int64_t>() != 0) {
+      cleanup();
+      detail::raise_everywhere(*s_, "checkpoint::save", job.error);
+    }
     if (rank == 0) try {
         auto ranks = c10::impl::GenericList(c10::AnyType::get());
         for (int r = 0; r < world; ++r) {

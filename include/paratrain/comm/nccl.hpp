@@ -197,8 +197,7 @@ class Nccl {
   Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
     check_device("reduce_scatter", in);
     check_device("reduce_scatter", out);
-    detail::check_pair("reduce_scatter", rank(), in, out, out.numel() * size(), out.numel(),
-                       "in must have size() * out.numel() elements");
+    detail::check_reduce_scatter(rank(), size(), in, out, op);
     auto r = ireduce_scatter(in.data_ptr(), out.data_ptr(), n(out), in.scalar_type(), op);
     r.keep_ = {in, out};
     return r;
@@ -209,8 +208,7 @@ class Nccl {
   Request iall_gather(const at::Tensor& in, at::Tensor& out) {
     check_device("all_gather", in);
     check_device("all_gather", out);
-    detail::check_pair("all_gather", rank(), in, out, in.numel(), in.numel() * size(),
-                       "out must have in.numel() * size() elements");
+    detail::check_all_gather(rank(), size(), in, out);
     auto r = iall_gather(in.data_ptr(), out.data_ptr(), n(in), in.scalar_type());
     r.keep_ = {in, out};
     return r;

@@ -52,8 +52,8 @@ class SingleDevice {
   }
 
   void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) const {
-    detail::check_reduction("reduce_scatter", 0, in, op, "in");
-    copy("reduce_scatter", in, out, "out must have in.numel() / size() elements");
+    detail::check_reduce_scatter(0, 1, in, out, op);
+    if (out.data_ptr() != in.data_ptr()) out.copy_(in.reshape(out.sizes()));
   }
   Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) const {
     reduce_scatter(in, out, op);
@@ -62,7 +62,8 @@ class SingleDevice {
   /// In place when `in` is part rank() of `out` (here: all of it), as comm::Mpi allows;
   /// nothing is copied then.
   void all_gather(const at::Tensor& in, at::Tensor& out) const {
-    copy("all_gather", in, out, "out must have in.numel() * size() elements");
+    detail::check_all_gather(0, 1, in, out);
+    if (out.data_ptr() != in.data_ptr()) out.copy_(in.reshape(out.sizes()));
   }
   Request iall_gather(const at::Tensor& in, at::Tensor& out) const {
     all_gather(in, out);
@@ -85,11 +86,6 @@ class SingleDevice {
                 "rank " + std::to_string(peer) +
                     " is not in this communicator of 1 ranks: comm::SingleDevice has no peers; use comm::Mpi "
                     "under mpirun for several ranks");
-  }
-
-  static void copy(const char* op, const at::Tensor& in, at::Tensor& out, const char* rule) {
-    detail::check_pair(op, 0, in, out, in.numel(), in.numel(), rule);
-    if (out.data_ptr() != in.data_ptr()) out.copy_(in.reshape(out.sizes()));
   }
 };
 

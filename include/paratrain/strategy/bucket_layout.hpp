@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "paratrain/detail/tensor_bytes.hpp"
 #include "paratrain/error.hpp"
 
 namespace paratrain {
@@ -91,14 +92,13 @@ class BucketLayout {
       p.offset = b.numel;
       b.params.push_back(i);
       b.numel += p.tensor.numel();
-      bytes += static_cast<std::size_t>(p.tensor.numel() * p.tensor.element_size());
+      bytes += detail::bytes_of(p.tensor);
     }
     for (auto& b : buckets_) b.padded = (b.numel + pad_to_ - 1) / pad_to_ * pad_to_;
   }
 
   [[nodiscard]] const std::vector<Param>& params() const noexcept { return params_; }
   [[nodiscard]] const std::vector<Bucket>& buckets() const noexcept { return buckets_; }
-  [[nodiscard]] std::int64_t pad_to() const noexcept { return pad_to_; }
   /// Elements of one rank's shard of bucket `b`.
   [[nodiscard]] std::int64_t shard_numel(std::size_t b) const { return buckets_.at(b).padded / pad_to_; }
 

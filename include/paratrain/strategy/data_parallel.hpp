@@ -19,6 +19,7 @@
 #include "paratrain/concepts/optimizer.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/data/batch.hpp"
+#include "paratrain/detail/all_reduce_on.hpp"
 #include "paratrain/detail/allocator.hpp"
 #include "paratrain/detail/coalesce.hpp"
 #include "paratrain/error.hpp"
@@ -84,14 +85,13 @@ class DataParallel {
                 "paratrain::Sharded<Optimizer, paratrain::zero::stageN>");
   static_assert(explain_optimizer<typename detail::optimizer_of<Update>::type>());
 
-  static constexpr int zero_stage = detail::zero_stage_of<Update>;
-  static constexpr bool sharded = zero_stage > 0;
+  static constexpr bool sharded = detail::zero_stage_of<Update> > 0;
   static_assert(!sharded || explain_async_sharding_communicator<Comm>());
-  static_assert(zero_stage < 3 || requires(const Comm& c) { { c.split(0, 0) } -> std::same_as<Comm>; },
+  static_assert(detail::zero_stage_of<Update> < 3 || requires(const Comm& c) { { c.split(0, 0) } -> std::same_as<Comm>; },
                 "paratrain: ZeRO stage 3 gathers parameters on a communicator of its own and needs `Comm split(int "
                 "color, int key) const`; comm::Mpi, comm::Gloo and comm::SingleDevice have it (use stage 2 with "
                 "comm::Nccl)");
-  using Hook = std::conditional_t<(zero_stage >= 2), ReduceScatterGradients, AllReduceGradients>;
+  using Hook = std::conditional_t<(detail::zero_stage_of<Update> >= 2), ReduceScatterGradients, AllReduceGradients>;
 
  public:
   using model_type = Model;
@@ -183,7 +183,6 @@ class DataParallel {
   StepResult join(bool has_next = false) {
     begin_step();
     grads_->prepare(/*sync=*/true);
-    if constexpr (sharded) shards_->replay_gathers(rank());  // Note [Joining at stage 3]
     return end_step(0, 0.0, has_next, /*joined=*/true);
   }
 
@@ -205,11 +204,7 @@ class DataParallel {
   /// Reduces `t` in place over the ranks (for metrics), on the model's device, where
   /// the communicator works (comm::Nccl reduces CUDA tensors only).
   void all_reduce(at::Tensor& t, reduce_op op) {
-    const auto device = model_->parameters().front().device();
-    if (t.device() == device) return comm_.all_reduce(t, op);
-    auto on_device = t.to(device);
-    comm_.all_reduce(on_device, op);
-    t.copy_(on_device);
+    detail::all_reduce_on(comm_, t, model_->parameters().front().device(), op);
   }
 
   /// Makes every replica evaluate alike: copies rank 0's buffers (batch-norm running
@@ -291,6 +286,10 @@ class DataParallel {
 
   StepResult end_step(std::int64_t samples, double loss, bool has_next, bool joined) {
     const double local = std::exchange(pending_samples_, 0.0) + static_cast<double>(samples);
+    // A step with no forward on this rank (join(), or step() with an empty batch) still
+    // takes part in the others' unit gathers: Note [Joining at stage 3].
+    if constexpr (sharded)
+      if (local == 0) shards_->replay_gathers(rank());
     observe::PhaseTimer sync(timeline_, observe::Phase::sync);
     const auto status = grads_->finish(local, has_next, joined);
     sync.stop();
@@ -315,7 +314,7 @@ class DataParallel {
   Comm comm_;
   Options options_;
   using Grads = GradientBuckets<Comm, Hook>;
-  using Shards = ShardedParameters<Comm, optimizer_type, zero_stage>;
+  using Shards = ShardedParameters<Comm, optimizer_type, stage>;
   std::unique_ptr<BucketLayout> layout_;
   std::unique_ptr<Shards> shards_;  // ZeRO only
   std::unique_ptr<Grads> grads_;    // its hooks point at it: a stable address

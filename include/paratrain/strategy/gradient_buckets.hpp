@@ -17,6 +17,8 @@
 
 #include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/concepts/communicator.hpp"
+#include "paratrain/detail/all_reduce_on.hpp"
+#include "paratrain/detail/tensor_bytes.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/observe/timeline.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
@@ -192,16 +194,12 @@ class GradientBuckets {
   /// torch::nn::utils::clip_grad_norm_ does on the whole model; returns the norm before.
   /// Collective when the gradients are sharded. Call after finish().
   double clip_grad_norm(double max_norm) {
-    double squares = 0;
-    for (auto& b : buckets_) {
-      const double norm = reduced(b).norm().template item<double>();
-      squares += norm * norm;
-    }
-    if constexpr (shards) {
-      auto total = at::full({1}, squares, at::kDouble);
-      all_reduce_on_device(total);
-      squares = total.template item<double>();
-    }
+    // The squared norms add up where the gradients are: one synchronisation, not one a bucket.
+    std::vector<at::Tensor> norms;
+    for (auto& b : buckets_) norms.push_back(reduced(b).norm());
+    auto total = at::stack(norms).to(at::kDouble).square().sum().reshape({1});
+    if constexpr (shards) all_reduce_on_device(total);
+    const double squares = total.template item<double>();
     const double norm = std::sqrt(squares);
     const double coef = std::min(max_norm / (norm + 1e-6), 1.0);
     for (auto& b : buckets_) reduced(b).mul_(coef);
@@ -221,10 +219,7 @@ class GradientBuckets {
   /// Bytes of gradient storage held between steps.
   [[nodiscard]] std::size_t bytes() const {
     std::size_t n = 0;
-    for (auto& b : buckets_) {
-      const auto& t = reduced(b);
-      if (t.defined()) n += static_cast<std::size_t>(t.numel() * t.element_size());
-    }
+    for (auto& b : buckets_) n += detail::bytes_of(reduced(b));
     return n;
   }
 
@@ -320,13 +315,7 @@ class GradientBuckets {
   }
 
   // On the parameters' device, where the communicator works (comm::Nccl: CUDA only).
-  void all_reduce_on_device(at::Tensor& t) {
-    const auto device = tensor(0).device();
-    if (device.is_cpu()) return comm_->all_reduce(t, reduce_op::sum);
-    auto on_device = t.to(device);
-    comm_->all_reduce(on_device, reduce_op::sum);
-    t.copy_(on_device);
-  }
+  void all_reduce_on_device(at::Tensor& t) { detail::all_reduce_on(*comm_, t, tensor(0).device(), reduce_op::sum); }
 
   const BucketLayout* layout_;
   Comm* comm_;

@@ -20,8 +20,10 @@ namespace paratrain {
 /// | `zero::stage2`   | + gradients (reduce-scattered)     | 4Ψ + (4 + K)Ψ/N       | the default choice: DDP's traffic |
 /// | `zero::stage3`   | + parameters (gathered per Unit)   | (4 + 4 + K)Ψ/N        | the parameters themselves overflow |
 ///
-/// Stages 1 and 2 move as many bytes as DDP (a reduce-scatter and an all-gather are one
-/// all-reduce); stage 3 gathers each unit's parameters twice (forward and backward), 1.5x.
+/// Stage 2 moves as many bytes as DDP (a reduce-scatter and an all-gather are one
+/// all-reduce); stage 1 all-reduces whole gradients, as DDP, and all-gathers the updated
+/// parameters after, 1.5x; stage 3 gathers each unit's parameters twice (forward and
+/// backward), 1.5x too.
 /// `paratrain::plan` computes the table for your model; docs/sharding.md explains it.
 namespace zero {
 struct stage1 {

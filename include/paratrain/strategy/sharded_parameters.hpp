@@ -5,12 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
-#include <torch/optim/adagrad.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
-#include <torch/optim/rmsprop.h>
-#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -19,8 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "paratrain/checkpoint/optimizer_state.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
+#include "paratrain/detail/tensor_bytes.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
@@ -56,26 +53,16 @@ using ParamGroups = std::vector<torch::optim::OptimizerParamGroup>;
 
 namespace detail {
 
-inline std::size_t bytes_of(const at::Tensor& t) {
-  return t.defined() ? static_cast<std::size_t>(t.numel() * t.element_size()) : 0;
-}
-
-/// The bytes of an optimizer's state tensors (the built-in optimizers' states, and
-/// those of subclasses that keep them).
-inline std::size_t optimizer_state_bytes(const torch::optim::Optimizer& o) {
+/// The bytes of an optimizer's state tensors, for the optimizers checkpoints know
+/// (checkpoint::optimizer_schema lists their state); 0 for others.
+template <class Optim>
+std::size_t optimizer_state_bytes(const Optim& o) {
   std::size_t n = 0;
-  for (const auto& [key, state] : o.state()) {
-    const auto* s = state.get();
-    if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(s))
-      n += bytes_of(a->exp_avg()) + bytes_of(a->exp_avg_sq()) + bytes_of(a->max_exp_avg_sq());
-    else if (auto* w = dynamic_cast<const torch::optim::AdamWParamState*>(s))
-      n += bytes_of(w->exp_avg()) + bytes_of(w->exp_avg_sq()) + bytes_of(w->max_exp_avg_sq());
-    else if (auto* g = dynamic_cast<const torch::optim::SGDParamState*>(s))
-      n += bytes_of(g->momentum_buffer());
-    else if (auto* d = dynamic_cast<const torch::optim::AdagradParamState*>(s))
-      n += bytes_of(d->sum());
-    else if (auto* r = dynamic_cast<const torch::optim::RMSpropParamState*>(s))
-      n += bytes_of(r->square_avg()) + bytes_of(r->momentum_buffer()) + bytes_of(r->grad_avg());
+  if constexpr (checkpoint::known_optimizer<Optim>) {
+    using Schema = checkpoint::schema_of<Optim>;
+    for (const auto& [key, state] : o.state())
+      for (const auto& [field, t] : Schema::get(static_cast<const typename Schema::state_type&>(*state)).tensors)
+        n += bytes_of(t);
   }
   return n;
 }
@@ -204,7 +191,10 @@ class ShardedParameters final : public detail::UnitObserver {
   }
 
   /// Starts a new step's record of unit gathers (what a rank that joins replays).
-  void begin_step() { sequence_.clear(); }
+  void begin_step() {
+    sequence_.clear();
+    for (auto& u : units_state_) u.complete = 0;  // a backward that threw midway left counts
+  }
   /// Ends a step that had data: its gathers become the ones a joined rank replays.
   void end_step() {
     for (std::size_t u = 0; u < units_.size(); ++u) release(u);  // a prefetch no unit used

@@ -46,7 +46,6 @@ class UnitBase {
     observer_ = observer;
     index_ = index;
   }
-  [[nodiscard]] bool attached() const noexcept { return observer_ != nullptr; }
 
  protected:
   ~UnitBase() = default;
