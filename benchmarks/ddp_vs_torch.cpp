@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
   const auto local_step = [&] {
     auto b = data.get();
     local_optim.zero_grad();
-    auto l = loss_fn(local->forward(b.input), b.target);
+    auto l = loss_fn(local->forward(b.input()), b.target);
     l.backward();
     (void)l.item<double>();  // as DataParallel::step reads the loss
     local_optim.step();

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -41,11 +42,12 @@ struct LrScaling {
 struct StepInfo {
   int epoch = 0;                 ///< from 0
   std::int64_t step = 0;         ///< optimizer steps since fit began
-  double loss = 0;               ///< this rank's mean loss in this step
+  double loss = 0;               ///< this rank's mean loss in this step (0 without has_loss)
   double lr = 0;                 ///< of the first parameter group
   double global_samples = 0;     ///< the step's effective batch
   double seconds = 0;            ///< this step's wall time on this rank
   Metrics* metrics = nullptr;    ///< log your own values here; fit reduces them safely
+  bool has_loss = true;          ///< false where this rank computes no loss (a pipeline's earlier stages)
 };
 
 /// After each epoch; the losses, accuracy and metrics are reduced over all ranks.
@@ -73,8 +75,8 @@ struct FitResult {
 
 struct FitOptions {
   int epochs = 1;
-  std::int64_t batch_size = 32;  ///< per rank (per process), per micro-batch
-  int accumulation = 1;          ///< micro-batches per optimizer step
+  std::int64_t batch_size = 32;  ///< per data-parallel replica, per micro-batch
+  int accumulation = 1;          ///< micro-batches per optimizer step (a pipeline's M)
   bool shuffle = true;           ///< DistributedSampler's shuffle, seed and drop_last
   std::uint64_t seed = 0;
   bool drop_last = false;
@@ -114,12 +116,14 @@ inline void set_learning_rates(torch::optim::Optimizer& o, const std::vector<dou
   for (std::size_t i = 0; i < groups.size(); ++i) groups[i].options().set_lr(base[i] * factor);
 }
 
-/// Evaluates on this rank's exact shard and reduces: loss, accuracy, sample count.
+/// Evaluates on this replica's exact shard and reduces: loss, accuracy, sample count.
+/// Ranks without an output (a pipeline's earlier stages) take part and count nothing.
 template <strategy S, loss_function Loss>
 void evaluate(S& s, const data::TensorDataset& set, std::int64_t batch_size, Loss& loss, EpochInfo& info) {
   s.synchronize();  // every rank's replica evaluates alike (batch-norm statistics, ...)
-  const data::ExactSampler shard(set.size(), {.num_replicas = s.world_size(), .rank = s.rank()});
-  const auto indices = shard.indices();
+  const auto shard = s.data_shard();
+  const data::ExactSampler sampler(set.size(), {.num_replicas = shard.count, .rank = shard.index});
+  const auto indices = sampler.indices();
   // Every rank makes as many predict() calls as the rank with the most batches: a
   // strategy may communicate inside predict (ZeRO-3 gathers parameters, a pipeline
   // passes activations), so a rank with fewer samples runs empty batches.
@@ -127,16 +131,13 @@ void evaluate(S& s, const data::TensorDataset& set, std::int64_t batch_size, Los
   for (auto&& chunk : data::batches(indices, batch_size)) chunks.push_back(data::to_tensor(chunk));
   auto rounds = at::full({1}, static_cast<double>(chunks.size()), at::kDouble);
   s.all_reduce(rounds, reduce_op::max);
-  const auto empty = set.size() > 0 ? set.get(at::zeros({1}, at::kLong)).input.narrow(0, 0, 0) : at::Tensor();
+  const auto empty = set.get(at::zeros({0}, at::kLong));
   // [loss * n, correct, n]: sums, so ranks with fewer samples (or none) count exactly.
   auto sums = at::zeros({3}, at::kDouble);
   for (std::size_t k = 0; k < static_cast<std::size_t>(rounds.template item<double>()); ++k) {
-    if (k >= chunks.size()) {
-      s.predict(empty);
-      continue;
-    }
-    const auto batch = set.get(chunks[k]);
-    const auto out = s.predict(batch.input);
+    const auto batch = k < chunks.size() ? set.get(chunks[k]) : empty;
+    const auto out = s.predict(batch);
+    if (!out.defined() || batch.size() == 0) continue;
     const auto target = batch.target.to(out.device());  // a GPU replica answers on its device
     const auto n = static_cast<double>(batch.size());
     sums[0] += loss(out, target).template item<double>() * n;
@@ -159,13 +160,245 @@ inline std::string format(const char* fmt, auto... args) {
 
 }  // namespace detail
 
-/// Trains `s` on `train` for `options.epochs` epochs: the same loop for every strategy.
+namespace detail {
+
+// Note [One loop for every strategy]
+// fit knows three things of a strategy: which replica's samples a rank trains on
+// (data_shard: all stages of one pipeline are one replica), that a step takes the step's
+// micro-batches at once (a pipeline schedules them; DDP accumulates them), and that a
+// rank may have no loss (a pipeline's earlier stages) or no output (evaluation). Losses
+// are logged only where there is one, weighted by their samples, so the reduced mean is
+// over real samples; nothing is averaged in as 0.
+
+/// fit, in named steps: the loop over epochs, an epoch's steps, a step, what follows a step.
+template <strategy S, loss_function Loss>
+class Trainer {
+  using clock = std::chrono::steady_clock;
+
+ public:
+  Trainer(S& s, const data::TensorDataset& train, const FitOptions& options, Loss& loss)
+      : s_(s),
+        train_(train),
+        options_(validated(options, s.rank())),
+        loss_(loss),
+        progress_(options.progress && s.rank() == 0, stdout),
+        shard_(s.data_shard()),
+        sampler_(train.size(), {.num_replicas = shard_.count,
+                                .rank = shard_.index,
+                                .shuffle = options.shuffle,
+                                .seed = options.seed,
+                                .drop_last = options.drop_last}),
+        base_lrs_(base_learning_rates(s.optimizer())),
+        observer_(s, options.observe),
+        checkpoints_(s, options.checkpoint) {
+    const double global_batch = double(options.batch_size) * options.accumulation * shard_.count;
+    const auto& scaling = options.lr_scaling;
+    target_factor_ = scaling.reference_batch > 0 ? global_batch / double(scaling.reference_batch) : 1.0;
+    start_ = {.dataset_size = train.size(),
+              .seed = static_cast<std::int64_t>(options.seed),
+              .shuffle = options.shuffle,
+              .drop_last = options.drop_last};
+  }
+
+  FitResult run() {
+    resume();
+    for (int epoch = static_cast<int>(start_.epoch); epoch < options_.epochs; ++epoch) train_epoch(epoch);
+    checkpoints_.wait();
+    result_.step_times = observer_.finish();
+    result_.samples_per_second = result_.train_seconds > 0 ? total_samples_ / result_.train_seconds : 0;
+    if (scheduled()) set_learning_rates(s_.optimizer(), base_lrs_, 1.0);  // as found: a second fit starts alike
+    return std::move(result_);
+  }
+
+ private:
+  static const FitOptions& validated(const FitOptions& o, int rank) {
+    if (o.epochs < 0 || o.batch_size < 1 || o.accumulation < 1 || o.log_every < 1 || o.eval_batch_size < 1)
+      throw error("fit", rank, "epochs must be >= 0 and batch_size, accumulation, log_every and eval_batch_size >= 1");
+    return o;
+  }
+
+  /// What one epoch's loop keeps.
+  struct Epoch {
+    int index = 0;
+    std::vector<at::Tensor> micro;  ///< the epoch's micro-batches of sample indices, not yet trained on
+    std::int64_t done = 0;          ///< steps of the epoch done before a resume
+    std::int64_t steps = 0;         ///< steps of the epoch in all
+    double samples = 0;             ///< trained on, over all replicas
+    clock::time_point start;
+    bool save_at_end = false;
+  };
+
+  void resume() {
+    const auto resumed = checkpoints_.resume(metrics_);
+    if (!resumed) return;
+    if (resumed->dataset_size != start_.dataset_size || resumed->seed != start_.seed ||
+        resumed->shuffle != start_.shuffle || resumed->drop_last != start_.drop_last)
+      throw error("fit", s_.rank(),
+                  "the checkpoint " + checkpoints_.resumed_from()->string() +
+                      " was saved with another data set size, seed, shuffle or drop_last, so its place in the sample "
+                      "order means nothing here; resume with the options it was saved with");
+    start_ = *resumed;
+    base_lrs_ = start_.base_lrs;  // the loaded optimizer holds the scheduled rates of its step
+    step_ = start_.step;
+    result_.resumed_from = checkpoints_.resumed_from();
+  }
+
+  void train_epoch(int index) {
+    const bool resumed = index == start_.epoch;
+    sampler_.set_epoch(index, resumed ? start_.position : 0);
+    const auto indices = sampler_.indices();
+    Epoch e{.index = index, .done = resumed ? start_.epoch_step : 0, .save_at_end = options_.checkpoint.every_epoch};
+    for (auto&& chunk : data::batches(indices, options_.batch_size)) e.micro.push_back(data::to_tensor(chunk));
+    const auto per_step = static_cast<std::size_t>(options_.accumulation);
+    e.steps = e.done + static_cast<std::int64_t>((e.micro.size() + per_step - 1) / per_step);
+    e.start = clock::now();
+    for (std::int64_t k = e.done;; ++k, ++step_) {
+      schedule_learning_rate(e, k);
+      const auto begin = clock::now();
+      const auto r = k < e.steps ? train_step(e, k) : s_.join(false);
+      if (after_step(e, k, r, begin, clock::now())) {
+        ++step_;  // the next epoch's first step is a new one
+        break;
+      }
+    }
+    end_epoch(e);
+  }
+
+  /// Step k of the epoch: its micro-batches, gathered from the data set, to the strategy.
+  StepResult train_step(const Epoch& e, std::int64_t k) {
+    const auto per_step = static_cast<std::size_t>(options_.accumulation);
+    const auto first = static_cast<std::size_t>(k - e.done) * per_step;
+    const auto last = std::min(e.micro.size(), first + per_step);
+    std::vector<Batch> batches;
+    {
+      observe::PhaseTimer timer(observer_.timeline(), observe::Phase::data);
+      for (auto m = first; m < last; ++m) batches.push_back(train_.get(e.micro[m]));
+    }
+    auto r = s_.step(std::span<const Batch>(batches), loss_, k + 1 < e.steps);
+    if (r.has_loss) {
+      metrics_.log("loss", r.loss, double(r.samples));
+      window_.log("loss", r.loss, double(r.samples));
+    }
+    return r;
+  }
+
+  /// Reports the step, saves a checkpoint when one is due, logs; true after the epoch's last step.
+  bool after_step(Epoch& e, std::int64_t k, const StepResult& r, clock::time_point begin, clock::time_point end) {
+    e.samples += r.global_samples;
+    const StepInfo info{.epoch = e.index,
+                        .step = step_,
+                        .loss = r.has_loss ? r.loss : 0.0,
+                        .lr = s_.optimizer().param_groups().front().options().get_lr(),
+                        .global_samples = r.global_samples,
+                        .seconds = std::chrono::duration<double>(end - begin).count(),
+                        .metrics = &metrics_,
+                        .has_loss = r.has_loss};
+    observer_.step(step_, begin, end, info.loss, r.has_loss ? r.samples : 0);
+    if (options_.on_step) options_.on_step(info);
+    const bool last = r.ranks_with_next == 0;
+    checkpoints_.poll();
+    if (options_.checkpoint.every_steps > 0 && (step_ + 1) % options_.checkpoint.every_steps == 0) {
+      if (last) {
+        e.save_at_end = true;  // after the epoch's evaluation, as the next epoch's start
+      } else {
+        const auto visited = std::min<std::int64_t>(
+            sampler_.size(), (k + 1 - e.done) * options_.accumulation * options_.batch_size);
+        checkpoints_.save(position(step_ + 1, e.index, k + 1, sampler_.start() + visited * shard_.count), metrics_);
+      }
+    }
+    const auto loss_text = [&](double loss) { return r.has_loss ? format("loss %.4f", loss) : std::string(); };
+    if ((k + 1) % options_.log_every == 0 && !last) {
+      const auto m = window_.sync(s_);  // Note [Safe metric reduction]: every rank is here
+      const double seconds = std::chrono::duration<double>(clock::now() - e.start).count();
+      observer_.log(step_ + 1, e.index, m, info.lr, e.samples / seconds);
+      progress_.step(e.index + 1, options_.epochs, k + 1, e.steps,
+                     format("loss %.4f lr %.3g %.0f samples/s", m.count("loss") ? m.at("loss") : 0.0, info.lr,
+                            e.samples / seconds),
+                     true);
+    } else {
+      progress_.step(e.index + 1, options_.epochs, k + 1, e.steps, loss_text(r.loss), false);
+    }
+    return last;
+  }
+
+  /// Reduces the epoch's metrics, evaluates, reports and saves.
+  void end_epoch(const Epoch& e) {
+    EpochInfo info{.epoch = e.index};
+    info.seconds = std::chrono::duration<double>(clock::now() - e.start).count();
+    info.samples_per_second = e.samples / info.seconds;
+    window_ = Metrics{};
+    info.metrics = metrics_.sync(s_);
+    metrics_ = Metrics{};
+    info.train_loss = info.metrics.count("loss") ? info.metrics.at("loss") : 0.0;
+    if (options_.eval) evaluate(s_, *options_.eval, options_.eval_batch_size, loss_, info);
+    observer_.epoch(info, step_, options_.eval != nullptr);
+    progress_.line(format("epoch %d/%d: train loss %.4f, %s%.0f samples/s, %.1f s", e.index + 1, options_.epochs,
+                          info.train_loss,
+                          options_.eval ? format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss,
+                                                 100 * info.eval_accuracy)
+                                              .c_str()
+                                        : "",
+                          info.samples_per_second, info.seconds));
+    if (e.save_at_end && checkpoints_.saving())
+      checkpoints_.save(position(step_, e.index + 1, 0, 0), Metrics{});  // step_ counts the epoch's last step
+    if (options_.on_epoch) options_.on_epoch(info);
+    result_.train_seconds += info.seconds;
+    total_samples_ += e.samples;
+    result_.epochs.push_back(std::move(info));
+  }
+
+  [[nodiscard]] bool scheduled() const { return options_.lr_scaling.reference_batch > 0 || bool(options_.lr_schedule); }
+
+  /// The linear scaling rule's warm-up and the user's schedule, at step k of the epoch.
+  void schedule_learning_rate(const Epoch& e, std::int64_t k) {
+    if (!scheduled()) return;
+    const double steps = double(std::max<std::int64_t>(e.steps, 1));
+    const double warm = options_.lr_scaling.warmup_epochs * steps;
+    const double warmed = warm > 0 ? std::min(1.0, double(step_) / warm) : 1.0;
+    const double epoch_position = e.index + double(k) / steps;
+    set_learning_rates(s_.optimizer(), base_lrs_,
+                       (1.0 + (target_factor_ - 1.0) * warmed) *
+                           (options_.lr_schedule ? options_.lr_schedule(epoch_position) : 1.0));
+  }
+
+  /// The loop's position for a checkpoint: `steps_done` optimizer steps in all, `epoch_step`
+  /// of them in `epoch`, which visited `visited` places of the epoch's sample order.
+  FitPosition position(std::int64_t steps_done, int epoch, std::int64_t epoch_step, std::int64_t visited) const {
+    FitPosition p = start_;
+    p.step = steps_done, p.epoch = epoch, p.epoch_step = epoch_step, p.position = visited, p.base_lrs = base_lrs_;
+    return p;
+  }
+
+  S& s_;
+  const data::TensorDataset& train_;
+  const FitOptions& options_;
+  Loss& loss_;
+  Progress progress_;
+  DataShard shard_;
+  data::DistributedSampler sampler_;
+  std::vector<double> base_lrs_;
+  double target_factor_ = 1;
+  observe::Observer<S> observer_;
+  FitCheckpoints<S> checkpoints_;
+  FitPosition start_;
+  FitResult result_;
+  Metrics metrics_;  // the epoch's: reduced at its end into EpochInfo::metrics
+  Metrics window_;   // fit's loss since the last progress line
+  std::int64_t step_ = 0;
+  double total_samples_ = 0;
+};
+
+}  // namespace detail
+
+/// Trains `s` on `train` for `options.epochs` epochs: the same loop for every strategy
+/// (Note [One loop for every strategy]).
 ///
-/// Each rank visits its DistributedSampler shard (PyTorch's sharding, so results match
-/// a PyTorch run with the same seed), `options.accumulation` micro-batches of
-/// `options.batch_size` per optimizer step; ranks that run out of batches join the
-/// others. After each epoch the evaluation set, if any, is sharded exactly (every
-/// sample once) and loss and accuracy are reduced over all ranks.
+/// Each data-parallel replica visits its DistributedSampler shard (PyTorch's sharding, so
+/// results match a PyTorch run with the same seed), `options.accumulation` micro-batches
+/// of `options.batch_size` per optimizer step, all given to the strategy's step at once;
+/// replicas that run out of batches join the others. After each epoch the evaluation
+/// set, if any, is sharded exactly (every sample once) and loss and accuracy are reduced
+/// over all ranks.
 ///
 /// Collective: every rank calls fit with the same options.
 ///
@@ -174,163 +407,7 @@ inline std::string format(const char* fmt, auto... args) {
 /// \endcode
 template <strategy S, loss_function Loss = CrossEntropy>
 FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options, Loss loss = {}) {
-  if (options.epochs < 0 || options.batch_size < 1 || options.accumulation < 1 || options.log_every < 1 ||
-      options.eval_batch_size < 1)
-    throw error("fit", s.rank(),
-                "epochs must be >= 0 and batch_size, accumulation, log_every and eval_batch_size >= 1");
-  using clock = std::chrono::steady_clock;
-  detail::Progress progress(options.progress && s.rank() == 0, stdout);
-  data::DistributedSampler sampler(train.size(), {.num_replicas = s.world_size(),
-                                                  .rank = s.rank(),
-                                                  .shuffle = options.shuffle,
-                                                  .seed = options.seed,
-                                                  .drop_last = options.drop_last});
-  auto base_lrs = detail::base_learning_rates(s.optimizer());
-  const double global_batch = double(options.batch_size) * options.accumulation * s.world_size();
-  const auto& scaling = options.lr_scaling;
-  const double target_factor = scaling.reference_batch > 0 ? global_batch / double(scaling.reference_batch) : 1.0;
-
-  observe::Observer<S> observer(s, options.observe);
-  // A batch of `train`; its gathering is the trace's "data" phase.
-  const auto get = [&](const at::Tensor& batch_indices) {
-    observe::PhaseTimer timer(observer.timeline(), observe::Phase::data);
-    return train.get(batch_indices);
-  };
-  FitResult result;
-  Metrics metrics;  // the epoch's: reduced at its end into EpochInfo::metrics
-  Metrics window;   // fit's loss since the last progress line
-  std::int64_t step = 0;
-  double total_samples = 0;
-  detail::FitCheckpoints<S> checkpoints(s, options.checkpoint);
-  detail::FitPosition start{.dataset_size = train.size(),
-                            .seed = static_cast<std::int64_t>(options.seed),
-                            .shuffle = options.shuffle,
-                            .drop_last = options.drop_last};
-  if (const auto resumed = checkpoints.resume(metrics)) {
-    if (resumed->dataset_size != start.dataset_size || resumed->seed != start.seed ||
-        resumed->shuffle != start.shuffle || resumed->drop_last != start.drop_last)
-      throw error("fit", s.rank(),
-                  "the checkpoint " + checkpoints.resumed_from()->string() +
-                      " was saved with another data set size, seed, shuffle or drop_last, so its place in the sample "
-                      "order means nothing here; resume with the options it was saved with");
-    start = *resumed;
-    base_lrs = start.base_lrs;  // the loaded optimizer holds the scheduled rates of its step
-    step = start.step;
-    result.resumed_from = checkpoints.resumed_from();
-  }
-  // The loop's position for a checkpoint: `steps_done` optimizer steps in all, `epoch_step`
-  // of them in `epoch`, which visited `position` places of the epoch's sample order.
-  const auto position = [&](std::int64_t steps_done, int epoch, std::int64_t epoch_step, std::int64_t visited) {
-    detail::FitPosition p = start;
-    p.step = steps_done, p.epoch = epoch, p.epoch_step = epoch_step, p.position = visited, p.base_lrs = base_lrs;
-    return p;
-  };
-  for (int epoch = static_cast<int>(start.epoch); epoch < options.epochs; ++epoch) {
-    const bool resumed_epoch = epoch == start.epoch;
-    sampler.set_epoch(epoch, resumed_epoch ? start.position : 0);
-    const auto indices = sampler.indices();
-    std::vector<at::Tensor> micro;
-    for (auto&& chunk : data::batches(indices, options.batch_size)) micro.push_back(data::to_tensor(chunk));
-    // Steps of this epoch: those done before the resume, then those left.
-    const std::int64_t done = resumed_epoch ? start.epoch_step : 0;
-    const auto steps = done + static_cast<std::int64_t>((micro.size() + options.accumulation - 1) / options.accumulation);
-    bool save_at_end = options.checkpoint.every_epoch;
-    EpochInfo info{.epoch = epoch};
-    double epoch_samples = 0;
-    const auto epoch_start = clock::now();
-    for (std::int64_t k = done;; ++k, ++step) {
-      if (scaling.reference_batch > 0 || options.lr_schedule) {
-        const double warm = scaling.warmup_epochs * double(std::max<std::int64_t>(steps, 1));
-        const double warmed = warm > 0 ? std::min(1.0, double(step) / warm) : 1.0;
-        const double epoch_position = epoch + double(k) / double(std::max<std::int64_t>(steps, 1));
-        detail::set_learning_rates(s.optimizer(), base_lrs,
-                                   (1.0 + (target_factor - 1.0) * warmed) *
-                                       (options.lr_schedule ? options.lr_schedule(epoch_position) : 1.0));
-      }
-      const auto step_start = clock::now();
-      StepResult r;
-      if (k < steps) {
-        const auto first = static_cast<std::size_t>((k - done) * options.accumulation);
-        const auto last = std::min(micro.size(), first + static_cast<std::size_t>(options.accumulation)) - 1;
-        double loss_sum = 0, samples = 0;
-        for (auto m = first; m < last; ++m) {
-          const auto b = get(micro[m]);
-          loss_sum += s.accumulate(b, loss) * double(b.size());
-          samples += double(b.size());
-        }
-        r = s.step(get(micro[last]), loss, k + 1 < steps);
-        r.loss = (loss_sum + r.loss * double(r.samples)) / (samples + double(r.samples));
-        r.samples += static_cast<std::int64_t>(samples);
-        metrics.log("loss", r.loss, double(r.samples));
-        window.log("loss", r.loss, double(r.samples));
-      } else {
-        r = s.join(false);
-      }
-      const auto step_end = clock::now();
-      epoch_samples += r.global_samples;
-      const StepInfo si{.epoch = epoch,
-                        .step = step,
-                        .loss = r.loss,
-                        .lr = s.optimizer().param_groups().front().options().get_lr(),
-                        .global_samples = r.global_samples,
-                        .seconds = std::chrono::duration<double>(step_end - step_start).count(),
-                        .metrics = &metrics};
-      observer.step(step, step_start, step_end, r.loss, r.samples);
-      if (options.on_step) options.on_step(si);
-      const bool last_step = r.ranks_with_next == 0;
-      checkpoints.poll();
-      if (options.checkpoint.every_steps > 0 && (step + 1) % options.checkpoint.every_steps == 0) {
-        if (last_step) {
-          save_at_end = true;  // after the epoch's evaluation, as the next epoch's start
-        } else {
-          const auto visited = std::min<std::int64_t>(
-              sampler.size(), (k + 1 - done) * options.accumulation * options.batch_size);
-          checkpoints.save(position(step + 1, epoch, k + 1, sampler.start() + visited * s.world_size()), metrics);
-        }
-      }
-      if ((k + 1) % options.log_every == 0 && !last_step) {
-        const auto m = window.sync(s);  // Note [Safe metric reduction]: every rank is here
-        const double secs = std::chrono::duration<double>(clock::now() - epoch_start).count();
-        observer.log(step + 1, epoch, m, si.lr, epoch_samples / secs);
-        progress.step(epoch + 1, options.epochs, k + 1, steps,
-                      detail::format("loss %.4f lr %.3g %.0f samples/s", m.count("loss") ? m.at("loss") : 0.0, si.lr,
-                                     epoch_samples / secs),
-                      true);
-      } else {
-        progress.step(epoch + 1, options.epochs, k + 1, steps, detail::format("loss %.4f", r.loss), false);
-      }
-      if (last_step) {
-        ++step;  // the next epoch's first step is a new one
-        break;
-      }
-    }
-    info.seconds = std::chrono::duration<double>(clock::now() - epoch_start).count();
-    info.samples_per_second = epoch_samples / info.seconds;
-    window = Metrics{};
-    info.metrics = metrics.sync(s);
-    info.train_loss = info.metrics.count("loss") ? info.metrics.at("loss") : 0.0;
-    if (options.eval) detail::evaluate(s, *options.eval, options.eval_batch_size, loss, info);
-    observer.epoch(info, step, options.eval != nullptr);
-    progress.line(detail::format("epoch %d/%d: train loss %.4f, %s%.0f samples/s, %.1f s", epoch + 1, options.epochs,
-                                 info.train_loss,
-                                 options.eval ? detail::format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss,
-                                                               100 * info.eval_accuracy)
-                                                    .c_str()
-                                              : "",
-                                 info.samples_per_second, info.seconds));
-    if (save_at_end && checkpoints.saving())
-      checkpoints.save(position(step, epoch + 1, 0, 0), Metrics{});  // `step` counts the epoch's last step
-    if (options.on_epoch) options.on_epoch(info);
-    result.train_seconds += info.seconds;
-    total_samples += epoch_samples;
-    result.epochs.push_back(std::move(info));
-  }
-  checkpoints.wait();
-  result.step_times = observer.finish();
-  result.samples_per_second = result.train_seconds > 0 ? total_samples / result.train_seconds : 0;
-  if (scaling.reference_batch > 0 || options.lr_schedule)
-    detail::set_learning_rates(s.optimizer(), base_lrs, 1.0);  // as we found them: a second fit starts alike
-  return result;
+  return detail::Trainer<S, Loss>(s, train, options, loss).run();
 }
 
 }  // namespace paratrain

@@ -104,7 +104,7 @@ std::vector<torch::Tensor> reference(const Scenario& s, int world, Opts opts) {
     for (int r = 0; r < world; ++r)
       if (k < batches_of(s, r)) {
         auto b = data.of(world, r, k, batch_of(s, r), stride_of(s));
-        xs.push_back(b.input);
+        xs.push_back(b.input());
         ys.push_back(b.target);
       }
     optim.zero_grad();
@@ -131,9 +131,9 @@ std::vector<torch::Tensor> distributed(const Scenario& s, Comm c, Opts opts) {
       auto b = data.of(world, rank, k, batch, stride_of(s));
       const auto micro = batch / s.micro_batches;
       for (int m = 0; m + 1 < s.micro_batches; ++m)
-        dp.accumulate({b.input.narrow(0, m * micro, micro), b.target.narrow(0, m * micro, micro)}, loss_fn);
+        dp.accumulate({b.input().narrow(0, m * micro, micro), b.target.narrow(0, m * micro, micro)}, loss_fn);
       const auto last = (s.micro_batches - 1) * micro;
-      r = dp.step({b.input.narrow(0, last, batch - last), b.target.narrow(0, last, batch - last)}, loss_fn,
+      r = dp.step({b.input().narrow(0, last, batch - last), b.target.narrow(0, last, batch - last)}, loss_fn,
                   k + 1 < mine);
     } else {
       r = dp.join();

@@ -68,7 +68,7 @@ std::vector<torch::Tensor> reference_steps(const Data& d, int steps, Opts opts, 
   for (int k = 0; k < steps; ++k) {
     optim.zero_grad();
     const auto b = part(d, k, 1, 0);
-    loss_fn(model->forward(b.input), b.target).backward();
+    loss_fn(model->forward(b.input()), b.target).backward();
     optim.step();
   }
   return model->parameters();

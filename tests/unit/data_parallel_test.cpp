@@ -127,11 +127,11 @@ void check_local(int replicas, std::int64_t batch, int micro_batches, Opts opts)
     const auto b = data.of(1, 0, k, batch);
     const auto micro = batch / micro_batches;
     for (int m = 0; m + 1 < micro_batches; ++m)
-      dp.accumulate({b.input.narrow(0, m * micro, micro), b.target.narrow(0, m * micro, micro)}, loss_fn);
+      dp.accumulate({b.input().narrow(0, m * micro, micro), b.target.narrow(0, m * micro, micro)}, loss_fn);
     const auto last = (micro_batches - 1) * micro;
-    dp.step({b.input.narrow(0, last, batch - last), b.target.narrow(0, last, batch - last)}, loss_fn);
+    dp.step({b.input().narrow(0, last, batch - last), b.target.narrow(0, last, batch - last)}, loss_fn);
     reference_optim.zero_grad();
-    loss_fn(reference_model->forward(b.input), b.target).backward();
+    loss_fn(reference_model->forward(b.input()), b.target).backward();
     reference_optim.step();
   }
   CHECK(max_relative_difference(dp.model()->parameters(), reference_model->parameters()) <= 1e-5);

@@ -68,7 +68,7 @@ TEST_CASE_TEMPLATE("fit trains like a single-device loop over the union of the r
         step.insert(step.end(), shard.begin() + first, shard.begin() + std::min(first + 5, shard.size()));
       const auto b = train.get(torch::tensor(step));
       optim.zero_grad();
-      torch::nn::functional::cross_entropy(net->forward(b.input), b.target).backward();
+      torch::nn::functional::cross_entropy(net->forward(b.input()), b.target).backward();
       optim.step();
     }
   }

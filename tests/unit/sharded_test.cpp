@@ -198,7 +198,7 @@ TEST_CASE("ZeRO stage 3: a step with an empty batch on some ranks takes part in 
   // with an empty batch, not join()).
   const auto mine = [&](int k) {
     auto b = data.of(world, rank, k, 4);
-    return k == 1 && rank > 0 ? paratrain::Batch{b.input.narrow(0, 0, 0), b.target.narrow(0, 0, 0)} : b;
+    return k == 1 && rank > 0 ? paratrain::Batch{b.input().narrow(0, 0, 0), b.target.narrow(0, 0, 0)} : b;
   };
   for (int k = 0; k < 2; ++k) dp.step(mine(k), loss_fn);
   // Plain LibTorch on the same samples.
@@ -208,7 +208,7 @@ TEST_CASE("ZeRO stage 3: a step with an empty batch on some ranks takes part in 
     std::vector<torch::Tensor> xs, ys;
     for (int r = 0; r < (k == 1 ? 1 : world); ++r) {
       const auto b = data.of(world, r, k, 4);
-      xs.push_back(b.input);
+      xs.push_back(b.input());
       ys.push_back(b.target);
     }
     optim.zero_grad();

@@ -5,9 +5,18 @@
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 
+#include <ATen/core/Tensor.h>
+#include <c10/core/GradMode.h>
+
 #include <concepts>
+#include <cstddef>
+#include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
+
+#include "paratrain/error.hpp"
 
 namespace paratrain {
 
@@ -38,18 +47,88 @@ concept cloneable_module = module<M> && requires(M& m) {
 
 namespace detail {
 
-/// `model`'s output for `input`: evaluation mode, no gradients, the mode restored after.
+/// True for modules that a strategy drives pass by pass and that have no forward of
+/// their own: a pipeline rank's stages (Note [Steps driven from outside]).
 template <class M>
-at::Tensor predict(M& model, const at::Tensor& input) {
+inline constexpr bool driven_from_outside = false;
+
+template <class M>
+using impl_of = std::remove_cvref_t<decltype(*std::declval<M&>())>;
+
+/// The parameter and result types of a member function: a module's forward.
+template <class F>
+struct member_signature;
+template <class R, class C, class... A>
+struct member_signature<R (C::*)(A...)> {
+  using result = R;
+  using args = std::tuple<std::remove_cvref_t<A>...>;
+};
+template <class R, class C, class... A>
+struct member_signature<R (C::*)(A...) const> : member_signature<R (C::*)(A...)> {};
+template <class R, class C, class... A>
+struct member_signature<R (C::*)(A...) noexcept> : member_signature<R (C::*)(A...)> {};
+template <class R, class C, class... A>
+struct member_signature<R (C::*)(A...) const noexcept> : member_signature<R (C::*)(A...)> {};
+
+/// A forward that is one function (not overloaded, not a template), so that its
+/// parameters can be read off its type.
+template <class M>
+concept plain_forward = requires { &impl_of<M>::forward; };
+
+template <class Tuple>
+inline constexpr bool all_tensors = false;
+template <class... T>
+inline constexpr bool all_tensors<std::tuple<T...>> = (std::same_as<T, at::Tensor> && ...);
+
+/// How many tensors M's forward takes: its parameter count when forward is one function
+/// of tensors only; 1 otherwise (an overloaded forward that takes a tensor).
+template <class M>
+consteval std::size_t forward_arity() {
+  if constexpr (plain_forward<M>) {
+    using Args = typename member_signature<decltype(&impl_of<M>::forward)>::args;
+    if constexpr (all_tensors<Args>) return std::tuple_size_v<Args>;
+    else return 1;
+  } else {
+    return 1;
+  }
+}
+
+/// Calls M's forward with `inputs` as its arguments, in order.
+template <class M>
+decltype(auto) forward(M& model, const std::vector<at::Tensor>& inputs) {
+  constexpr auto n = forward_arity<M>();
+  if (inputs.size() != n)
+    throw error("forward", -1,
+                "the model's forward takes " + std::to_string(n) + " tensor(s) and the batch has " +
+                    std::to_string(inputs.size()) + " input(s); give the data set one input tensor per argument");
+  return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
+    return model->forward(inputs[I]...);
+  }(std::make_index_sequence<n>{});
+}
+
+/// `model`'s output for `inputs`: evaluation mode, no gradients, the mode restored after.
+template <class M>
+at::Tensor predict(M& model, const std::vector<at::Tensor>& inputs) {
   at::NoGradGuard no_grad;
   const bool training = model->is_training();
   model->eval();
-  auto out = model->forward(input);
+  at::Tensor out = forward(model, inputs);
   model->train(training);
   return out;
 }
 
 }  // namespace detail
+
+/// A whole model: a module whose forward takes one or more tensors (the inputs of a
+/// batch, in order) and returns a tensor (the output the loss compares with the targets).
+template <class M>
+concept model = module<M> && (stage_of<M, at::Tensor, at::Tensor> ||
+                              (detail::plain_forward<M> &&
+                               detail::all_tensors<typename detail::member_signature<
+                                   decltype(&detail::impl_of<M>::forward)>::args> &&
+                               std::convertible_to<typename detail::member_signature<
+                                                       decltype(&detail::impl_of<M>::forward)>::result,
+                                                   at::Tensor>));
 
 /// Checks each requirement on a model separately, so that the message names the one missed.
 template <class M>
@@ -57,9 +136,10 @@ consteval bool explain_model() {
   static_assert(module<M>,
                 "paratrain: the model must be a LibTorch module handle: a TORCH_MODULE(Net) holder or "
                 "std::shared_ptr<NetImpl>, where NetImpl derives from torch::nn::Module");
-  static_assert(stage_of<M, at::Tensor, at::Tensor>,
-                "paratrain: the model's forward must take one torch::Tensor and return a torch::Tensor; "
-                "give it `torch::Tensor forward(torch::Tensor x)`");
+  static_assert(model<M>,
+                "paratrain: the model's forward must take one or more torch::Tensor and return a torch::Tensor; "
+                "give it `torch::Tensor forward(torch::Tensor x)` (or `forward(torch::Tensor src, torch::Tensor "
+                "tgt)`, one argument per input tensor of the data set)");
   return true;
 }
 

@@ -7,6 +7,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <span>
 #include <type_traits>
 
 #include "paratrain/comm/reduce_op.hpp"
@@ -16,11 +17,23 @@ namespace paratrain {
 
 /// What one training step did, as seen from this rank.
 struct StepResult {
-  double loss = 0;             ///< mean loss over this rank's samples (0 if it had none)
-  std::int64_t samples = 0;    ///< this rank's samples
-  double global_samples = 0;   ///< samples over all ranks: the step's effective batch
+  double loss = 0;             ///< mean loss over this rank's samples, when has_loss
+  std::int64_t samples = 0;    ///< this rank's samples (its data replica's, for a pipeline stage)
+  double global_samples = 0;   ///< samples over all replicas: the step's effective batch
   int ranks_with_next = 0;     ///< ranks that have another batch (see join)
   double grad_norm = 0;        ///< global gradient 2-norm before clipping, when clipping is on
+  /// Whether this rank computed a loss: false on a pipeline's stages before the last,
+  /// and on a rank that had no samples. A rank without one reports none: fit leaves it
+  /// out of the mean rather than counting it as 0.
+  bool has_loss = true;
+};
+
+/// Which part of the data a rank trains on: its data-parallel replica `index` of `count`.
+/// Ranks are not replicas: every stage of one pipeline is the same replica and sees the
+/// same samples, so the sampler shards over replicas, not over ranks.
+struct DataShard {
+  int index = 0;
+  int count = 1;
 };
 
 /// The loss a strategy is given: mean loss of a batch from the model's output and the targets.
@@ -28,26 +41,30 @@ template <class L>
 concept loss_function = std::invocable<L&, const at::Tensor&, const at::Tensor&> &&
     std::convertible_to<std::invoke_result_t<L&, const at::Tensor&, const at::Tensor&>, at::Tensor>;
 
-/// A way of training one model on one or more ranks: DataParallel, LocalDataParallel, ...
+/// A way of training one model on one or more ranks: DataParallel (DDP, ZeRO), a
+/// pipeline of stages, LocalDataParallel, ...
 ///
-/// - `step(batch, loss, has_next)`: forward, backward and one optimizer step over the
-///   samples of every rank, equal to one step of single-device training on all of them;
-/// - `accumulate(batch, loss)`: forward and backward only, no communication, for
-///   gradient accumulation (the next `step` includes these samples);
-/// - `join(has_next)`: for a rank that has run out of batches while others have not;
-/// - `predict(input)`: the model's output, without gradients, in evaluation mode;
-/// - `all_reduce(t, op)`: reduce a tensor over the strategy's ranks (for metrics);
+/// - `step(micro_batches, loss, has_next)`: one optimizer step over this replica's
+///   micro-batches (a span of Batch; empty for a replica that has none this step) and
+///   those of every other replica, equal to one step of single-device training on all
+///   of them together. A pipeline runs its schedule over them; DDP accumulates them.
+/// - `join(has_next)`: for a replica that has run out of batches while others have not;
+/// - `predict(batch)`: the model's output for the batch's inputs, without gradients, in
+///   evaluation mode; an undefined tensor on a rank that has no output (a pipeline's
+///   stages before the last). Collective over the ranks of one replica.
+/// - `data_shard()`: which replica's samples this rank trains on (DataShard);
+/// - `all_reduce(t, op)`: reduce a tensor over all the strategy's ranks (for metrics);
 /// - `synchronize()`: make every rank's model evaluate alike (buffers); collective.
 template <class S>
-concept strategy = requires(S& s, const Batch& b, const at::Tensor& x, at::Tensor& t,
+concept strategy = requires(S& s, const S& cs, std::span<const Batch> micro_batches, const Batch& b, at::Tensor& t,
                             at::Tensor (*loss)(const at::Tensor&, const at::Tensor&)) {
   typename S::model_type;
   { s.rank() } -> std::same_as<int>;
   { s.world_size() } -> std::same_as<int>;
-  { s.step(b, loss, true) } -> std::same_as<StepResult>;
-  { s.accumulate(b, loss) } -> std::same_as<double>;
+  { cs.data_shard() } -> std::same_as<DataShard>;
+  { s.step(micro_batches, loss, true) } -> std::same_as<StepResult>;
   { s.join(false) } -> std::same_as<StepResult>;
-  { s.predict(x) } -> std::same_as<at::Tensor>;
+  { s.predict(b) } -> std::same_as<at::Tensor>;
   s.all_reduce(t, reduce_op::sum);
   s.synchronize();
   requires std::derived_from<std::remove_cvref_t<decltype(s.optimizer())>, torch::optim::Optimizer>;

@@ -6,44 +6,77 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "paratrain/error.hpp"
 
 namespace paratrain {
 
-/// A batch of samples: inputs and targets, both indexed by dimension 0.
+/// A batch of samples: the model's inputs (the arguments of its forward, in order:
+/// one for most models, two for a Transformer's `forward(src, tgt)`) and the targets,
+/// all indexed by dimension 0.
 struct Batch {
-  at::Tensor input;
+  std::vector<at::Tensor> inputs;
   at::Tensor target;
 
-  [[nodiscard]] std::int64_t size() const { return input.defined() ? input.size(0) : 0; }
+  Batch() = default;
+  /// A model with one input: `Batch{x, y}`.
+  Batch(at::Tensor input, at::Tensor target_) : inputs{std::move(input)}, target(std::move(target_)) {}
+  /// A model with several inputs: `Batch{{src, tgt}, y}`.
+  Batch(std::vector<at::Tensor> inputs_, at::Tensor target_) : inputs(std::move(inputs_)), target(std::move(target_)) {}
+
+  /// The first input: the only one of a one-input model.
+  [[nodiscard]] const at::Tensor& input() const { return inputs.at(0); }
+  [[nodiscard]] std::int64_t size() const {
+    return !inputs.empty() && inputs.front().defined() ? inputs.front().size(0) : 0;
+  }
+  /// The samples [begin, begin + n) of every input and of the targets.
+  [[nodiscard]] Batch narrow(std::int64_t begin, std::int64_t n) const {
+    Batch out;
+    for (const auto& x : inputs) out.inputs.push_back(x.narrow(0, begin, n));
+    out.target = target.narrow(0, begin, n);
+    return out;
+  }
 };
 
 namespace data {
 
-/// A dataset held in two tensors whose dimension 0 indexes the samples.
+/// A dataset held in tensors whose dimension 0 indexes the samples: one input tensor
+/// per argument of the model's forward, and the targets.
 class TensorDataset {
  public:
-  TensorDataset(at::Tensor inputs, at::Tensor targets) : inputs_(std::move(inputs)), targets_(std::move(targets)) {
-    if (!inputs_.defined() || !targets_.defined() || inputs_.dim() == 0 || targets_.dim() == 0 ||
-        inputs_.size(0) != targets_.size(0))
+  TensorDataset(at::Tensor inputs, at::Tensor targets)
+      : TensorDataset(std::vector<at::Tensor>{std::move(inputs)}, std::move(targets)) {}
+
+  TensorDataset(std::vector<at::Tensor> inputs, at::Tensor targets)
+      : inputs_(std::move(inputs)), targets_(std::move(targets)) {
+    bool ok = !inputs_.empty() && targets_.defined() && targets_.dim() > 0;
+    for (const auto& x : inputs_) ok = ok && x.defined() && x.dim() > 0 && x.size(0) == targets_.size(0);
+    if (!ok)
       throw error("TensorDataset", -1,
                   "inputs and targets must be defined tensors with the same size in dimension 0 (one row per "
-                  "sample)");
+                  "sample), and there must be at least one input");
   }
 
-  [[nodiscard]] std::int64_t size() const { return inputs_.size(0); }
+  [[nodiscard]] std::int64_t size() const { return targets_.size(0); }
 
   /// The samples at `indices` (a 1-D int64 tensor), in that order.
   [[nodiscard]] Batch get(const at::Tensor& indices) const {
-    return {inputs_.index_select(0, indices), targets_.index_select(0, indices)};
+    Batch b;
+    for (const auto& x : inputs_) b.inputs.push_back(x.index_select(0, indices));
+    b.target = targets_.index_select(0, indices);
+    return b;
   }
 
-  [[nodiscard]] const at::Tensor& inputs() const noexcept { return inputs_; }
+  /// The first input tensor: all of them for a one-input model.
+  [[nodiscard]] const at::Tensor& inputs() const noexcept { return inputs_.front(); }
+  /// Every input tensor, one per argument of the model's forward.
+  [[nodiscard]] const std::vector<at::Tensor>& all_inputs() const noexcept { return inputs_; }
   [[nodiscard]] const at::Tensor& targets() const noexcept { return targets_; }
 
  private:
-  at::Tensor inputs_;
+  std::vector<at::Tensor> inputs_;
   at::Tensor targets_;
 };
 

@@ -9,6 +9,7 @@
 
 #include <concepts>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -74,7 +75,7 @@ struct DataParallelOptions {
 /// \endcode
 template <class Model, class Comm = comm::SingleDevice, class Update = torch::optim::SGD>
 class DataParallel {
-  static_assert(explain_model<Model>());
+  static_assert(detail::driven_from_outside<Model> || explain_model<Model>());
   static_assert(explain_communicator<Comm>());
   static_assert(async_communicator<Comm>,
                 "paratrain: DataParallel overlaps communication with backward and needs a communicator with "
@@ -154,16 +155,38 @@ class DataParallel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
+  /// One training step over this rank's micro-batches (each a Batch; none for a rank
+  /// that has no samples this step) and those of all other ranks: forward and backward
+  /// of each, the last backward overlapped with the all-reduce, one optimizer step;
+  /// equal to single-device training on all ranks' samples together. `loss` returns the
+  /// *mean* loss of a batch. `has_next` says whether this rank has another step's
+  /// batches after these (it lets `join` end every rank's loop together).
+  template <loss_function Loss>
+  StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
+    if (micro_batches.empty()) return join(has_next);
+    double loss_sum = 0, samples = 0;
+    for (const auto& b : micro_batches.first(micro_batches.size() - 1)) {
+      loss_sum += accumulate(b, loss) * static_cast<double>(b.size());
+      samples += static_cast<double>(b.size());
+    }
+    auto r = step(micro_batches.back(), loss, has_next);
+    samples += static_cast<double>(r.samples);
+    r.loss = samples > 0 ? (loss_sum + r.loss * static_cast<double>(r.samples)) / samples : 0.0;
+    r.samples = static_cast<std::int64_t>(samples);
+    r.has_loss = samples > 0;
+    return r;
+  }
+
   /// One training step over `batch` on this rank and the batches of all other ranks:
-  /// forward, backward with overlapped all-reduce, one optimizer step. `loss` returns
-  /// the *mean* loss of a batch. `has_next` says whether this rank has another batch
-  /// after this one (it lets `join` end every rank's loop together).
+  /// the step above with one micro-batch.
   template <loss_function Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
     begin_step();
     grads_->prepare(/*sync=*/true);
     const double l = batch.size() > 0 ? forward_backward(batch, loss) : 0.0;
-    return end_step(batch.size(), l, has_next, /*joined=*/batch.size() == 0);
+    auto r = end_step(batch.size(), l, has_next, /*joined=*/batch.size() == 0);
+    r.has_loss = batch.size() > 0;
+    return r;
   }
 
   /// Forward and backward over `batch` without communicating: gradients accumulate
@@ -183,11 +206,35 @@ class DataParallel {
   StepResult join(bool has_next = false) {
     begin_step();
     grads_->prepare(/*sync=*/true);
-    return end_step(0, 0.0, has_next, /*joined=*/true);
+    auto r = end_step(0, 0.0, has_next, /*joined=*/true);
+    r.has_loss = false;
+    return r;
   }
 
-  /// The model's output for `input`, in evaluation mode and without gradients.
-  at::Tensor predict(const at::Tensor& input) { return detail::predict(model_, input); }
+  // Note [Steps driven from outside]
+  // A pipeline runs its stages' forward and backward passes itself, in the order of its
+  // schedule, and uses DataParallel for everything around them: the gradient buckets
+  // (averaged over the stage's replicas, overlapped with the last backward), ZeRO's
+  // sharding and the optimizer step. It calls begin_external_step() once, before_backward()
+  // before each backward pass (true before the rank's last one, whose gradients complete
+  // the buckets), and end_external_step() with the samples of the passes.
+
+  /// Note [Steps driven from outside]: before the step's first forward.
+  void begin_external_step() { begin_step(); }
+  /// Note [Steps driven from outside]: before each backward pass over model()'s parameters.
+  void before_backward(bool last) { grads_->prepare(/*sync=*/last); }
+  /// Note [Steps driven from outside]: after the last backward; `samples` were this rank's.
+  StepResult end_external_step(std::int64_t samples, bool has_next) {
+    if (samples == 0) grads_->prepare(/*sync=*/true);  // no backward ran: nothing is pending
+    auto r = end_step(samples, 0.0, has_next, /*joined=*/samples == 0);
+    r.has_loss = false;
+    return r;
+  }
+
+  /// The model's output for the batch's inputs, in evaluation mode and without gradients.
+  at::Tensor predict(const Batch& batch) { return detail::predict(model_, batch.inputs); }
+  /// The output of a one-input model for `input`, in evaluation mode and without gradients.
+  at::Tensor predict(const at::Tensor& input) { return detail::predict(model_, {input}); }
 
   /// Every parameter of the model, whole, as a copy (model()->parameters() order).
   /// Collective: at ZeRO stage 3 the parameters are gathered for it, so every rank calls it.
@@ -215,6 +262,8 @@ class DataParallel {
 
   [[nodiscard]] int rank() const { return comm_.rank(); }
   [[nodiscard]] int world_size() const { return comm_.size(); }
+  /// Every rank is a replica of its own.
+  [[nodiscard]] DataShard data_shard() const { return {.index = comm_.rank(), .count = comm_.size()}; }
   [[nodiscard]] Model& model() noexcept { return model_; }
   /// The optimizer; when sharded, the one over this rank's pieces (Note [Optimizer on
   /// pieces]), with the same parameter groups as given, so schedules work alike.
@@ -276,7 +325,7 @@ class DataParallel {
   double forward_backward(const Batch& batch, Loss& loss) {
     model_->train();
     observe::PhaseTimer forward(timeline_, observe::Phase::forward);
-    at::Tensor l = loss(model_->forward(batch.input), batch.target);
+    at::Tensor l = loss(detail::forward(model_, batch.inputs), batch.target);
     forward.stop();
     observe::PhaseTimer backward(timeline_, observe::Phase::backward);
     // Note [Exact averaging]: the gradient of the sum over this rank's samples.

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <exception>
 #include <memory>
+#include <span>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -88,9 +89,27 @@ class LocalDataParallel {
     optimizer_ = std::make_unique<Optim>(model_->parameters(), std::move(optimizer_options));
   }
 
+  /// One optimizer step over the micro-batches, each split over the replicas.
+  template <loss_function Loss>
+  StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
+    double loss_sum = 0, samples = 0;
+    for (const auto& b : micro_batches) {
+      loss_sum += accumulate(b, loss) * static_cast<double>(b.size());
+      samples += static_cast<double>(b.size());
+    }
+    auto r = update(has_next);
+    r.loss = samples > 0 ? loss_sum / samples : 0.0;
+    r.has_loss = samples > 0;
+    return r;
+  }
+
   template <loss_function Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
-    const double l = accumulate(batch, loss);
+    return step(std::span<const Batch>(&batch, 1), loss, has_next);
+  }
+
+ private:
+  StepResult update(bool has_next) {
     const double samples = std::exchange(pending_samples_, 0.0);
     accumulating_ = false;
     if (samples > 0) {
@@ -100,9 +119,10 @@ class LocalDataParallel {
       optimizer_->step();
       copy_to_replicas();
     }
-    return {l, batch.size(), samples, has_next ? 1 : 0};
+    return {0, static_cast<std::int64_t>(samples), samples, has_next ? 1 : 0};
   }
 
+ public:
   /// Forward and backward on every replica, gradients summed into the model; no update.
   template <loss_function Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
@@ -111,7 +131,12 @@ class LocalDataParallel {
     const auto n = batch.size();
     if (n == 0) return 0.0;
     const auto used = static_cast<int>(std::min<std::int64_t>(n, static_cast<std::int64_t>(replicas_.size())));
-    const auto inputs = batch.input.tensor_split(used), targets = batch.target.tensor_split(used);
+    std::vector<std::vector<at::Tensor>> inputs(used);  // [replica][input]
+    for (const auto& x : batch.inputs) {
+      auto parts = x.tensor_split(used);
+      for (int i = 0; i < used; ++i) inputs[i].push_back(parts[i].to(devices_[i]));
+    }
+    const auto targets = batch.target.tensor_split(used);
     std::vector<double> losses(used);
     std::vector<std::exception_ptr> errors(used);
     auto run = [&](int i) {
@@ -120,10 +145,11 @@ class LocalDataParallel {
         r->train();
         if (i > 0)
           for (auto& p : r->parameters()) p.mutable_grad() = at::Tensor();
-        const auto x = inputs[i].to(devices_[i]), y = targets[i].to(devices_[i]);
-        at::Tensor l = loss(r->forward(x), y);
-        (l * static_cast<double>(x.size(0))).backward();  // the sum over the replica's samples
-        losses[i] = l.template item<double>() * static_cast<double>(x.size(0));
+        const auto y = targets[i].to(devices_[i]);
+        const auto n_i = static_cast<double>(y.size(0));
+        at::Tensor l = loss(detail::forward(r, inputs[i]), y);
+        (l * n_i).backward();  // the sum over the replica's samples
+        losses[i] = l.template item<double>() * n_i;
       } catch (...) {
         errors[i] = std::current_exception();
       }
@@ -143,9 +169,14 @@ class LocalDataParallel {
   }
 
   /// One process has nobody to wait for: nothing to do.
-  StepResult join(bool has_next = false) { return {0, 0, 0, has_next ? 1 : 0}; }
+  StepResult join(bool has_next = false) { return {0, 0, 0, has_next ? 1 : 0, 0, /*has_loss=*/false}; }
 
-  at::Tensor predict(const at::Tensor& input) { return detail::predict(model_, input.to(devices_[0])); }
+  at::Tensor predict(const Batch& batch) {
+    std::vector<at::Tensor> inputs;
+    for (const auto& x : batch.inputs) inputs.push_back(x.to(devices_[0]));
+    return detail::predict(model_, inputs);
+  }
+  at::Tensor predict(const at::Tensor& input) { return detail::predict(model_, {input.to(devices_[0])}); }
 
   /// A world of one process: nothing to reduce.
   void all_reduce(at::Tensor&, reduce_op) const noexcept {}
@@ -162,6 +193,7 @@ class LocalDataParallel {
 
   [[nodiscard]] int rank() const noexcept { return 0; }
   [[nodiscard]] int world_size() const noexcept { return 1; }
+  [[nodiscard]] DataShard data_shard() const noexcept { return {}; }
   [[nodiscard]] int replicas() const noexcept { return static_cast<int>(replicas_.size()); }
   [[nodiscard]] Model& model() noexcept { return model_; }
   [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }
