@@ -82,8 +82,8 @@ TEST_CASE("each (stage, micro) has exactly its forward and its backward, on the 
       }
     REQUIRE(in_range);
     CHECK(owned);
-    const std::array<int, 4> expected = c.kind == Kind::zero_bubble_h1 ? std::array<int, 4>{1, 0, 1, 1}
-                                                                       : std::array<int, 4>{1, 1, 0, 0};
+    const std::array<int, 4> expected =
+        c.kind == Kind::zero_bubble_h1 ? std::array<int, 4>{1, 0, 1, 1} : std::array<int, 4>{1, 1, 0, 0};
     bool exact = true;
     for (const auto& per_stage : count)
       for (const auto& ops : per_stage) exact = exact && ops == expected;
@@ -161,17 +161,18 @@ TEST_CASE("ZB-H1's simulated bubble is below 1F1B's for K >= 2, M >= K") {
 }
 
 TEST_CASE("check() names a deadlock as a cycle of waiting ranks") {
-  // GPipe K=2 M=2: rank 0 runs F0 F1 B1 B0. Swapping F1 and B1 makes rank 0 wait at B1 for
-  // rank 1's B1, while rank 1 waits at its F1 for rank 0's F1.
-  const auto bad = swapped(pipeline::gpipe(2, 2), 0, 1, 2);
+  // 1F1B K=2 M=3: rank 0 runs F0 F1 B0 F2 B1 B2, rank 1 runs F0 B0 F1 B1 F2 B2. Swapping rank
+  // 1's B0 and F2 (F0 F2 F1 B1 B0 B2) keeps every backward after its forward, but rank 0 now
+  // waits at B0 for rank 1's B0 while rank 1 waits at F2 for rank 0's F2.
+  const auto bad = swapped(pipeline::one_f_one_b(2, 3), 1, 1, 4);
   CHECK_THROWS_WITH_AS(pipeline::check(bad), doctest::Contains("deadlock"), paratrain::error);
   CHECK_THROWS_WITH_AS(pipeline::check(bad),
-                       doctest::Contains("rank 0's action #1, backward(stage 0, micro 1), waits for backward(stage 1, "
-                                         "micro 1), which rank 1 holds (rank 1's action #2)"),
+                       doctest::Contains("rank 0's action #2, backward(stage 0, micro 0), waits for backward(stage 1, "
+                                         "micro 0), which rank 1 holds (rank 1's action #4)"),
                        paratrain::error);
   CHECK_THROWS_WITH_AS(pipeline::check(bad),
-                       doctest::Contains("rank 1's action #1, forward(stage 1, micro 1), waits for forward(stage 0, "
-                                         "micro 1), which rank 0 holds (rank 0's action #2)"),
+                       doctest::Contains("rank 1's action #1, forward(stage 1, micro 2), waits for forward(stage 0, "
+                                         "micro 2), which rank 0 holds (rank 0's action #3)"),
                        paratrain::error);
   CHECK_THROWS_WITH_AS((void)pipeline::simulate(bad), doctest::Contains("pipeline::check"), paratrain::error);
 
@@ -186,12 +187,14 @@ TEST_CASE("check() rejects a missing action, a wrong rank, a W before its B, and
   SUBCASE("a missing backward") {
     auto s = pipeline::one_f_one_b(3, 4);
     s.actions[2].pop_back();  // rank 2's last backward, micro 3
-    CHECK_THROWS_WITH_AS(pipeline::check(s), doctest::Contains("backward(stage 2, micro 3) is missing"), paratrain::error);
+    CHECK_THROWS_WITH_AS(pipeline::check(s), doctest::Contains("backward(stage 2, micro 3) is missing"),
+                         paratrain::error);
   }
   SUBCASE("a missing forward") {
     auto s = pipeline::gpipe(2, 3);
     s.actions[1].erase(s.actions[1].begin());
-    CHECK_THROWS_WITH_AS(pipeline::check(s), doctest::Contains("forward(stage 1, micro 0) is missing"), paratrain::error);
+    CHECK_THROWS_WITH_AS(pipeline::check(s), doctest::Contains("forward(stage 1, micro 0) is missing"),
+                         paratrain::error);
   }
   SUBCASE("an action on a rank that does not own its stage") {
     auto s = pipeline::one_f_one_b(2, 2);
@@ -205,15 +208,15 @@ TEST_CASE("check() rejects a missing action, a wrong rank, a W before its B, and
     const auto w = position(s, 1, {Op::backward_weight, 2, 1});
     REQUIRE(b < w);
     std::swap(s.actions[1][b], s.actions[1][w]);
-    CHECK_THROWS_WITH_AS(pipeline::check(s),
-                         doctest::Contains("rank 1 runs backward_weight(stage 1, micro 2) (action #" + std::to_string(b) +
-                                           ") before backward_input(stage 1, micro 2)"),
-                         paratrain::error);
+    const std::string message = "rank 1 runs backward_weight(stage 1, micro 2) (action #" + std::to_string(b) +
+                                ") before backward_input(stage 1, micro 2)";
+    CHECK_THROWS_WITH_AS(pipeline::check(s), doctest::Contains(message.c_str()), paratrain::error);
   }
   SUBCASE("a backward before its forward") {
     auto s = pipeline::gpipe(1, 2);  // F0 F1 B1 B0
     auto bad = swapped(s, 0, 1, 2);
-    CHECK_THROWS_WITH_AS(pipeline::check(bad), doctest::Contains("runs backward(stage 0, micro 1) (action #1) before forward"),
+    CHECK_THROWS_WITH_AS(pipeline::check(bad),
+                         doctest::Contains("runs backward(stage 0, micro 1) (action #1) before forward"),
                          paratrain::error);
   }
   SUBCASE("a forward twice") {
@@ -244,7 +247,8 @@ TEST_CASE("check() rejects a missing action, a wrong rank, a W before its B, and
 }
 
 TEST_CASE("make_schedule rejects bad arguments with the fix") {
-  CHECK_THROWS_WITH_AS((void)pipeline::make_schedule(Kind::gpipe, 0, 4), doctest::Contains("ranks is 0"), paratrain::error);
+  CHECK_THROWS_WITH_AS((void)pipeline::make_schedule(Kind::gpipe, 0, 4), doctest::Contains("ranks is 0"),
+                       paratrain::error);
   CHECK_THROWS_WITH_AS((void)pipeline::make_schedule(Kind::one_f_one_b, 2, 0), doctest::Contains("micro_batches is 0"),
                        paratrain::error);
   CHECK_THROWS_WITH_AS((void)pipeline::make_schedule(Kind::interleaved_1f1b, 2, 4, 0),
@@ -252,7 +256,8 @@ TEST_CASE("make_schedule rejects bad arguments with the fix") {
   CHECK_THROWS_WITH_AS((void)pipeline::make_schedule(Kind::zero_bubble_h1, 2, 4, 2),
                        doctest::Contains("only Kind::interleaved_1f1b runs several stages per rank"), paratrain::error);
   CHECK_THROWS_WITH_AS((void)pipeline::make_schedule(Kind::interleaved_1f1b, 4, 6, 2),
-                       doctest::Contains("micro_batches is 6 and ranks is 4; use 4 or 8 micro-batches"), paratrain::error);
+                       doctest::Contains("micro_batches is 6 and ranks is 4; use 4 or 8 micro-batches"),
+                       paratrain::error);
   CHECK_THROWS_WITH_AS((void)pipeline::theoretical_bubble(Kind::gpipe, 2, 4, 1, {.forward = 0}),
                        doctest::Contains("Costs::forward is 0"), paratrain::error);
   CHECK_NOTHROW((void)pipeline::make_schedule(Kind::interleaved_1f1b, 4, 6, 1));
@@ -293,8 +298,8 @@ TEST_CASE("table() draws ZB-H1 K=2 M=2 and interleaved chunks") {
       "| rank | 0 | 1 | 2 | 3 | 4 | 5 |\n"
       "|---|---|---|---|---|---|---|\n"
       "| 0 | F0.0 | F0.1 | B0.1 | B0.1 | B0.0 | B0.0 |\n";
-  CHECK(pipeline::table(pipeline::interleaved_1f1b(1, 1, 2), {.forward = 2, .backward_input = 2, .backward_weight = 2}) ==
-        interleaved);
+  CHECK(pipeline::table(pipeline::interleaved_1f1b(1, 1, 2),
+                        {.forward = 2, .backward_input = 2, .backward_weight = 2}) == interleaved);
 
   CHECK_THROWS_WITH_AS((void)pipeline::table(pipeline::gpipe(2, 2), {.forward = 1.5}),
                        doctest::Contains("every cost must be a whole number"), paratrain::error);

@@ -143,4 +143,11 @@ consteval bool explain_model() {
   return true;
 }
 
+/// explain_model, except for the stages a pipeline drives itself (Note [Steps driven from outside]).
+template <class M>
+consteval bool explain_model_or_stages() {
+  if constexpr (detail::driven_from_outside<M>) return true;
+  else return explain_model<M>();
+}
+
 }  // namespace paratrain

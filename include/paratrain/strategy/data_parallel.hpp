@@ -75,7 +75,7 @@ struct DataParallelOptions {
 /// \endcode
 template <class Model, class Comm = comm::SingleDevice, class Update = torch::optim::SGD>
 class DataParallel {
-  static_assert(detail::driven_from_outside<Model> || explain_model<Model>());
+  static_assert(explain_model_or_stages<Model>());
   static_assert(explain_communicator<Comm>());
   static_assert(async_communicator<Comm>,
                 "paratrain: DataParallel overlaps communication with backward and needs a communicator with "

@@ -1,0 +1,120 @@
+#pragma once
+/// \file
+/// paratrain::pipeline::detail::Link — activations and gradients between pipeline
+/// stages: non-blocking sends, receives that check what arrives.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "paratrain/error.hpp"
+
+namespace paratrain::pipeline::detail {
+
+// Note [Stage messages]
+// A stage's output is one tensor or several (a tuple), whose shapes the receiving stage
+// cannot know beforehand (the last micro-batch is smaller; a stage may change shapes).
+// So every message is a fixed-size header first, then one payload per tensor: the header
+// names the count, and each tensor's dtype, shape and whether it needs a gradient. The
+// receiver allocates from it, so a shape or dtype the next stage does not expect is the
+// next stage's clear error (its forward, or the checks below), never a receive that waits
+// for bytes that do not come. Sends are non-blocking (the sender goes on computing) and
+// are completed as later sends and receives make progress; receives block, since the
+// action that needs the data cannot start without it. Tags carry the message's kind,
+// stage and micro-batch, so the order of arrival does not matter.
+
+inline constexpr std::int64_t header_words = 64;
+inline constexpr std::int64_t header_magic = 0x50495045;  // "PIPE"
+
+/// What a message is: tags are unique per (kind, stage, micro-batch) within a step.
+enum class Kind : int { activation = 0, gradient = 1, evaluation = 2 };
+
+inline int tag_of(Kind kind, int stage, int micro, int stages, int part) {
+  // MPI guarantees tags up to 32767; beyond 255 micro-batches they repeat, which is safe
+  // since messages of one tag between two ranks arrive in the order they were sent.
+  const int m = micro % 256;
+  return (((m * stages + stage) * 3 + static_cast<int>(kind)) * 2 + part) % 32768;
+}
+
+template <class Comm>
+class Link {
+  using Request = decltype(std::declval<Comm&>().isend(std::declval<const at::Tensor&>(), 0, 0));
+
+ public:
+  explicit Link(Comm& comm) : comm_(&comm) {}
+
+  /// Sends `tensors` to `peer`; `needs_grad[i]` says whether the receiver should make
+  /// tensor i a leaf that requires a gradient. Non-blocking: the tensors are kept alive
+  /// until sent.
+  void send(const std::vector<at::Tensor>& tensors, const std::vector<bool>& needs_grad, int peer, int tag) {
+    auto header = at::zeros({header_words}, at::kLong);
+    auto* h = header.data_ptr<std::int64_t>();
+    std::int64_t at = 0;
+    h[at++] = header_magic;
+    h[at++] = static_cast<std::int64_t>(tensors.size());
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const auto& t = tensors[i];
+      if (at + 3 + t.dim() > header_words)
+        throw error("pipeline::send", comm_->rank(),
+                    "a stage's output has too many tensors or dimensions to describe in one message (" +
+                        std::to_string(tensors.size()) + " tensors); return fewer from the stage's forward");
+      h[at++] = static_cast<std::int64_t>(t.scalar_type());
+      h[at++] = needs_grad[i] ? 1 : 0;
+      h[at++] = t.dim();
+      for (auto d : t.sizes()) h[at++] = d;
+    }
+    progress();
+    pending_.push_back(comm_->isend(header, peer, tag));
+    for (const auto& t : tensors) {
+      auto payload = t.detach().contiguous();
+      if (payload.numel() > 0) pending_.push_back(comm_->isend(payload, peer, tag + 1));
+    }
+  }
+
+  /// Receives what `peer` sent with `tag`: the tensors, and which need a gradient.
+  std::pair<std::vector<at::Tensor>, std::vector<bool>> recv(int peer, int tag, const at::TensorOptions& device) {
+    progress();
+    auto header = at::empty({header_words}, at::kLong);
+    comm_->recv(header, peer, tag);
+    const auto* h = header.data_ptr<std::int64_t>();
+    if (h[0] != header_magic || h[1] < 0 || h[1] > header_words)
+      throw error("pipeline::recv", comm_->rank(),
+                  "rank " + std::to_string(peer) + " sent something that is not a stage message (tag " +
+                      std::to_string(tag) + "): every rank must run the same pipeline");
+    std::pair<std::vector<at::Tensor>, std::vector<bool>> out;
+    std::int64_t at = 2;
+    for (std::int64_t i = 0; i < h[1]; ++i) {
+      const auto dtype = static_cast<at::ScalarType>(h[at++]);
+      const bool needs_grad = h[at++] != 0;
+      const auto dims = h[at++];
+      std::vector<std::int64_t> shape(h + at, h + at + dims);
+      at += dims;
+      auto t = at::empty(shape, device.dtype(dtype));
+      if (t.numel() > 0) comm_->recv(t, peer, tag + 1);
+      out.first.push_back(std::move(t));
+      out.second.push_back(needs_grad);
+    }
+    return out;
+  }
+
+  /// Completes the sends that have gone (MPI progresses only inside its calls).
+  void progress() {
+    for (auto it = pending_.begin(); it != pending_.end();) it = it->test() ? pending_.erase(it) : std::next(it);
+  }
+
+  /// Waits for every send to complete.
+  void flush() {
+    for (auto& r : pending_) r.wait();
+    pending_.clear();
+  }
+
+ private:
+  Comm* comm_;
+  std::list<Request> pending_;
+};
+
+}  // namespace paratrain::pipeline::detail

@@ -1,0 +1,429 @@
+#pragma once
+/// \file
+/// DataParallel<Pipeline<Stage...>, Comm, Update> — pipeline parallelism, and its
+/// composition with data parallelism and ZeRO: the stages on consecutive ranks, the
+/// pipelines replicated over the rest.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "paratrain/concepts/communicator.hpp"
+#include "paratrain/concepts/strategy.hpp"
+#include "paratrain/data/batch.hpp"
+#include "paratrain/error.hpp"
+#include "paratrain/pipeline/link.hpp"
+#include "paratrain/pipeline/schedule.hpp"
+#include "paratrain/pipeline/split_backward.hpp"
+#include "paratrain/pipeline/stages.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+
+namespace paratrain {
+
+/// How a pipeline runs: its schedule, and how its stages' replicas synchronise.
+struct PipelineOptions {
+  /// GPipe, 1F1B (the default: at most K micro-batches' activations per rank),
+  /// interleaved 1F1B, or ZB-H1 (docs/pipeline.md).
+  pipeline::Kind schedule = pipeline::Kind::one_f_one_b;
+  /// Stages per rank, v: with v > 1 (interleaved 1F1B) rank r owns stages r, r + K,
+  /// r + 2K, ... where K = stages / v is the number of pipeline ranks.
+  int virtual_stages = 1;
+  /// For the replicas of each stage (bucketing, broadcast_buffers, join).
+  DataParallelOptions data_parallel{};
+};
+
+/// What the last step's schedule did on this rank (for measuring the bubble).
+struct PipelineStepStats {
+  double busy_seconds = 0;  ///< computing forward and backward passes
+  double span_seconds = 0;  ///< from the schedule's start to its last action's end, waits included
+  int peak_stashed = 0;     ///< the most micro-batches whose activations were kept at once
+};
+
+// Note [Pipeline layout]
+// A world of W ranks trains a pipeline of S stages with v stages per rank on K = S / v
+// pipeline ranks, replicated R = W / K times: world rank w is pipeline rank w % K of
+// replica w / K. Each replica trains on its own shard of the data (data_shard); each
+// stage's R copies average their gradients as DataParallel does, over a communicator
+// of their own (split), so Sharded (ZeRO 1-3) shards a stage over its replicas. The
+// pipeline ranks of one replica pass activations forward and gradients backward.
+
+/// Pipeline parallelism: `DataParallel<Pipeline<Embed, Blocks, Head>, comm::Mpi, Optimizer>`.
+/// Each rank builds and trains only its stages, running the schedule's actions (forward,
+/// backward, or backward split into input and weight halves) on the step's micro-batches;
+/// the last stage computes the loss. Gradients equal single-device training on the whole
+/// step's batch. With more ranks than pipeline ranks the pipeline is replicated (Note
+/// [Pipeline layout]); `Update` may be `Sharded<Optimizer, zero::stageN>`.
+template <class... Stage, class Comm, class Update>
+class DataParallel<Pipeline<Stage...>, Comm, Update> {
+  static_assert(explain_communicator<Comm>());
+  static_assert(point_to_point_communicator<Comm> &&
+                    requires(Comm& c, const at::Tensor& t) { c.isend(t, 0, 0); } &&
+                    requires(const Comm& c) { { c.split(0, 0) } -> std::same_as<Comm>; },
+                "paratrain: a Pipeline passes activations between ranks and needs a communicator with `send`, "
+                "`recv`, `isend` (returning a request) and `Comm split(int color, int key) const`; comm::Mpi and "
+                "comm::Gloo have them");
+  using Inner = DataParallel<detail::StageGroup, Comm, Update>;
+  static constexpr int S = static_cast<int>(sizeof...(Stage));
+
+ public:
+  using model_type = Pipeline<Stage...>;
+  using communicator_type = Comm;
+  using update_type = Update;
+  using optimizer_type = typename Inner::optimizer_type;
+  using Options = PipelineOptions;
+  static constexpr int stage = Inner::stage;
+
+  /// Collective: every rank of `comm` constructs it together, each building its stages.
+  template <class OptimOptions>
+    requires optimizer_from<optimizer_type, OptimOptions>
+  DataParallel(Pipeline<Stage...> stages, Comm comm, OptimOptions optimizer_options, Options options = {})
+      : world_(std::move(comm)), options_(options) {
+    const int v = options.virtual_stages, W = world_.size();
+    if (v < 1 || S % v != 0)
+      throw error("Pipeline", world_.rank(),
+                  std::to_string(S) + " stages cannot be dealt out " + std::to_string(v) +
+                      " to a rank; set PipelineOptions::virtual_stages to a divisor of the stage count");
+    if (v > 1 && options.schedule != pipeline::Kind::interleaved_1f1b)
+      throw error("Pipeline", world_.rank(),
+                  "virtual_stages > 1 needs the interleaved 1F1B schedule (PipelineOptions::schedule)");
+    if (options.schedule == pipeline::Kind::zero_bubble_h1 && stage == 3)
+      throw error("Pipeline", world_.rank(),
+                  "ZB-H1 computes a stage's weight gradients after ZeRO-3 has freed its gathered parameters; use "
+                  "1F1B or GPipe with zero::stage3, or ZB-H1 with stages 0-2");
+    K_ = S / v;
+    if (W % K_ != 0)
+      throw error("Pipeline", world_.rank(),
+                  "a pipeline of " + std::to_string(S) + " stages, " + std::to_string(v) + " per rank, runs on " +
+                      std::to_string(K_) + " ranks (or a multiple of it, for replicas); this run has " +
+                      std::to_string(W) + " ranks: launch a multiple of " + std::to_string(K_) +
+                      " or change the stage count");
+    replicas_ = W / K_;
+    p_ = world_.rank() % K_;
+    replica_ = world_.rank() / K_;
+    pipe_ = world_.split(replica_, p_);
+    Comm stage_replicas = world_.split(p_, replica_);
+    group_ = std::make_shared<detail::StageGroupImpl>();
+    build(stages, std::index_sequence_for<Stage...>{});
+    inner_ = std::make_unique<Inner>(group_, std::move(stage_replicas), std::move(optimizer_options),
+                                     options.data_parallel);
+    link_ = std::make_unique<pipeline::detail::Link<Comm>>(pipe_);
+  }
+
+  /// With a default-constructed communicator (comm::Mpi: the world).
+  template <class OptimOptions>
+    requires optimizer_from<optimizer_type, OptimOptions> && std::default_initializable<Comm>
+  DataParallel(Pipeline<Stage...> stages, OptimOptions optimizer_options, Options options = {})
+      : DataParallel(std::move(stages), Comm{}, std::move(optimizer_options), options) {}
+
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  /// One optimizer step over this replica's micro-batches, pipelined by the schedule;
+  /// every stage of one replica is given the same micro-batches.
+  template <loss_function Loss>
+  StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
+    if (micro_batches.empty()) return join(has_next);
+    inner_->begin_external_step();
+    Run run{micro_batches};
+    run_schedule(schedule_for(static_cast<int>(micro_batches.size())), run, loss);
+    std::int64_t samples = 0;
+    for (const auto& b : micro_batches) samples += b.size();
+    auto r = inner_->end_external_step(samples, has_next);
+    r.samples = samples;
+    r.has_loss = owns(S - 1) && samples > 0;
+    r.loss = r.has_loss ? run.loss_sum / static_cast<double>(samples) : 0.0;
+    return r;
+  }
+
+  /// For a replica without micro-batches this step while others have some.
+  StepResult join(bool has_next = false) {
+    inner_->begin_external_step();
+    auto r = inner_->end_external_step(0, has_next);
+    r.has_loss = false;
+    return r;
+  }
+
+  /// The model's output, through the stages: the last stage's rank has it, the others
+  /// return an undefined tensor. Collective over the ranks of one replica.
+  at::Tensor predict(const Batch& batch) {
+    if (batch.size() == 0) return {};
+    at::NoGradGuard no_grad;
+    const bool training = group_->is_training();
+    group_->eval();
+    at::Tensor out;
+    for (int s = p_; s < S; s += K_) {
+      auto in = s == 0 ? batch.inputs : receive(pipeline::detail::Kind::evaluation, s, 0).first;
+      auto y = forward(s, std::move(in));
+      if (s == S - 1) out = y.front();
+      else deliver(pipeline::detail::Kind::evaluation, s + 1, 0, y, std::vector<bool>(y.size(), false));
+    }
+    link_->flush();
+    group_->train(training);
+    return out;
+  }
+
+  /// Reduces `t` over every rank of the world (for metrics).
+  void all_reduce(at::Tensor& t, reduce_op op) { world_.all_reduce(t, op); }
+  /// Makes every replica of each stage evaluate alike (buffers). Collective.
+  void synchronize() { inner_->synchronize(); }
+
+  [[nodiscard]] int rank() const { return world_.rank(); }
+  [[nodiscard]] int world_size() const { return world_.size(); }
+  /// The replica this rank's pipeline is: every stage of it sees the same samples.
+  [[nodiscard]] DataShard data_shard() const { return {.index = replica_, .count = replicas_}; }
+  /// This rank's place: pipeline rank (0 .. K-1), pipeline ranks K, replica, replicas.
+  [[nodiscard]] int pipeline_rank() const noexcept { return p_; }
+  [[nodiscard]] int pipeline_size() const noexcept { return K_; }
+  [[nodiscard]] int replica() const noexcept { return replica_; }
+  [[nodiscard]] int replicas() const noexcept { return replicas_; }
+  /// Whether this rank owns stage `s`.
+  [[nodiscard]] bool owns(int s) const noexcept { return s % K_ == p_; }
+  /// This rank's stages, as one module whose submodules carry the stages' names.
+  [[nodiscard]] const detail::StageGroup& stages() const noexcept { return group_; }
+  /// Stage I, on the rank that owns it (a null handle elsewhere).
+  template <std::size_t I>
+  [[nodiscard]] auto& stage_at() noexcept {
+    return std::get<I>(stages_);
+  }
+  [[nodiscard]] optimizer_type& optimizer() noexcept { return inner_->optimizer(); }
+  /// This rank's stages' parameters, whole, as copies (stages() order). Collective over
+  /// the stage's replicas: at ZeRO stage 3 they are gathered for it.
+  [[nodiscard]] std::vector<at::Tensor> full_parameters() { return inner_->full_parameters(); }
+  [[nodiscard]] const Options& options() const noexcept { return options_; }
+  [[nodiscard]] const PipelineStepStats& last_step_stats() const noexcept { return stats_; }
+  /// The schedule run for `micro_batches` micro-batches (checked before it is first run).
+  /// Interleaved 1F1B needs M to be a multiple of K; a step with another M (fit's last
+  /// of an epoch) runs the stages chunk by chunk, GPipe-fashion, with the same result.
+  [[nodiscard]] const pipeline::Schedule& schedule_for(int micro_batches) {
+    auto it = schedules_.find(micro_batches);
+    if (it == schedules_.end()) {
+      const int v = options_.virtual_stages;
+      auto s = v > 1 && micro_batches % K_ != 0
+                   ? pipeline::gpipe(K_, micro_batches, v)
+                   : pipeline::make_schedule(options_.schedule, K_, micro_batches, v);
+      pipeline::check(s);
+      it = schedules_.emplace(micro_batches, std::move(s)).first;
+    }
+    return it->second;
+  }
+  /// Bytes this rank holds for its stages' parameters, gradients and optimizer state.
+  [[nodiscard]] ModelStateBytes model_state_bytes() const { return inner_->model_state_bytes(); }
+
+ private:
+  using Tensors = std::vector<at::Tensor>;
+  using Flags = std::vector<bool>;
+
+  /// One micro-batch on one stage, from its forward to its backward.
+  struct Stash {
+    Tensors inputs;   // leaves: the received activations (those that need a gradient)
+    Flags input_needs;
+    Tensors outputs;  // the graph's roots
+    Flags output_needs;
+    at::Tensor loss;  // the last stage's: loss * samples
+    std::optional<pipeline::detail::SplitBackward> split;
+  };
+
+  /// One step's state.
+  struct Run {
+    std::span<const Batch> micro;
+    double loss_sum = 0;
+    std::map<std::pair<int, int>, Stash> stash;  // (stage, micro)
+  };
+
+  template <std::size_t... I>
+  void build(const Pipeline<Stage...>& stages, std::index_sequence<I...>) {
+    ((owns(static_cast<int>(I)) ? (void)(std::get<I>(stages_) = stages.template make<I>(),
+                                         group_->register_module(stages.names()[I], std::get<I>(stages_).ptr()))
+                                : void()),
+     ...);
+  }
+
+  /// Stage s's forward on `in`, as a list of tensors.
+  Tensors forward(int s, Tensors in) {
+    Tensors out;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((s == static_cast<int>(I) ? (void)(out = as_tensors(detail::forward(std::get<I>(stages_), in))) : void()), ...);
+    }(std::index_sequence_for<Stage...>{});
+    return out;
+  }
+
+  static Tensors as_tensors(at::Tensor t) { return {std::move(t)}; }
+  template <class... T>
+  static Tensors as_tensors(std::tuple<T...> t) {
+    return std::apply([](auto&&... x) { return Tensors{std::move(x)...}; }, std::move(t));
+  }
+
+  at::TensorOptions device() const {
+    const auto params = group_->parameters();
+    return params.empty() ? at::TensorOptions() : at::TensorOptions().device(params.front().device());
+  }
+
+  /// Sends to the rank of stage `to` (or keeps it, when that is this rank).
+  void deliver(pipeline::detail::Kind kind, int to, int micro, const Tensors& t, const Flags& needs) {
+    if (owns(to)) {
+      Tensors copy;
+      for (const auto& x : t) copy.push_back(x.detach());
+      local_[{static_cast<int>(kind), to, micro}] = {std::move(copy), needs};
+      return;
+    }
+    link_->send(t, needs, to % K_, pipeline::detail::tag_of(kind, to, micro, S, 0));
+  }
+
+  /// What stage `at`'s neighbour sent it for `micro`.
+  std::pair<Tensors, Flags> receive(pipeline::detail::Kind kind, int at, int micro) {
+    const int from = kind == pipeline::detail::Kind::gradient ? at + 1 : at - 1;
+    if (owns(from)) {
+      auto node = local_.extract({static_cast<int>(kind), at, micro});
+      if (node.empty())
+        throw error("Pipeline", world_.rank(), "internal: a message to this rank itself is missing");
+      return std::move(node.mapped());
+    }
+    return link_->recv(from % K_, pipeline::detail::tag_of(kind, at, micro, S, 0), device());
+  }
+
+  template <class Loss>
+  void run_forward(const pipeline::Action& a, Run& run, Loss& loss) {
+    const auto& batch = run.micro[static_cast<std::size_t>(a.micro)];
+    Stash st;
+    if (a.stage == 0) {
+      for (const auto& x : batch.inputs) st.inputs.push_back(x.to(device().device()));
+      st.input_needs.assign(st.inputs.size(), false);
+    } else {
+      auto [in, needs] = receive(pipeline::detail::Kind::activation, a.stage, a.micro);
+      for (std::size_t i = 0; i < in.size(); ++i)
+        if (needs[i]) in[i].requires_grad_(true);
+      st.inputs = std::move(in);
+      st.input_needs = std::move(needs);
+    }
+    const auto begin = clock::now();
+    st.outputs = forward(a.stage, st.inputs);
+    if (a.stage == S - 1) {
+      at::Tensor l = loss(st.outputs.front(), batch.target.to(st.outputs.front().device()));
+      const auto n = static_cast<double>(batch.size());
+      st.loss = l * n;  // Note [Exact averaging]: the gradient of the sum over the samples
+      run.loss_sum += l.template item<double>() * n;
+    } else {
+      for (const auto& y : st.outputs) st.output_needs.push_back(y.requires_grad());
+    }
+    stats_.busy_seconds += seconds_since(begin);
+    if (a.stage != S - 1) deliver(pipeline::detail::Kind::activation, a.stage + 1, a.micro, st.outputs, st.output_needs);
+    run.stash.emplace(std::pair{a.stage, a.micro}, std::move(st));
+    stats_.peak_stashed = std::max(stats_.peak_stashed, static_cast<int>(run.stash.size()));
+  }
+
+  /// The roots of stage's graph and their gradients: the loss, or what the next stage sent.
+  std::pair<Tensors, Tensors> backward_roots(const pipeline::Action& a, Stash& st) {
+    if (a.stage == S - 1) return {{st.loss}, {at::Tensor()}};
+    auto [grads, unused] = receive(pipeline::detail::Kind::gradient, a.stage, a.micro);
+    Tensors roots, root_grads;
+    std::size_t k = 0;
+    for (std::size_t i = 0; i < st.outputs.size(); ++i)
+      if (st.output_needs[i]) {
+        if (k >= grads.size())
+          throw error("Pipeline", world_.rank(), "stage " + std::to_string(a.stage + 1) +
+                                                     " sent fewer gradients than stage " + std::to_string(a.stage) +
+                                                     " has outputs that need one");
+        roots.push_back(st.outputs[i]);
+        root_grads.push_back(std::move(grads[k++]));
+      }
+    return {std::move(roots), std::move(root_grads)};
+  }
+
+  Tensors inputs_needing_grad(const Stash& st) const {
+    Tensors out;
+    for (std::size_t i = 0; i < st.inputs.size(); ++i)
+      if (st.input_needs[i]) out.push_back(st.inputs[i]);
+    return out;
+  }
+
+  void send_input_grads(const pipeline::Action& a, Tensors grads) {
+    if (a.stage == 0 || grads.empty()) return;
+    deliver(pipeline::detail::Kind::gradient, a.stage - 1, a.micro, grads, Flags(grads.size(), false));
+  }
+
+  void run_backward(const pipeline::Action& a, Run& run, bool last) {
+    auto node = run.stash.extract({a.stage, a.micro});
+    auto& st = node.mapped();
+    auto [roots, grads] = backward_roots(a, st);
+    const auto begin = clock::now();
+    inner_->before_backward(last);
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    Tensors in_grads;
+    for (auto& x : inputs_needing_grad(st)) in_grads.push_back(x.grad().defined() ? x.grad() : at::zeros_like(x));
+    stats_.busy_seconds += seconds_since(begin);
+    send_input_grads(a, std::move(in_grads));
+  }
+
+  void run_backward_input(const pipeline::Action& a, Run& run) {
+    auto& st = run.stash.at({a.stage, a.micro});
+    auto [roots, grads] = backward_roots(a, st);
+    const auto begin = clock::now();
+    st.split.emplace(std::move(roots), std::move(grads), inputs_needing_grad(st));
+    auto in_grads = st.split->input_gradients();
+    stats_.busy_seconds += seconds_since(begin);
+    send_input_grads(a, std::move(in_grads));
+  }
+
+  void run_backward_weight(const pipeline::Action& a, Run& run, bool last) {
+    auto node = run.stash.extract({a.stage, a.micro});
+    const auto begin = clock::now();
+    inner_->before_backward(last);
+    node.mapped().split->weight_gradients();
+    stats_.busy_seconds += seconds_since(begin);
+  }
+
+  template <class Loss>
+  void run_schedule(const pipeline::Schedule& schedule, Run& run, Loss& loss) {
+    const auto& actions = schedule.actions[static_cast<std::size_t>(p_)];
+    // The last pass over the parameters completes the gradient buckets: it is the one
+    // whose backward DataParallel overlaps with the replicas' reduction.
+    std::size_t last = actions.size();
+    for (std::size_t i = 0; i < actions.size(); ++i)
+      if (actions[i].op == pipeline::Op::backward || actions[i].op == pipeline::Op::backward_weight) last = i;
+    stats_ = {};
+    const auto begin = clock::now();
+    group_->train();
+    for (std::size_t i = 0; i < actions.size(); ++i) {
+      const auto& a = actions[i];
+      switch (a.op) {
+        case pipeline::Op::forward: run_forward(a, run, loss); break;
+        case pipeline::Op::backward: run_backward(a, run, i == last); break;
+        case pipeline::Op::backward_input: run_backward_input(a, run); break;
+        case pipeline::Op::backward_weight: run_backward_weight(a, run, i == last); break;
+      }
+    }
+    link_->flush();
+    stats_.span_seconds = seconds_since(begin);
+    if (!run.stash.empty() || !local_.empty())
+      throw error("Pipeline", world_.rank(), "internal: the schedule left activations behind");
+  }
+
+  using clock = std::chrono::steady_clock;
+  static double seconds_since(clock::time_point t) {
+    return std::chrono::duration<double>(clock::now() - t).count();
+  }
+
+  Comm world_;
+  Comm pipe_;
+  Options options_;
+  int K_ = 1, replicas_ = 1, p_ = 0, replica_ = 0;
+  std::tuple<Stage...> stages_{Stage(nullptr)...};
+  detail::StageGroup group_;
+  std::unique_ptr<Inner> inner_;
+  std::unique_ptr<pipeline::detail::Link<Comm>> link_;
+  std::map<int, pipeline::Schedule> schedules_;
+  std::map<std::tuple<int, int, int>, std::pair<Tensors, Flags>> local_;  // messages to this rank itself
+  PipelineStepStats stats_;
+};
+
+}  // namespace paratrain
