@@ -9,9 +9,12 @@
 // differ in size across micro-batches and replicas.
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <tuple>
+#include <unistd.h>
 #include <vector>
 
+#include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/mpi.hpp"
 #include "paratrain/fit.hpp"
 #include "paratrain/pipeline/schedule.hpp"
@@ -93,16 +96,20 @@ paratrain::Batch micro_batch(int t, int r, int m) {
   return {{x, z}, y};
 }
 
+torch::optim::SGDOptions sgd_options() { return torch::optim::SGDOptions(0.1).momentum(0.9); }
+
 // Single-device training on the union of every replica's micro-batches: the stages'
 // parameters after each of `steps` steps, per stage.
 template <class... Stage>
-std::vector<std::vector<Tensor>> reference(int replicas, int micro, int steps) {
+struct Reference {
+template <class Optim, class Options>
+static std::vector<std::vector<Tensor>> run(int replicas, int micro, int steps, Options options) {
   auto stages = [&]<std::size_t... I>(std::index_sequence<I...>) {
     return std::tuple<Stage...>{make_stage<Stage>(I)...};
   }(std::index_sequence_for<Stage...>{});
   std::vector<Tensor> params;
   std::apply([&](auto&... s) { (..., [&] { for (auto& p : s->parameters()) params.push_back(p); }()); }, stages);
-  torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  Optim sgd(params, options);
   for (int t = 0; t < steps; ++t) {
     std::vector<Tensor> xs, zs, ys;
     for (int r = 0; r < replicas; ++r)
@@ -133,6 +140,7 @@ std::vector<std::vector<Tensor>> reference(int replicas, int micro, int steps) {
   std::apply([&](auto&... s) { (out.push_back(s->parameters()), ...); }, stages);
   return out;
 }
+};
 
 double max_relative_difference(const std::vector<Tensor>& got, const std::vector<Tensor>& want) {
   REQUIRE(got.size() == want.size());
@@ -162,7 +170,7 @@ void check_pipeline(PipelineOptions options, int micro, int steps = 20) {
     peak = std::max(peak, s.last_step_stats().peak_stashed);
   }
   const auto want = [&]<class... Stage>(Pipeline<Stage...>*) {
-    return reference<Stage...>(R, micro, steps);
+    return Reference<Stage...>::template run<torch::optim::SGD>(R, micro, steps, sgd_options());
   }(static_cast<P*>(nullptr));
   std::vector<Tensor> expected;
   for (int i = 0; i < static_cast<int>(P::size); ++i)
@@ -231,4 +239,138 @@ TEST_CASE("a pipeline whose stages do not fit the world is an error on every ran
   CHECK_THROWS_WITH_AS(
       Strategy(seeded(static_cast<P*>(nullptr)), comm::Mpi(), torch::optim::SGDOptions(0.1), {.virtual_stages = 2}),
       doctest::Contains("divisor of the stage count"), paratrain::error);
+}
+
+namespace {
+
+// The model the pipeline of Entry | Head is, whole: its submodules carry the stages'
+// default names, so their state dicts agree (Note [Stage names]).
+struct WholeImpl : torch::nn::Module {
+  WholeImpl() {
+    entry = register_module("0", make_stage<Entry>(7));
+    head = register_module("1", make_stage<Head>(8));
+  }
+  Tensor forward(Tensor x, Tensor z) {
+    auto [h, zz] = entry(x, z);
+    return head(h, zz);
+  }
+  Entry entry{nullptr};
+  Head head{nullptr};
+};
+TORCH_MODULE(Whole);
+
+// Step t's union batch, dealt out to the data-parallel ranks of a non-pipelined run.
+paratrain::Batch share_of(int t, int replicas, int micro, int rank, int world) {
+  std::vector<Tensor> xs, zs, ys;
+  for (int k = 0; k < replicas * micro; ++k)
+    if (k % world == rank) {
+      auto b = micro_batch(t, k / micro, k % micro);
+      xs.push_back(b.inputs[0]), zs.push_back(b.inputs[1]), ys.push_back(b.target);
+    }
+  if (xs.empty()) return {{torch::zeros({0, features}, torch::kDouble), torch::zeros({0, width}, torch::kDouble)},
+                          torch::zeros({0}, torch::kLong)};
+  return {{torch::cat(xs), torch::cat(zs)}, torch::cat(ys)};
+}
+
+}  // namespace
+
+TEST_CASE("a pipeline's checkpoint loads into the whole model under DDP, and back, as one device trains") {
+  comm::Mpi c;
+  if (c.size() % 2 != 0) return;
+  namespace fs = std::filesystem;
+  auto id = torch::full({1}, c.rank() == 0 ? static_cast<std::int64_t>(::getpid()) : 0, torch::kLong);
+  c.all_reduce(id, paratrain::reduce_op::sum);
+  const auto dir = fs::temp_directory_path() / ("paratrain-pipeline-" + std::to_string(id.item<std::int64_t>()));
+  using P = ChainOf<2>;
+  using Pipe = paratrain::DataParallel<P, comm::Mpi, torch::optim::Adam>;
+  const auto adam = torch::optim::AdamOptions(1e-2);
+  const int micro = 2, R = c.size() / 2;
+  const auto train_pipeline = [&](Pipe& s, int from, int to) {
+    for (int t = from; t < to; ++t) {
+      std::vector<paratrain::Batch> mine;
+      for (int m = 0; m < micro; ++m) mine.push_back(micro_batch(t, s.replica(), m));
+      s.step(std::span<const paratrain::Batch>(mine), paratrain::CrossEntropy{});
+    }
+  };
+  Pipe first(seeded(static_cast<P*>(nullptr)), c, adam);
+  train_pipeline(first, 0, 4);
+  paratrain::checkpoint::save(first, dir, 4);
+  // Into the whole model, data-parallel over every rank, which trains on.
+  paratrain::DataParallel<Whole, comm::Mpi, torch::optim::Adam> ddp(Whole(), c, adam);
+  paratrain::checkpoint::load(ddp, paratrain::checkpoint::path_of(dir, 4));
+  for (int t = 4; t < 8; ++t) ddp.step(share_of(t, R, micro, c.rank(), c.size()), paratrain::CrossEntropy{});
+  paratrain::checkpoint::save(ddp, dir, 8);
+  // And back into a pipeline, which finishes.
+  Pipe second(seeded(static_cast<P*>(nullptr)), c, adam);  // step 0's weights: the checkpoint sets them
+  paratrain::checkpoint::load(second, paratrain::checkpoint::path_of(dir, 8));
+  train_pipeline(second, 8, 12);
+  const auto want = Reference<Entry, Head>::run<torch::optim::Adam>(R, micro, 12, adam);
+  std::vector<Tensor> expected;
+  for (int i = 0; i < 2; ++i)
+    if (second.owns(i)) expected.insert(expected.end(), want[i].begin(), want[i].end());
+  CHECK(max_relative_difference(second.full_parameters(), expected) <= 1e-5);
+  // The whole model in one file, from the pipeline's ranks, equals what they hold.
+  paratrain::checkpoint::save_model(second, dir / "model.pt");
+  paratrain::DataParallel<Whole, comm::Mpi, torch::optim::Adam> whole(Whole(), c, adam);
+  paratrain::checkpoint::load_model(whole, dir / "model.pt");
+  const auto all = whole.full_parameters();
+  const auto entry_params = static_cast<std::ptrdiff_t>(want[0].size());
+  const std::vector<Tensor> held = second.owns(0) ? std::vector<Tensor>(all.begin(), all.begin() + entry_params)
+                                                  : std::vector<Tensor>(all.begin() + entry_params, all.end());
+  CHECK(max_relative_difference(held, expected) <= 1e-5);
+  c.barrier();
+  if (c.rank() == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("fit trains a pipeline (2-D where the world allows) as one device trains on the same sample order") {
+  comm::Mpi c;
+  if (c.size() % 2 != 0) return;
+  using P = ChainOf<2>;
+  paratrain::DataParallel<P, comm::Mpi> s(seeded(static_cast<P*>(nullptr)), c, sgd_options(),
+                                          {.schedule = pipeline::Kind::zero_bubble_h1});
+  // 60 samples: per replica, micro-batches of 3, 4 per step, so the last step is short.
+  torch::manual_seed(5);
+  const auto x = torch::randn({60, features}, torch::kDouble), z = torch::randn({60, width}, torch::kDouble);
+  const auto y = torch::randint(classes, {60}, torch::kLong);
+  const paratrain::data::TensorDataset train({x, z}, y), test({x.narrow(0, 0, 17), z.narrow(0, 0, 17)}, y.narrow(0, 0, 17));
+  const paratrain::FitOptions options{.epochs = 2, .batch_size = 3, .accumulation = 4, .shuffle = true, .seed = 3,
+                                      .eval = &test, .progress = false};
+  const auto result = paratrain::fit(s, train, options);
+  // The reference: each step's samples are the union of the replicas' DistributedSampler
+  // windows (sampler_test checks that sampler against PyTorch's).
+  Entry entry = make_stage<Entry>(0);
+  Head head = make_stage<Head>(1);
+  std::vector<Tensor> params = entry->parameters();
+  for (auto& p : head->parameters()) params.push_back(p);
+  torch::optim::SGD sgd(params, sgd_options());
+  const int R = s.replicas();
+  const auto forward = [&](const Tensor& idx) {
+    auto [h, zz] = entry(x.index_select(0, idx), z.index_select(0, idx));
+    return head(h, zz);
+  };
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    std::vector<std::vector<std::int64_t>> order;
+    for (int r = 0; r < R; ++r) {
+      paratrain::data::DistributedSampler sampler(60, {.num_replicas = R, .rank = r, .shuffle = true, .seed = 3});
+      sampler.set_epoch(epoch);
+      order.push_back(sampler.indices());
+    }
+    const auto per_step = static_cast<std::size_t>(3 * 4);
+    for (std::size_t begin = 0; begin < order[0].size(); begin += per_step) {
+      std::vector<std::int64_t> idx;
+      for (const auto& o : order)
+        for (auto i = begin; i < std::min(o.size(), begin + per_step); ++i) idx.push_back(o[i]);
+      sgd.zero_grad();
+      torch::nn::functional::cross_entropy(forward(torch::tensor(idx)), y.index_select(0, torch::tensor(idx))).backward();
+      sgd.step();
+    }
+  }
+  const std::vector<Tensor> expected = s.owns(0) ? entry->parameters() : head->parameters();
+  CHECK(max_relative_difference(s.full_parameters(), expected) <= 1e-5);
+  torch::NoGradGuard no_grad;
+  const auto test_idx = torch::arange(17);
+  const double eval_loss = torch::nn::functional::cross_entropy(forward(test_idx), y.narrow(0, 0, 17)).item<double>();
+  CHECK(result.epochs.back().eval_samples == 17);
+  CHECK(result.epochs.back().eval_loss == doctest::Approx(eval_loss).epsilon(1e-9));
+  CHECK(result.epochs.back().train_loss > 0);
 }

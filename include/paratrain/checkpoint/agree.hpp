@@ -5,8 +5,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <set>
 #include <string>
 #include <vector>
+
+#include "paratrain/concepts/checkpointable.hpp"
 
 #include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/detail/gather_strings.hpp"
@@ -43,6 +46,18 @@ void agree(Group& group, const char* operation, const std::string& local_error) 
   auto failed = at::full({1}, local_error.empty() ? 0 : 1, at::kLong);
   group.all_reduce(failed, reduce_op::sum);
   if (failed.item<std::int64_t>() != 0) raise_everywhere(group, operation, local_error);
+}
+
+/// The names of the model's tensors over all ranks: this rank's when the layout is whole,
+/// else the union of every rank's (collective then, over `group`).
+template <class Group>
+std::set<std::string> model_names(Group& group, const CheckpointLayout& layout) {
+  std::vector<std::string> mine;
+  for (const auto& sl : layout.model) mine.push_back(sl.name);
+  if (layout.whole) return {mine.begin(), mine.end()};
+  std::set<std::string> all;
+  for (const auto& of_rank : paratrain::detail::all_gather_strings(group, mine)) all.insert(of_rank.begin(), of_rank.end());
+  return all;
 }
 
 }  // namespace paratrain::checkpoint::detail

@@ -61,10 +61,9 @@ inline at::Tensor read_range(ChunkReader& reader, const TensorRecord& record, co
   return out;
 }
 
-inline void check_model(const Contents& c, const CheckpointLayout& layout) {
-  std::set<std::string> names;
+/// `names`: the model's tensors over all ranks (model_names).
+inline void check_model(const Contents& c, const CheckpointLayout& layout, const std::set<std::string>& names) {
   for (const auto& sl : layout.model) {
-    names.insert(sl.name);
     const auto* record = c.find("model/" + sl.name);
     if (record == nullptr)
       throw file_error(c.path, "has no '" + sl.name + "', which this model has: it was saved from a different model", 0);
@@ -161,10 +160,11 @@ Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
   Loaded out;
   detail::Staged staged;
   std::string err;
+  const auto layout = s.checkpoint_layout();
+  const auto names = detail::model_names(s, layout);
   try {
     const auto c = read_contents(path);
-    const auto layout = s.checkpoint_layout();
-    detail::check_model(c, layout);
+    detail::check_model(c, layout, names);
     ChunkReader reader(c);
     for (const auto& sl : layout.model) {
       if (sl.tensor.numel() == 0) continue;

@@ -19,6 +19,7 @@
 #include "paratrain/checkpoint/format.hpp"
 #include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
+#include "paratrain/detail/gather_strings.hpp"
 
 namespace paratrain::checkpoint {
 
@@ -59,19 +60,51 @@ void save_model(S& s, const fs::path& file) {
   const auto layout = s.checkpoint_layout();
   c10::Dict<std::string, at::Tensor> dict;
   std::string err;
-  for (const auto& sl : layout.model) {
-    at::Tensor whole;
-    if (sl.replicated) {
-      whole = sl.tensor.detach();
-    } else {
-      const auto options = sl.tensor.options().requires_grad(false);
-      whole = at::zeros({detail::numel_of(sl.shape)}, options);
-      // Each element is in one rank's slice and zero elsewhere, so the sum is exact.
-      if (sl.tensor.numel() > 0) whole.narrow(0, sl.begin, sl.tensor.numel()).copy_(sl.tensor.detach().reshape({-1}));
-      s.all_reduce(whole, reduce_op::sum);
-      whole = whole.view(sl.shape);
+  // Each element is in one rank's slice (or a replicated tensor's writer's) and zero
+  // elsewhere, so a sum assembles the whole exactly.
+  const auto assemble = [&](const std::string& name, const std::vector<std::int64_t>& shape, at::TensorOptions options,
+                            const TensorSlice* sl) {
+    auto whole = at::zeros({detail::numel_of(shape)}, options.requires_grad(false));
+    if (sl != nullptr && sl->tensor.numel() > 0 && (!sl->replicated || sl->writer == s.rank()))
+      whole.narrow(0, sl->begin, sl->tensor.numel()).copy_(sl->tensor.detach().reshape({-1}));
+    s.all_reduce(whole, reduce_op::sum);
+    if (s.rank() == 0) dict.insert(name, whole.view(shape).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+  };
+  if (layout.whole) {
+    for (const auto& sl : layout.model) {
+      if (!sl.replicated) assemble(sl.name, sl.shape, sl.tensor.options(), &sl);
+      else if (s.rank() == 0)
+        dict.insert(sl.name, sl.tensor.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous());
     }
-    if (s.rank() == 0) dict.insert(sl.name, whole.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous());
+  } else {
+    // Ranks hold different parts (a pipeline's stages): agree on the union, then
+    // assemble each tensor from whoever holds it.
+    std::vector<std::string> mine;
+    for (const auto& sl : layout.model) {
+      std::string d = sl.name + "\t" + std::to_string(static_cast<int>(sl.tensor.scalar_type()));
+      for (auto n : sl.shape) d += "\t" + std::to_string(n);
+      mine.push_back(std::move(d));
+    }
+    std::vector<std::string> all;
+    std::set<std::string> seen;
+    for (const auto& of_rank : paratrain::detail::all_gather_strings(s, mine))
+      for (const auto& d : of_rank)
+        if (seen.insert(d.substr(0, d.find('\t'))).second) all.push_back(d);
+    for (const auto& d : all) {
+      std::vector<std::string> fields;
+      for (std::size_t b = 0, e; b <= d.size(); b = e + 1) {
+        e = std::min(d.find('\t', b), d.size());
+        fields.push_back(d.substr(b, e - b));
+      }
+      std::vector<std::int64_t> shape;
+      for (std::size_t i = 2; i < fields.size(); ++i) shape.push_back(std::stoll(fields[i]));
+      const TensorSlice* held = nullptr;
+      for (const auto& sl : layout.model)
+        if (sl.name == fields[0]) held = &sl;
+      const auto dtype = static_cast<at::ScalarType>(std::stoi(fields[1]));
+      const auto device = held != nullptr ? held->tensor.device() : at::Device(at::kCPU);
+      assemble(fields[0], shape, at::TensorOptions().dtype(dtype).device(device), held);
+    }
   }
   if (s.rank() == 0) try {
       if (file.has_parent_path()) fs::create_directories(file.parent_path());
@@ -89,13 +122,12 @@ void save_model(S& s, const fs::path& file) {
 template <checkpointable S>
 void load_model(S& s, const fs::path& file) {
   const auto layout = s.checkpoint_layout();
+  const auto names = detail::model_names(s, layout);
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;
   std::string err;
   try {
     const auto value = detail::read_dict(file, detail::read_file(file));
-    std::set<std::string> names;
     for (const auto& sl : layout.model) {
-      names.insert(sl.name);
       const auto it = value.find(sl.name);
       if (it == value.end() || !it->value().isTensor())
         throw detail::file_error(file, "has no tensor '" + sl.name + "', which this model has: a different model", 0);

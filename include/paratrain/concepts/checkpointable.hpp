@@ -30,12 +30,17 @@ struct TensorSlice {
 /// Where a strategy keeps the state of its model and optimizer on this rank.
 ///
 /// - `model`: every parameter and buffer, on every rank in the same order (a rank that
-///   holds nothing of a sharded tensor lists it with an empty `tensor`);
+///   holds nothing of a sharded tensor lists it with an empty `tensor`), or, without
+///   `whole`, those of this rank's part of the model;
 /// - `optimized`: the tensors the optimizer steps (its param_groups' tensors) as slices of
 ///   the model's parameters: the parameters themselves, or ZeRO's pieces of them.
 struct CheckpointLayout {
   std::vector<TensorSlice> model;
   std::vector<TensorSlice> optimized;
+  /// Whether every rank lists every tensor of the model. A pipeline rank lists only its
+  /// stages' (false): the model is then the union over the ranks, and every replicated
+  /// slice names its writer.
+  bool whole = true;
 };
 
 /// A strategy whose state paratrain::checkpoint can save and load, and reshard: any

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/data/batch.hpp"
@@ -216,6 +217,25 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     }
     return it->second;
   }
+  /// Where this rank keeps its stages' state (paratrain::checkpointable), under the whole
+  /// model's names (Note [Stage names]): a part of the model (CheckpointLayout::whole is
+  /// false), each replicated tensor written by one of the stage's replicas.
+  [[nodiscard]] CheckpointLayout checkpoint_layout() {
+    auto layout = inner_->checkpoint_layout();
+    layout.whole = false;
+    // The stage's replicas are ranks replica * K + p of the world; the inner layout names
+    // them by replica. A tensor every replica holds alike goes to replica i % R, by turns.
+    int turn = 0;
+    const auto world_writer = [&](TensorSlice& sl) {
+      if (sl.replicated) sl.writer = (sl.writer >= 0 ? sl.writer : turn++ % replicas_) * K_ + p_;
+    };
+    for (auto& sl : layout.model) world_writer(sl);
+    for (auto& sl : layout.optimized) world_writer(sl);
+    return layout;
+  }
+  /// After a checkpoint was loaded into checkpoint_layout()'s slices. Collective.
+  void loaded() { inner_->loaded(); }
+
   /// Bytes this rank holds for its stages' parameters, gradients and optimizer state.
   [[nodiscard]] ModelStateBytes model_state_bytes() const { return inner_->model_state_bytes(); }
 
