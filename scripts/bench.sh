@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | fashion_mnist
+# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | fashion_mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${PARATRAIN_BUILD_DIR:-build}
@@ -25,11 +25,14 @@ case "${1:-}" in
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target bench_checkpoint >&2
     benchmarks/checkpoint_vs_torch.sh ;;
+  pipeline)
+    scripts/build.sh --target bench_pipeline >&2
+    scripts/mpirun.sh 2 "$build/benchmarks/bench_pipeline" "${@:2}" ;;
   fashion_mnist)
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target fashion_mnist_ddp >&2
     benchmarks/fashion_mnist_vs_torch.sh ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | fashion_mnist" >&2
+    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | fashion_mnist" >&2
     exit 2 ;;
 esac

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -48,6 +49,11 @@ struct PipelineStepStats {
   double busy_seconds = 0;  ///< computing forward and backward passes
   double span_seconds = 0;  ///< from the schedule's start to its last action's end, waits included
   int peak_stashed = 0;     ///< the most micro-batches whose activations were kept at once
+  /// Seconds spent in each kind of action (pipeline::Op order: forward, backward,
+  /// backward_input, backward_weight) and how many ran: the costs the schedule's
+  /// theory (pipeline::theoretical_bubble, simulate) takes.
+  std::array<double, 4> seconds{};
+  std::array<int, 4> count{};
 };
 
 // Note [Pipeline layout]
@@ -335,7 +341,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     } else {
       for (const auto& y : st.outputs) st.output_needs.push_back(y.requires_grad());
     }
-    stats_.busy_seconds += seconds_since(begin);
+    record(a, begin);
     if (a.stage != S - 1) deliver(pipeline::detail::Kind::activation, a.stage + 1, a.micro, st.outputs, st.output_needs);
     run.stash.emplace(std::pair{a.stage, a.micro}, std::move(st));
     stats_.peak_stashed = std::max(stats_.peak_stashed, static_cast<int>(run.stash.size()));
@@ -380,7 +386,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     if (!roots.empty()) torch::autograd::backward(roots, grads);
     Tensors in_grads;
     for (auto& x : inputs_needing_grad(st)) in_grads.push_back(x.grad().defined() ? x.grad() : at::zeros_like(x));
-    stats_.busy_seconds += seconds_since(begin);
+    record(a, begin);
     send_input_grads(a, std::move(in_grads));
   }
 
@@ -390,7 +396,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const auto begin = clock::now();
     st.split.emplace(std::move(roots), std::move(grads), inputs_needing_grad(st));
     auto in_grads = st.split->input_gradients();
-    stats_.busy_seconds += seconds_since(begin);
+    record(a, begin);
     send_input_grads(a, std::move(in_grads));
   }
 
@@ -399,7 +405,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const auto begin = clock::now();
     inner_->before_backward(last);
     node.mapped().split->weight_gradients();
-    stats_.busy_seconds += seconds_since(begin);
+    record(a, begin);
   }
 
   template <class Loss>
@@ -431,6 +437,13 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   using clock = std::chrono::steady_clock;
   static double seconds_since(clock::time_point t) {
     return std::chrono::duration<double>(clock::now() - t).count();
+  }
+  void record(const pipeline::Action& a, clock::time_point begin) {
+    const double t = seconds_since(begin);
+    const auto op = static_cast<std::size_t>(a.op);
+    stats_.busy_seconds += t;
+    stats_.seconds[op] += t;
+    ++stats_.count[op];
   }
 
   Comm world_;
