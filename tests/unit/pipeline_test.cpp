@@ -103,7 +103,7 @@ torch::optim::SGDOptions sgd_options() { return torch::optim::SGDOptions(0.1).mo
 template <class... Stage>
 struct Reference {
 template <class Optim, class Options>
-static std::vector<std::vector<Tensor>> run(int replicas, int micro, int steps, Options options) {
+static std::vector<std::vector<Tensor>> run(int replicas, int micro, int steps, Options options, double clip = 0) {
   auto stages = [&]<std::size_t... I>(std::index_sequence<I...>) {
     return std::tuple<Stage...>{make_stage<Stage>(I)...};
   }(std::index_sequence_for<Stage...>{});
@@ -134,6 +134,7 @@ static std::vector<std::vector<Tensor>> run(int replicas, int micro, int steps, 
         },
         stages);
     torch::nn::functional::cross_entropy(out, torch::cat(ys)).backward();
+    if (clip > 0) torch::nn::utils::clip_grad_norm_(params, clip);
     sgd.step();
   }
   std::vector<std::vector<Tensor>> out;
@@ -152,6 +153,7 @@ double max_relative_difference(const std::vector<Tensor>& got, const std::vector
 
 template <class Update, class P>
 void check_pipeline(PipelineOptions options, int micro, int steps = 20) {
+  const double clip = options.data_parallel.max_grad_norm;
   using Strategy = paratrain::DataParallel<P, comm::Mpi, Update>;
   Strategy s(seeded(static_cast<P*>(nullptr)), comm::Mpi(), torch::optim::SGDOptions(0.1).momentum(0.9), options);
   const int K = s.pipeline_size(), R = s.replicas();
@@ -170,7 +172,7 @@ void check_pipeline(PipelineOptions options, int micro, int steps = 20) {
     peak = std::max(peak, s.last_step_stats().peak_stashed);
   }
   const auto want = [&]<class... Stage>(Pipeline<Stage...>*) {
-    return Reference<Stage...>::template run<torch::optim::SGD>(R, micro, steps, sgd_options());
+    return Reference<Stage...>::template run<torch::optim::SGD>(R, micro, steps, sgd_options(), clip);
   }(static_cast<P*>(nullptr));
   std::vector<Tensor> expected;
   for (int i = 0; i < static_cast<int>(P::size); ++i)
@@ -227,6 +229,18 @@ TEST_CASE("Pipeline x Sharded: each stage's replicas shard it, stages 1-3") {
     check_pipeline<T3::type, ChainOf<2>>({.schedule = pipeline::Kind::one_f_one_b}, micro);
     check_pipeline<T3::type, ChainOf<2>>({.schedule = pipeline::Kind::gpipe}, micro);
   }
+}
+
+TEST_CASE("gradient clipping takes the norm over every stage, as clip_grad_norm_ on the whole model") {
+  const int world = comm::Mpi().size();
+  paratrain::DataParallelOptions clipped{.max_grad_norm = 0.05};
+  if (world % 2 == 0)
+    check_pipeline<Plain::type, ChainOf<2>>({.schedule = pipeline::Kind::one_f_one_b, .data_parallel = clipped}, 4);
+  if (world == 3)
+    check_pipeline<Plain::type, ChainOf<3>>({.schedule = pipeline::Kind::zero_bubble_h1, .data_parallel = clipped}, 4);
+  if (world % 2 == 0)
+    check_pipeline<Zero<zero::stage2>::type, ChainOf<2>>({.schedule = pipeline::Kind::gpipe, .data_parallel = clipped},
+                                                         2);
 }
 
 TEST_CASE("a pipeline whose stages do not fit the world is an error on every rank") {

@@ -8,6 +8,7 @@
 #include <torch/optim/sgd.h>
 
 #include <concepts>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -219,6 +220,9 @@ class DataParallel {
   // before each backward pass (true before the rank's last one, whose gradients complete
   // the buckets), and end_external_step() with the samples of the passes.
 
+  /// Note [Steps driven from outside]: clipping (max_grad_norm) then takes the norm over
+  /// this model's gradients and those `reduce` adds (a pipeline's other stages).
+  void set_norm_elsewhere(std::function<void(at::Tensor&)> reduce) { norm_elsewhere_ = std::move(reduce); }
   /// Note [Steps driven from outside]: before the step's first forward.
   void begin_external_step() { begin_step(); }
   /// Note [Steps driven from outside]: before each backward pass over model()'s parameters.
@@ -349,7 +353,7 @@ class DataParallel {
                       "does), or keep DataParallelOptions::join on (the default)");
     double norm = 0;
     if (status.samples > 0) {
-      if (options_.max_grad_norm > 0) norm = grads_->clip_grad_norm(options_.max_grad_norm);
+      if (options_.max_grad_norm > 0) norm = grads_->clip_grad_norm(options_.max_grad_norm, norm_elsewhere_);
       observe::PhaseTimer step(timeline_, observe::Phase::optimizer);
       if constexpr (sharded) shards_->step(*grads_);
       else optimizer_->step();
@@ -371,6 +375,7 @@ class DataParallel {
   bool accumulating_ = false;
   double pending_samples_ = 0;
   observe::StepTimeline* timeline_ = nullptr;
+  std::function<void(at::Tensor&)> norm_elsewhere_;  // Note [Steps driven from outside]
 };
 
 }  // namespace paratrain

@@ -193,12 +193,15 @@ class GradientBuckets {
   /// Scales the reduced gradients so that their global 2-norm is at most `max_norm`, as
   /// torch::nn::utils::clip_grad_norm_ does on the whole model; returns the norm before.
   /// Collective when the gradients are sharded. Call after finish().
-  double clip_grad_norm(double max_norm) {
+  /// `also`, when set, adds the squared norms of gradients held elsewhere (a pipeline's
+  /// other stages) to the one-element tensor it is given: collective over those ranks.
+  double clip_grad_norm(double max_norm, const std::function<void(at::Tensor&)>& also = {}) {
     // The squared norms add up where the gradients are: one synchronisation, not one a bucket.
     std::vector<at::Tensor> norms;
     for (auto& b : buckets_) norms.push_back(reduced(b).norm());
     auto total = at::stack(norms).to(at::kDouble).square().sum().reshape({1});
     if constexpr (shards) all_reduce_on_device(total);
+    if (also) also(total);
     const double squares = total.template item<double>();
     const double norm = std::sqrt(squares);
     const double coef = std::min(max_norm / (norm + 1e-6), 1.0);

@@ -124,6 +124,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     inner_ = std::make_unique<Inner>(group_, std::move(stage_replicas), std::move(optimizer_options),
                                      options.data_parallel);
     link_ = std::make_unique<pipeline::detail::Link<Comm>>(pipe_);
+    // Clipping takes the norm of the whole model's gradients: every stage's.
+    if (K_ > 1) inner_->set_norm_elsewhere([this](at::Tensor& squares) { pipe_.all_reduce(squares, reduce_op::sum); });
   }
 
   /// With a default-constructed communicator (comm::Mpi: the world).
