@@ -81,6 +81,8 @@ static_assert(!paratrain::communicator<NotMovable>);
 #include "paratrain/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
+#include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/concepts/checkpointable.hpp"
 
 namespace {
 
@@ -127,5 +129,21 @@ static_assert(paratrain::strategy<paratrain::DataParallel<Plain, comm::Mpi, torc
 static_assert(paratrain::strategy<paratrain::LocalDataParallel<Copyable, torch::optim::Adam>>);
 static_assert(!paratrain::strategy<Plain>);
 static_assert(!paratrain::strategy<comm::Mpi>);
+
+// Models of several inputs; pipelines of stages, alone, 2-D and sharded, are strategies
+// and checkpointable like the rest.
+struct SplitImpl : torch::nn::Module {
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor a, torch::Tensor b) { return {a, b}; }
+};
+TORCH_MODULE(Split);
+static_assert(paratrain::model<TwoInputs>);
+static_assert(paratrain::detail::forward_arity<TwoInputs>() == 2);
+static_assert(!paratrain::model<Split>);  // a stage, not a whole model: its output is no tensor
+static_assert(paratrain::strategy<paratrain::DataParallel<TwoInputs, comm::Mpi>>);
+using TwoStages = paratrain::Pipeline<Split, TwoInputs>;
+static_assert(paratrain::strategy<paratrain::DataParallel<TwoStages, comm::Mpi, torch::optim::Adam>>);
+static_assert(paratrain::checkpointable<paratrain::DataParallel<TwoStages, comm::Mpi, torch::optim::Adam>>);
+static_assert(paratrain::strategy<
+              paratrain::DataParallel<TwoStages, comm::Mpi, paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage3>>>);
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "support/doctest.hpp"
 #include "support/equivalence.hpp"
 #include "support/gloo_world.hpp"
+#include "support/pipeline_equivalence.hpp"
 
 namespace comm = paratrain::comm;
 using paratrain::reduce_op;
@@ -205,4 +206,13 @@ TEST_CASE("comm::Gloo: DataParallel equals single-device training on the union o
   SUBCASE("one parameter per bucket: several all-reduces in flight") {
     check_data_parallel({.bucket_cap_bytes = 1, .first_bucket_cap_bytes = 1});
   }
+}
+
+TEST_CASE("comm::Gloo: a pipeline (1F1B, ZB-H1; 2-D at 4 ranks) equals single-device training") {
+  using namespace paratrain_test::pipe;
+  const int world = gloo_world().size();
+  if (world % 2 != 0) return;
+  for (const auto kind : {paratrain::pipeline::Kind::one_f_one_b, paratrain::pipeline::Kind::zero_bubble_h1})
+    for (int micro : {1, 4}) check_pipeline<comm::Gloo, torch::optim::SGD, ChainOf<2>>(gloo_world().duplicate(), {.schedule = kind}, micro,
+                                                                10);
 }

@@ -1,12 +1,8 @@
 // The promise, for every schedule and layout: a pipeline of K stage ranks (times R
 // replicas) gives, step by step, the parameters of single-device training on the union
-// of the step's micro-batches.
-//
-// The reference is plain LibTorch: the same stages, built from the same seeds, chained
-// on one process over the concatenated batch, with the mean loss and SGD with momentum
-// (a wrong gradient scale shows). The stages take two inputs and pass one of them on
-// untouched (tuples of activations, one of them needing no gradient), and micro-batches
-// differ in size across micro-batches and replicas.
+// of the step's micro-batches (support/pipeline_equivalence.hpp: the stages, the data and
+// the plain-LibTorch reference). Also: checkpoints to and from the whole model, fit,
+// clipping, and the errors of a pipeline that does not fit the world.
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -22,167 +18,16 @@
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"
 #include "support/doctest.hpp"
+#include "support/pipeline_equivalence.hpp"
 
 namespace {
 
 namespace comm = paratrain::comm;
-namespace zero = paratrain::zero;
-namespace pipeline = paratrain::pipeline;
-using paratrain::Pipeline;
-using paratrain::PipelineOptions;
-using Tensor = torch::Tensor;
-
-constexpr int features = 6, width = 8, classes = 3;
-
-// (x, z) -> (h, z)
-struct EntryImpl : torch::nn::Module {
-  EntryImpl() { fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(features, width)); }
-  std::tuple<Tensor, Tensor> forward(Tensor x, Tensor z) { return {torch::tanh(fc(x)), z}; }
-  paratrain::Unit<torch::nn::Linear> fc{nullptr};
-};
-TORCH_MODULE(Entry);
-
-// (h, z) -> (h', z)
-struct MidImpl : torch::nn::Module {
-  MidImpl() { fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(width, width)); }
-  std::tuple<Tensor, Tensor> forward(Tensor h, Tensor z) { return {torch::tanh(fc(h)) + 0.1 * z, z}; }
-  paratrain::Unit<torch::nn::Linear> fc{nullptr};
-};
-TORCH_MODULE(Mid);
-
-// (h, z) -> logits
-struct HeadImpl : torch::nn::Module {
-  HeadImpl() { fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(width, classes)); }
-  Tensor forward(Tensor h, Tensor z) { return fc(h) + 0.5 * z.narrow(1, 0, classes); }
-  paratrain::Unit<torch::nn::Linear> fc{nullptr};
-};
-TORCH_MODULE(Head);
-
-// Entry, S-2 Mids, Head.
-template <std::size_t S, class = std::make_index_sequence<S - 2>>
-struct Chain;
-template <std::size_t S, std::size_t... I>
-struct Chain<S, std::index_sequence<I...>> {
-  template <std::size_t>
-  using mid = Mid;
-  using type = Pipeline<Entry, mid<I>..., Head>;
-};
-template <std::size_t S>
-using ChainOf = typename Chain<S>::type;
-
-// Stage i, the same on every rank and in the reference.
-template <class Stage>
-Stage make_stage(std::size_t i) {
-  torch::manual_seed(100 + static_cast<int>(i));
-  Stage s;
-  s->to(torch::kDouble);
-  return s;
-}
-
-template <class... Stage>
-Pipeline<Stage...> seeded(Pipeline<Stage...>*) {
-  return [&]<std::size_t... I>(std::index_sequence<I...>) {
-    return Pipeline<Stage...>([] { return make_stage<Stage>(I); }...);
-  }(std::index_sequence_for<Stage...>{});
-}
-
-// Replica r's micro-batch m of step t: 2 to 4 samples, so sizes differ everywhere.
-paratrain::Batch micro_batch(int t, int r, int m) {
-  torch::manual_seed(1000 * t + 37 * r + m);
-  const int n = 2 + (t + r + m) % 3;
-  auto x = torch::randn({n, features}, torch::kDouble);
-  auto z = torch::randn({n, width}, torch::kDouble);
-  auto y = torch::randint(classes, {n}, torch::kLong);
-  return {{x, z}, y};
-}
-
-torch::optim::SGDOptions sgd_options() { return torch::optim::SGDOptions(0.1).momentum(0.9); }
-
-// Single-device training on the union of every replica's micro-batches: the stages'
-// parameters after each of `steps` steps, per stage.
-template <class... Stage>
-struct Reference {
-template <class Optim, class Options>
-static std::vector<std::vector<Tensor>> run(int replicas, int micro, int steps, Options options, double clip = 0) {
-  auto stages = [&]<std::size_t... I>(std::index_sequence<I...>) {
-    return std::tuple<Stage...>{make_stage<Stage>(I)...};
-  }(std::index_sequence_for<Stage...>{});
-  std::vector<Tensor> params;
-  std::apply([&](auto&... s) { (..., [&] { for (auto& p : s->parameters()) params.push_back(p); }()); }, stages);
-  Optim sgd(params, options);
-  for (int t = 0; t < steps; ++t) {
-    std::vector<Tensor> xs, zs, ys;
-    for (int r = 0; r < replicas; ++r)
-      for (int m = 0; m < micro; ++m) {
-        auto b = micro_batch(t, r, m);
-        xs.push_back(b.inputs[0]), zs.push_back(b.inputs[1]), ys.push_back(b.target);
-      }
-    sgd.zero_grad();
-    auto out = std::apply(
-        [&](auto& first, auto&... rest) {
-          auto acts = first->forward(torch::cat(xs), torch::cat(zs));
-          // Each later stage takes the previous one's tuple.
-          Tensor logits;
-          auto feed = [&](auto& stage) {
-            if constexpr (std::is_same_v<std::decay_t<decltype(stage)>, Head>)
-              logits = std::apply([&](auto&&... a) { return stage->forward(a...); }, acts);
-            else
-              acts = std::apply([&](auto&&... a) { return stage->forward(a...); }, acts);
-          };
-          (feed(rest), ...);
-          return logits;
-        },
-        stages);
-    torch::nn::functional::cross_entropy(out, torch::cat(ys)).backward();
-    if (clip > 0) torch::nn::utils::clip_grad_norm_(params, clip);
-    sgd.step();
-  }
-  std::vector<std::vector<Tensor>> out;
-  std::apply([&](auto&... s) { (out.push_back(s->parameters()), ...); }, stages);
-  return out;
-}
-};
-
-double max_relative_difference(const std::vector<Tensor>& got, const std::vector<Tensor>& want) {
-  REQUIRE(got.size() == want.size());
-  double worst = 0;
-  for (std::size_t i = 0; i < got.size(); ++i)
-    worst = std::max(worst, ((got[i] - want[i]).abs().max() / want[i].abs().max()).item<double>());
-  return worst;
-}
+using namespace paratrain_test::pipe;
 
 template <class Update, class P>
 void check_pipeline(PipelineOptions options, int micro, int steps = 20) {
-  const double clip = options.data_parallel.max_grad_norm;
-  using Strategy = paratrain::DataParallel<P, comm::Mpi, Update>;
-  Strategy s(seeded(static_cast<P*>(nullptr)), comm::Mpi(), torch::optim::SGDOptions(0.1).momentum(0.9), options);
-  const int K = s.pipeline_size(), R = s.replicas();
-  CAPTURE(K);
-  CAPTURE(R);
-  CAPTURE(micro);
-  CAPTURE(s.schedule_for(micro).name);
-  int peak = 0;
-  double loss_sum = 0;
-  for (int t = 0; t < steps; ++t) {
-    std::vector<paratrain::Batch> mine;
-    for (int m = 0; m < micro; ++m) mine.push_back(micro_batch(t, s.replica(), m));
-    const auto r = s.step(std::span<const paratrain::Batch>(mine), paratrain::CrossEntropy{});
-    CHECK(r.has_loss == s.owns(static_cast<int>(P::size) - 1));
-    if (r.has_loss) loss_sum += r.loss;
-    peak = std::max(peak, s.last_step_stats().peak_stashed);
-  }
-  const auto want = [&]<class... Stage>(Pipeline<Stage...>*) {
-    return Reference<Stage...>::template run<torch::optim::SGD>(R, micro, steps, sgd_options(), clip);
-  }(static_cast<P*>(nullptr));
-  std::vector<Tensor> expected;
-  for (int i = 0; i < static_cast<int>(P::size); ++i)
-    if (s.owns(i)) expected.insert(expected.end(), want[i].begin(), want[i].end());
-  CHECK(max_relative_difference(s.full_parameters(), expected) <= 1e-5);
-  // 1F1B and ZB-H1 keep at most K micro-batches' activations (rank r: K - r); GPipe all M.
-  const auto kind = options.schedule;
-  if (kind == pipeline::Kind::one_f_one_b) CHECK(peak <= std::min(K - s.pipeline_rank(), micro));
-  if (kind == pipeline::Kind::zero_bubble_h1) CHECK(peak <= std::min(K, micro));
-  if (kind == pipeline::Kind::gpipe) CHECK(peak == micro);
+  paratrain_test::pipe::check_pipeline<comm::Mpi, Update, P>(comm::Mpi(), options, micro, steps);
 }
 
 template <class Update, std::size_t S>

@@ -257,6 +257,11 @@ class Gloo {
   /// have posted the matching recv: in a ring, use isend. `tag` must be >= 0.
   void send(const at::Tensor& t, int peer, int tag = 0) { isend(t, peer, tag).wait(); }
 
+  /// Sends and receives progress on c10d's threads, and a send's test() waits for its
+  /// receiver: callers need not (and must not, between two ranks that send to each other)
+  /// test sends to make them progress.
+  static constexpr bool sends_progress_alone = true;
+
   /// A send that completes in the background. Its request's test() waits (c10d cannot
   /// poll a send).
   [[nodiscard]] Request isend(const at::Tensor& t, int peer, int tag = 0) {

@@ -31,9 +31,9 @@ inline constexpr std::int64_t header_words = 64;
 inline constexpr std::int64_t header_magic = 0x50495045;  // "PIPE"
 
 /// What a message is: tags are unique per (kind, stage, micro-batch) within a step.
-enum class Kind : int { activation = 0, gradient = 1, evaluation = 2 };
+enum class Message : int { activation = 0, gradient = 1, evaluation = 2 };
 
-inline int tag_of(Kind kind, int stage, int micro, int stages, int part) {
+inline int tag_of(Message kind, int stage, int micro, int stages, int part) {
   // MPI guarantees tags up to 32767; beyond 255 micro-batches they repeat, which is safe
   // since messages of one tag between two ranks arrive in the order they were sent.
   const int m = micro % 256;
@@ -101,8 +101,12 @@ class Link {
     return out;
   }
 
-  /// Completes the sends that have gone (MPI progresses only inside its calls).
+  /// Completes the sends that have gone: MPI progresses only inside its calls. A
+  /// communicator whose transfers progress on threads of their own, and whose test() of
+  /// a send waits for the receiver (comm::Gloo), says so with `sends_progress_alone`: testing
+  /// it here would make two ranks that send to each other wait for each other.
   void progress() {
+    if constexpr (requires { requires Comm::sends_progress_alone; }) return;
     for (auto it = pending_.begin(); it != pending_.end();) it = it->test() ? pending_.erase(it) : std::next(it);
   }
 

@@ -94,30 +94,13 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   template <class OptimOptions>
     requires optimizer_from<optimizer_type, OptimOptions>
   DataParallel(Pipeline<Stage...> stages, Comm comm, OptimOptions optimizer_options, Options options = {})
-      : world_(std::move(comm)), options_(options) {
-    const int v = options.virtual_stages, W = world_.size();
-    if (v < 1 || S % v != 0)
-      throw error("Pipeline", world_.rank(),
-                  std::to_string(S) + " stages cannot be dealt out " + std::to_string(v) +
-                      " to a rank; set PipelineOptions::virtual_stages to a divisor of the stage count");
-    if (v > 1 && options.schedule != pipeline::Kind::interleaved_1f1b)
-      throw error("Pipeline", world_.rank(),
-                  "virtual_stages > 1 needs the interleaved 1F1B schedule (PipelineOptions::schedule)");
-    if (options.schedule == pipeline::Kind::zero_bubble_h1 && stage == 3)
-      throw error("Pipeline", world_.rank(),
-                  "ZB-H1 computes a stage's weight gradients after ZeRO-3 has freed its gathered parameters; use "
-                  "1F1B or GPipe with zero::stage3, or ZB-H1 with stages 0-2");
-    K_ = S / v;
-    if (W % K_ != 0)
-      throw error("Pipeline", world_.rank(),
-                  "a pipeline of " + std::to_string(S) + " stages, " + std::to_string(v) + " per rank, runs on " +
-                      std::to_string(K_) + " ranks (or a multiple of it, for replicas); this run has " +
-                      std::to_string(W) + " ranks: launch a multiple of " + std::to_string(K_) +
-                      " or change the stage count");
-    replicas_ = W / K_;
-    p_ = world_.rank() % K_;
-    replica_ = world_.rank() / K_;
-    pipe_ = world_.split(replica_, p_);
+      : world_(std::move(comm)),
+        options_(options),
+        K_(pipeline_ranks(world_, options)),
+        replicas_(world_.size() / K_),
+        p_(world_.rank() % K_),
+        replica_(world_.rank() / K_),
+        pipe_(world_.split(replica_, p_)) {
     Comm stage_replicas = world_.split(p_, replica_);
     group_ = std::make_shared<detail::StageGroupImpl>();
     build(stages, std::index_sequence_for<Stage...>{});
@@ -171,10 +154,10 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     group_->eval();
     at::Tensor out;
     for (int s = p_; s < S; s += K_) {
-      auto in = s == 0 ? batch.inputs : receive(pipeline::detail::Kind::evaluation, s, 0).first;
+      auto in = s == 0 ? batch.inputs : receive(pipeline::detail::Message::evaluation, s, 0).first;
       auto y = forward(s, std::move(in));
       if (s == S - 1) out = y.front();
-      else deliver(pipeline::detail::Kind::evaluation, s + 1, 0, y, std::vector<bool>(y.size(), false));
+      else deliver(pipeline::detail::Message::evaluation, s + 1, 0, y, std::vector<bool>(y.size(), false));
     }
     link_->flush();
     group_->train(training);
@@ -268,6 +251,30 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     std::map<std::pair<int, int>, Stash> stash;  // (stage, micro)
   };
 
+  /// K, the pipeline ranks; or the error, the same on every rank, when the stages do not fit.
+  static int pipeline_ranks(const Comm& world, const Options& options) {
+    const int v = options.virtual_stages, W = world.size();
+    if (v < 1 || S % v != 0)
+      throw error("Pipeline", world.rank(),
+                  std::to_string(S) + " stages cannot be dealt out " + std::to_string(v) +
+                      " to a rank; set PipelineOptions::virtual_stages to a divisor of the stage count");
+    if (v > 1 && options.schedule != pipeline::Kind::interleaved_1f1b)
+      throw error("Pipeline", world.rank(),
+                  "virtual_stages > 1 needs the interleaved 1F1B schedule (PipelineOptions::schedule)");
+    if (options.schedule == pipeline::Kind::zero_bubble_h1 && stage == 3)
+      throw error("Pipeline", world.rank(),
+                  "ZB-H1 computes a stage's weight gradients after ZeRO-3 has freed its gathered parameters; use "
+                  "1F1B or GPipe with zero::stage3, or ZB-H1 with stages 0-2");
+    const int K = S / v;
+    if (W % K != 0)
+      throw error("Pipeline", world.rank(),
+                  "a pipeline of " + std::to_string(S) + " stages, " + std::to_string(v) + " per rank, runs on " +
+                      std::to_string(K) + " ranks (or a multiple of it, for replicas); this run has " +
+                      std::to_string(W) + " ranks: launch a multiple of " + std::to_string(K) +
+                      " or change the stage count");
+    return K;
+  }
+
   template <std::size_t... I>
   void build(const Pipeline<Stage...>& stages, std::index_sequence<I...>) {
     ((owns(static_cast<int>(I)) ? (void)(std::get<I>(stages_) = stages.template make<I>(),
@@ -297,7 +304,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   }
 
   /// Sends to the rank of stage `to` (or keeps it, when that is this rank).
-  void deliver(pipeline::detail::Kind kind, int to, int micro, const Tensors& t, const Flags& needs) {
+  void deliver(pipeline::detail::Message kind, int to, int micro, const Tensors& t, const Flags& needs) {
     if (owns(to)) {
       Tensors copy;
       for (const auto& x : t) copy.push_back(x.detach());
@@ -308,8 +315,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   }
 
   /// What stage `at`'s neighbour sent it for `micro`.
-  std::pair<Tensors, Flags> receive(pipeline::detail::Kind kind, int at, int micro) {
-    const int from = kind == pipeline::detail::Kind::gradient ? at + 1 : at - 1;
+  std::pair<Tensors, Flags> receive(pipeline::detail::Message kind, int at, int micro) {
+    const int from = kind == pipeline::detail::Message::gradient ? at + 1 : at - 1;
     if (owns(from)) {
       auto node = local_.extract({static_cast<int>(kind), at, micro});
       if (node.empty())
@@ -327,7 +334,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       for (const auto& x : batch.inputs) st.inputs.push_back(x.to(device().device()));
       st.input_needs.assign(st.inputs.size(), false);
     } else {
-      auto [in, needs] = receive(pipeline::detail::Kind::activation, a.stage, a.micro);
+      auto [in, needs] = receive(pipeline::detail::Message::activation, a.stage, a.micro);
       for (std::size_t i = 0; i < in.size(); ++i)
         if (needs[i]) in[i].requires_grad_(true);
       st.inputs = std::move(in);
@@ -344,7 +351,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       for (const auto& y : st.outputs) st.output_needs.push_back(y.requires_grad());
     }
     record(a, begin);
-    if (a.stage != S - 1) deliver(pipeline::detail::Kind::activation, a.stage + 1, a.micro, st.outputs, st.output_needs);
+    if (a.stage != S - 1) deliver(pipeline::detail::Message::activation, a.stage + 1, a.micro, st.outputs, st.output_needs);
     run.stash.emplace(std::pair{a.stage, a.micro}, std::move(st));
     stats_.peak_stashed = std::max(stats_.peak_stashed, static_cast<int>(run.stash.size()));
   }
@@ -352,7 +359,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// The roots of stage's graph and their gradients: the loss, or what the next stage sent.
   std::pair<Tensors, Tensors> backward_roots(const pipeline::Action& a, Stash& st) {
     if (a.stage == S - 1) return {{st.loss}, {at::Tensor()}};
-    auto [grads, unused] = receive(pipeline::detail::Kind::gradient, a.stage, a.micro);
+    auto [grads, unused] = receive(pipeline::detail::Message::gradient, a.stage, a.micro);
     Tensors roots, root_grads;
     std::size_t k = 0;
     for (std::size_t i = 0; i < st.outputs.size(); ++i)
@@ -376,7 +383,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
 
   void send_input_grads(const pipeline::Action& a, Tensors grads) {
     if (a.stage == 0 || grads.empty()) return;
-    deliver(pipeline::detail::Kind::gradient, a.stage - 1, a.micro, grads, Flags(grads.size(), false));
+    deliver(pipeline::detail::Message::gradient, a.stage - 1, a.micro, grads, Flags(grads.size(), false));
   }
 
   void run_backward(const pipeline::Action& a, Run& run, bool last) {
@@ -449,9 +456,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   }
 
   Comm world_;
-  Comm pipe_;
   Options options_;
   int K_ = 1, replicas_ = 1, p_ = 0, replica_ = 0;
+  Comm pipe_;  // this replica's pipeline ranks
   std::tuple<Stage...> stages_{Stage(nullptr)...};
   detail::StageGroup group_;
   std::unique_ptr<Inner> inner_;
