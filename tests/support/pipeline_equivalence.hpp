@@ -36,19 +36,32 @@ struct EntryImpl : torch::nn::Module {
 };
 TORCH_MODULE(Entry);
 
-// (h, z) -> (h', z)
+// (h, z) -> (h', z). `a` comes from parameters and an input that needs no gradient, and
+// is used twice on the path to `h`: ZB-H1's weight half must count its gradient once.
 struct MidImpl : torch::nn::Module {
-  MidImpl() { fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(width, width)); }
-  std::tuple<Tensor, Tensor> forward(Tensor h, Tensor z) { return {torch::tanh(fc(h)) + 0.1 * z, z}; }
-  paratrain::Unit<torch::nn::Linear> fc{nullptr};
+  MidImpl() {
+    fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(width, width));
+    gate = register_module("gate", paratrain::Unit<torch::nn::Linear>(width, width));
+  }
+  std::tuple<Tensor, Tensor> forward(Tensor h, Tensor z) {
+    auto a = torch::tanh(gate(z));
+    return {torch::tanh(fc(h * a)) + a, z};
+  }
+  paratrain::Unit<torch::nn::Linear> fc{nullptr}, gate{nullptr};
 };
 TORCH_MODULE(Mid);
 
-// (h, z) -> logits
+// (h, z) -> logits, with a gate like Mid's.
 struct HeadImpl : torch::nn::Module {
-  HeadImpl() { fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(width, classes)); }
-  Tensor forward(Tensor h, Tensor z) { return fc(h) + 0.5 * z.narrow(1, 0, classes); }
-  paratrain::Unit<torch::nn::Linear> fc{nullptr};
+  HeadImpl() {
+    fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(width, classes));
+    gate = register_module("gate", paratrain::Unit<torch::nn::Linear>(width, width));
+  }
+  Tensor forward(Tensor h, Tensor z) {
+    auto a = torch::tanh(gate(z));
+    return fc(h * a + a);
+  }
+  paratrain::Unit<torch::nn::Linear> fc{nullptr}, gate{nullptr};
 };
 TORCH_MODULE(Head);
 

@@ -27,16 +27,18 @@ namespace paratrain::pipeline::detail {
 //    must walk (in an MLP, every layer's matmul backward).
 //  - A *weight node* is a node of D with an edge leaving D towards a parameter (a
 //    Linear's AddmmBackward: one edge to the layer's input, in D, and one to its weight).
+//    Nothing outside D leads back into D (it would then reach an input).
 //
 // B runs the engine from the stage outputs to the inputs' edges, and also captures the
-// gradient flowing into each weight node (the engine hands over a node's inputs when it
-// is a requested output, and still runs it, computing only its edges towards D). W then
-// runs, for each weight node alone, the engine from that captured gradient to the node's
-// edges leaving D: only the weight half of the node is computed (the engine skips the
-// outputs nobody asked for), and the chain is not walked again. A last call carries
-// those gradients from the edges into the parameters (AccumulateGrad, where DataParallel's
-// bucket hooks fire). So B + W cost one backward, not two, and the weights' gradients
-// are the same sums a plain backward makes. A stage whose inputs need no gradient (the
+// gradient flowing into each weight node (the engine hands over a node's whole input
+// when it is a requested output, and still runs it, computing only its edges into D).
+// W then cuts each weight node's edges into D (B is done with them) and runs the engine
+// once from all weight nodes, with their captured gradients, and from the outputs that
+// lie outside D: each weight node now computes only its weight half, the subgraphs
+// outside D (a transpose, a projection's split weight, a tensor made from parameters and
+// used twice) receive every contribution before they run, and the accumulators fire
+// DataParallel's bucket hooks. So B + W cost one backward, not two, and every parameter's
+// gradient is the sum a plain backward makes. A stage whose inputs need no gradient (the
 // first) has an empty D: B is nothing and W is the plain backward.
 
 using torch::autograd::Edge;
@@ -84,39 +86,31 @@ class SplitBackward {
       if (!roots_.empty())
         engine().execute(roots_, root_grads_, /*keep_graph=*/false, /*create_graph=*/false,
                          /*accumulate_grad=*/true);
+      release();
       return;
     }
-    edge_list edges;
-    variable_list grads;
+    edge_list roots = std::move(outside_roots_);
+    variable_list grads = std::move(outside_grads_);
     for (auto& w : weight_nodes_) {
-      edge_list roots;
-      variable_list incoming;
+      // B is done with the chain: without these edges the engine computes only the
+      // weight half of the node and never walks D again.
+      for (const auto i : w.into_d) w.node->next_edges()[i] = Edge();
       for (std::uint32_t k = 0; k < w.node->num_inputs(); ++k)
         if (w.incoming[k].defined()) {
           roots.emplace_back(w.node, k);
-          incoming.push_back(w.incoming[k]);
-        }
-      if (roots.empty()) continue;
-      auto got = engine().execute(roots, incoming, /*keep_graph=*/false, /*create_graph=*/false,
-                                  /*accumulate_grad=*/false, w.leaving);
-      for (std::size_t i = 0; i < got.size(); ++i)
-        if (got[i].defined()) {
-          edges.push_back(w.leaving[i]);
-          grads.push_back(std::move(got[i]));
+          grads.push_back(std::move(w.incoming[k]));
         }
     }
-    // Subgraphs outside D (a transpose, the accumulators) from all weight nodes at once,
-    // so that a parameter reached from several sums its gradients as backward would.
-    if (!edges.empty())
-      engine().execute(edges, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
+    if (!roots.empty())
+      engine().execute(roots, grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
     release();
   }
 
  private:
   struct WeightNode {
     std::shared_ptr<Node> node;
-    edge_list leaving;       // its edges out of D towards parameters
-    variable_list incoming;  // the gradient B captured flowing into it
+    std::vector<std::size_t> into_d;  // its edges into D, cut before W
+    variable_list incoming;           // the gradient B captured flowing into it
   };
 
   static torch::autograd::Engine& engine() { return torch::autograd::Engine::get_default_engine(); }
@@ -164,10 +158,24 @@ class SplitBackward {
     }
     for (Node* node : order) {
       if (!in_d[node] || input_nodes.count(node)) continue;
-      edge_list leaving;
-      for (const auto& e : node->next_edges())
-        if (e.function && !in_d[e.function.get()] && to_param[e.function.get()]) leaving.push_back(e);
-      if (!leaving.empty()) weight_nodes_.push_back({node->shared_from_this(), std::move(leaving), {}});
+      bool weights = false;
+      std::vector<std::size_t> into_d;
+      const auto& edges = node->next_edges();
+      for (std::size_t i = 0; i < edges.size(); ++i) {
+        const auto* child = edges[i].function.get();
+        if (child == nullptr) continue;
+        if (in_d[child]) into_d.push_back(i);
+        else weights = weights || to_param[child];
+      }
+      if (weights) weight_nodes_.push_back({node->shared_from_this(), std::move(into_d), {}});
+    }
+    // Outputs computed from parameters alone (outside D): W's roots as they are.
+    for (std::size_t i = 0; i < roots_.size(); ++i) {
+      const auto* f = roots_[i].function.get();
+      if (f != nullptr && !in_d[f] && to_param[f]) {
+        outside_roots_.push_back(roots_[i]);
+        outside_grads_.push_back(root_grads_[i]);
+      }
     }
   }
 
@@ -177,6 +185,8 @@ class SplitBackward {
 
   void release() {
     weight_nodes_.clear();
+    outside_roots_.clear();
+    outside_grads_.clear();
     roots_.clear();
     root_grads_.clear();
     outputs_.clear();
@@ -188,6 +198,8 @@ class SplitBackward {
   edge_list roots_;
   variable_list root_grads_;
   std::vector<WeightNode> weight_nodes_;
+  edge_list outside_roots_;  // outputs whose graph never reaches an input
+  variable_list outside_grads_;
   bool split_ = false;
 };
 

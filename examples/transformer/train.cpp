@@ -1,0 +1,362 @@
+// torch.nn.Transformer trained as the seed's PyTorch DDP program trains it (synthetic
+// src (N, 1, 512) and tgt (N, 20, 512), tgt also the target of a cross-entropy over
+// dim 1, Adam at 0.001 × replicas), built five ways from this one source: the strategy
+// is the one alias below, chosen by a compile definition (examples/CMakeLists.txt):
+//
+//   transformer_single          one device
+//   transformer_ddp             DDP over MPI
+//   transformer_zero3           DDP with ZeRO stage 3 (each layer a paratrain::Unit)
+//   transformer_pipeline        encoder | decoder on 2 ranks (1F1B, GPipe or ZB-H1)
+//   transformer_pipeline_zero3  2 stages × 2 ZeRO-3 replicas on 4 ranks
+//
+//   mpirun -n 2 transformer_ddp --steps 8 --warmup 2
+//   mpirun -n 2 transformer_pipeline --micro-batches 4 --schedule gpipe
+//
+// Prints each step's time, the planner's per-rank model-state estimate beside what the
+// strategy holds, and one JSON summary line (printed by the rank that computes replica
+// 0's loss: rank 0, or a pipeline's last stage).
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "model.hpp"
+#include "paratrain/paratrain.hpp"
+// pipeline::Kind, for --schedule. Before strategy/pipeline.hpp: up to commit ea9a8b5 that
+// header includes pipeline/link.hpp first, whose pipeline::detail::Kind (a message kind)
+// then hides pipeline::Kind inside schedule.hpp's detail functions (a compile error).
+#include "paratrain/pipeline/schedule.hpp"
+#include "paratrain/strategy/pipeline.hpp"
+
+namespace transformer {
+
+using Adam = torch::optim::Adam;
+using paratrain::DataParallel;
+using paratrain::Pipeline;
+using paratrain::Sharded;
+namespace comm = paratrain::comm;
+namespace zero = paratrain::zero;
+
+#if defined(TRANSFORMER_SINGLE)
+using Strategy = DataParallel<Transformer, comm::SingleDevice, Adam>;
+#elif defined(TRANSFORMER_DDP)
+using Strategy = DataParallel<Transformer, comm::Mpi, Adam>;
+#elif defined(TRANSFORMER_ZERO3)
+using Strategy = DataParallel<Transformer, comm::Mpi, Sharded<Adam, zero::stage3>>;
+#elif defined(TRANSFORMER_PIPELINE)
+using Strategy = DataParallel<Pipeline<Encoder, Decoder>, comm::Mpi, Adam>;
+#elif defined(TRANSFORMER_PIPELINE_ZERO3)
+using Strategy = DataParallel<Pipeline<Encoder, Decoder>, comm::Mpi, Sharded<Adam, zero::stage3>>;
+#else
+#error "define one of TRANSFORMER_SINGLE, _DDP, _ZERO3, _PIPELINE, _PIPELINE_ZERO3 (examples/CMakeLists.txt does)"
+#endif
+
+template <class M>
+inline constexpr bool is_pipeline = false;
+template <class... Stage>
+inline constexpr bool is_pipeline<Pipeline<Stage...>> = true;
+constexpr bool pipelined = is_pipeline<Strategy::model_type>;
+
+constexpr const char* strategy_name() {
+  constexpr bool mpi = std::is_same_v<Strategy::communicator_type, comm::Mpi>;
+  if constexpr (!mpi) return "single";
+  else if constexpr (pipelined) return Strategy::stage == 3 ? "pipeline_zero3" : "pipeline";
+  else return Strategy::stage == 3 ? "zero3" : "ddp";
+}
+
+struct Args {
+  Config model;
+  std::int64_t batch = 32;                         // per data-parallel replica, per step (the seed's)
+  std::int64_t micro_batches = pipelined ? 4 : 1;  // a pipeline's M; batch / M samples each
+  std::int64_t steps = 0;                          // 0: one epoch over all samples
+  std::int64_t warmup = 1;                         // first steps left out of ms_per_step
+  std::string schedule = "1f1b";
+  std::string trace;
+  std::uint64_t seed = 0;
+};
+
+constexpr std::string_view usage = R"(usage: transformer_<build> [options]
+  --d-model N        model width (512)             --heads N        attention heads (8)
+  --layers N         encoder and decoder layers, each (6)
+  --ff N             feed-forward width (2048)     --dropout P      (0.1)
+  --samples N        synthetic samples (2048)      --tgt-len N      target length (20)
+  --src-len N        source length (1)
+  --batch N          samples per replica per step (32)
+  --micro-batches M  pipeline builds: micro-batches per step, batch / M samples each (4)
+  --steps N          train N steps (N x batch x replicas samples; 0: one epoch over --samples)
+  --warmup N         steps left out of ms_per_step (1)
+  --schedule S       pipeline builds: gpipe, 1f1b (default) or zb (ZB-H1)
+  --trace FILE       a Chrome trace of every rank's steps
+  --seed N           data, initial weights and sample order (0)
+)";
+
+// By hand, as tools/plan does: CLI11 is not among paratrain's dependencies (scripts/deps.sh).
+Args parse(int argc, char** argv) {
+  Args a;
+  auto& m = a.model;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view k = argv[i];
+    if (k == "-h" || k == "--help") throw std::invalid_argument("");
+    if (i + 1 >= argc) throw std::invalid_argument(std::string(k) + " needs a value");
+    const std::string v = argv[++i];
+    const auto integer = [&] {
+      std::size_t end = 0;
+      const long long x = std::stoll(v, &end);
+      if (end != v.size() || x < 0) throw std::invalid_argument(std::string(k) + " takes a number >= 0, not " + v);
+      return static_cast<std::int64_t>(x);
+    };
+    if (k == "--d-model") m.d_model = integer();
+    else if (k == "--heads") m.nhead = integer();
+    else if (k == "--layers") m.encoder_layers = m.decoder_layers = integer();
+    else if (k == "--ff") m.dim_feedforward = integer();
+    else if (k == "--dropout") m.dropout = std::stod(v);
+    else if (k == "--samples") m.samples = integer();
+    else if (k == "--tgt-len") m.tgt_len = integer();
+    else if (k == "--src-len") m.src_len = integer();
+    else if (k == "--batch") a.batch = integer();
+    else if (k == "--micro-batches") a.micro_batches = integer();
+    else if (k == "--steps") a.steps = integer();
+    else if (k == "--warmup") a.warmup = integer();
+    else if (k == "--schedule") a.schedule = v;
+    else if (k == "--trace") a.trace = v;
+    else if (k == "--seed") a.seed = static_cast<std::uint64_t>(integer());
+    else throw std::invalid_argument("unknown option " + std::string(k));
+  }
+  if (m.d_model < 1 || m.nhead < 1 || m.d_model % m.nhead != 0)
+    throw std::invalid_argument("--d-model must be a positive multiple of --heads");
+  if (a.batch < 1 || a.micro_batches < 1 || a.batch % a.micro_batches != 0)
+    throw std::invalid_argument("--batch must be a positive multiple of --micro-batches");
+  if (!pipelined && a.micro_batches != 1)
+    throw std::invalid_argument("--micro-batches is for the pipeline builds; this one takes the whole batch at once");
+  if (!pipelined && a.schedule != "1f1b")
+    throw std::invalid_argument("--schedule is for the pipeline builds");
+  return a;
+}
+
+paratrain::pipeline::Kind schedule_kind(const std::string& name) {
+  if (name == "gpipe") return paratrain::pipeline::Kind::gpipe;
+  if (name == "1f1b") return paratrain::pipeline::Kind::one_f_one_b;
+  if (name == "zb") return paratrain::pipeline::Kind::zero_bubble_h1;
+  throw std::invalid_argument("--schedule is gpipe, 1f1b or zb, not " + name);
+}
+
+std::int64_t count(torch::nn::Module& m) {
+  std::int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+// The encoder and the decoder each from a seed of their own, so that every build starts
+// from the same weights whichever rank builds which part.
+Encoder make_encoder(const Args& a) {
+  torch::manual_seed(a.seed + 1);
+  return Encoder(a.model);
+}
+Decoder make_decoder(const Args& a) {
+  torch::manual_seed(a.seed + 2);
+  return Decoder(a.model);
+}
+
+// This rank's strategy, and in `parameters` how many parameters its model part has
+// (counted before ZeRO-3 shards them): the whole model, or a pipeline rank's stage.
+// (A template, so that `if constexpr` discards the other build's branch.)
+template <class S = Strategy>
+std::unique_ptr<S> make_strategy(const Args& a, std::int64_t& parameters) {
+  const auto adam = torch::optim::AdamOptions(0.001);  // scaled by the replicas once they are known
+  if constexpr (pipelined) {
+    typename S::model_type stages(
+        [&] {
+          auto e = make_encoder(a);
+          parameters = count(*e);
+          return e;
+        },
+        [&] {
+          auto d = make_decoder(a);
+          parameters = count(*d);
+          return d;
+        });
+    stages.named({"encoder", "decoder"});  // the whole model's names: Note [Stage names]
+    return std::make_unique<S>(std::move(stages), adam,
+                               paratrain::PipelineOptions{.schedule = schedule_kind(a.schedule)});
+  } else {
+    Transformer model(make_encoder(a), make_decoder(a));
+    parameters = count(*model);
+    return std::make_unique<S>(model, adam);
+  }
+}
+
+std::string json_number(double x, const char* format = "%.6g") {
+  if (!std::isfinite(x)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, x);
+  return buf;
+}
+
+int run(int argc, char** argv) {
+  std::optional<comm::Mpi::Environment> mpi;
+  if constexpr (std::is_same_v<Strategy::communicator_type, comm::Mpi>) mpi.emplace(argc, argv);
+  torch::set_num_threads(1);  // one process per core
+  const auto start = std::chrono::steady_clock::now();
+  Args a;
+  try {
+    a = parse(argc, argv);
+    if constexpr (pipelined) (void)schedule_kind(a.schedule);
+  } catch (const std::exception& e) {  // every rank parses the same arguments and stops alike
+    if (*e.what()) std::fprintf(stderr, "transformer: %s\n", e.what());
+    std::fputs(usage.data(), stderr);
+    return *e.what() ? 2 : 0;
+  }
+  const auto& cfg = a.model;
+
+  std::int64_t parameters = 0;
+  const auto strategy = make_strategy(a, parameters);
+  auto& s = *strategy;
+  const int rank = s.rank(), world = s.world_size();
+  const auto shard = s.data_shard();
+  const int pipeline_ranks = world / shard.count;
+  // The rank that computes replica 0's loss reports: the last pipeline rank of replica 0.
+  const bool reporter = rank == pipeline_ranks - 1;
+  // The seed's Adam(lr=0.001 * world_size): one replica per process there, so replicas here.
+  for (auto& g : s.optimizer().param_groups()) g.options().set_lr(0.001 * shard.count);
+
+  // The seed's data, the same on every rank: src = rand(N, 1, 512), tgt = rand(N, 20, 512).
+  torch::manual_seed(a.seed);
+  auto src = torch::rand({cfg.samples, cfg.src_len, cfg.d_model});
+  auto tgt = torch::rand({cfg.samples, cfg.tgt_len, cfg.d_model});
+  const std::int64_t per_step = a.batch * shard.count;
+  std::int64_t n = cfg.samples;
+  if (a.steps > 0) {  // one epoch of exactly `steps` steps: its first steps x batch x replicas samples
+    n = a.steps * per_step;
+    if (n > cfg.samples) {  // every rank finds this alike and stops
+      if (reporter)
+        std::fprintf(stderr, "transformer: --steps %lld needs %lld samples (steps x batch x replicas); raise --samples\n",
+                     (long long)a.steps, (long long)n);
+      return 2;
+    }
+    src = src.narrow(0, 0, n), tgt = tgt.narrow(0, 0, n);
+  }
+  const paratrain::data::TensorDataset data({src, tgt}, tgt);
+  // DistributedSampler pads the replicas' shards to equal sizes.
+  const std::int64_t steps = ((n + shard.count - 1) / shard.count + a.batch - 1) / a.batch;
+
+  if (reporter) {
+    std::printf("Transformer (d_model %lld, %lld heads, %lld+%lld layers, ff %lld, dropout %g), %s: %d rank(s), "
+                "%d replica(s), batch %lld per replica",
+                (long long)cfg.d_model, (long long)cfg.nhead, (long long)cfg.encoder_layers,
+                (long long)cfg.decoder_layers, (long long)cfg.dim_feedforward, cfg.dropout, strategy_name(), world,
+                shard.count, (long long)a.batch);
+    if constexpr (pipelined)
+      std::printf(" in %lld micro-batches, schedule %s", (long long)a.micro_batches, a.schedule.c_str());
+    std::printf(", %lld steps, Adam lr %g\n", (long long)steps, 0.001 * shard.count);
+    std::fflush(stdout);
+  }
+
+  std::vector<double> seconds, losses;
+  bool first_has_loss = false, last_has_loss = false;
+  const auto result = paratrain::fit(
+      s, data,
+      {.epochs = 1,
+       .batch_size = a.batch / a.micro_batches,
+       .accumulation = static_cast<int>(a.micro_batches),
+       .seed = a.seed,
+       .log_every = 1 << 30,  // the per-step lines below instead
+       .progress = false,
+       .on_step =
+           [&](const paratrain::StepInfo& i) {
+             seconds.push_back(i.seconds);
+             losses.push_back(i.loss);
+             if (losses.size() == 1) first_has_loss = i.has_loss;
+             last_has_loss = i.has_loss;
+             if (reporter) {
+               std::printf("step %lld/%lld: %.1f ms, loss %.6f\n", (long long)i.step + 1, (long long)steps,
+                           1e3 * i.seconds, i.loss);
+               std::fflush(stdout);
+             }
+           },
+       .observe = {.trace_file = a.trace}},
+      paratrain::CrossEntropy{});  // float targets: class probabilities over dim 1, as the seed's
+
+  // Step time: the slowest rank's mean over the steps after the warm-up.
+  const auto measured = static_cast<std::int64_t>(seconds.size()) - a.warmup;
+  double mine = 0;
+  for (std::int64_t k = a.warmup; k < static_cast<std::int64_t>(seconds.size()); ++k) mine += seconds[k];
+  auto timing = torch::full({1}, mine, torch::kDouble);
+  s.all_reduce(timing, paratrain::reduce_op::max);
+  const double ms_per_step = measured > 0 ? 1e3 * timing[0].item<double>() / double(measured) : std::nan("");
+
+  // The first and the last step's losses, averaged over the replicas (only their last
+  // stages have one); a NaN stays NaN.
+  auto ends = torch::zeros({4}, torch::kDouble);
+  if (first_has_loss) ends[0] = losses.front(), ends[1] = 1.0;
+  if (last_has_loss) ends[2] = losses.back(), ends[3] = 1.0;
+  s.all_reduce(ends, paratrain::reduce_op::sum);
+  const auto mean = [&](int i) {
+    return ends[i + 1].item<double>() > 0 ? ends[i].item<double>() / ends[i + 1].item<double>() : std::nan("");
+  };
+  const double first_loss = mean(0), loss = mean(2);
+
+  // Model state per rank: what paratrain::plan predicts for this rank's part of the model
+  // (its whole model, or its pipeline stage) and this strategy, beside what it holds now.
+  namespace plan = paratrain::plan;
+  const auto planned = plan::per_rank({.parameters = double(parameters),
+                                       .optimizer_bytes = plan::optimizer_bytes("adam"),
+                                       .ranks = shard.count},
+                                      Strategy::stage == 3 ? plan::stage::stage3 : plan::stage::ddp);
+  const auto held = s.model_state_bytes();
+  auto table = torch::zeros({world, 7}, torch::kDouble);
+  table[rank].copy_(torch::tensor({double(parameters), planned.parameters, planned.gradients,
+                                   planned.optimizer_state, double(held.parameters), double(held.gradients),
+                                   double(held.optimizer_state)},
+                                  torch::kDouble));
+  s.all_reduce(table, paratrain::reduce_op::sum);
+
+  if (reporter) {
+    const auto mib = [](double b) { return b / (1 << 20); };
+    std::int64_t total_parameters = 0;
+    double planned_max = 0, held_max = 0;
+    std::printf("model state per rank, MiB (planned by paratrain::plan, %s, N_d = %d | held after training):\n",
+                std::string(plan::to_string(Strategy::stage == 3 ? plan::stage::stage3 : plan::stage::ddp)).c_str(),
+                shard.count);
+    for (int r = 0; r < world; ++r) {
+      const auto row = table[r];
+      const auto v = [&](int c) { return row[c].item<double>(); };
+      if (r < pipeline_ranks) total_parameters += static_cast<std::int64_t>(v(0));  // replica 0's parts
+      planned_max = std::max(planned_max, v(1) + v(2) + v(3));
+      held_max = std::max(held_max, v(4) + v(5) + v(6));
+      std::printf("  rank %d: %lld parameters; planned params %.1f + grads %.1f + Adam %.1f = %.1f | held %.1f + "
+                  "%.1f + %.1f = %.1f\n",
+                  r, (long long)v(0), mib(v(1)), mib(v(2)), mib(v(3)), mib(v(1) + v(2) + v(3)), mib(v(4)),
+                  mib(v(5)), mib(v(6)), mib(v(4) + v(5) + v(6)));
+    }
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf(
+        "{\"example\": \"transformer\", \"strategy\": \"%s\", \"world_size\": %d, \"replicas\": %d, "
+        "\"pipeline_ranks\": %d, \"schedule\": %s, \"micro_batches\": %lld, \"batch_per_replica\": %lld, "
+        "\"parameters\": %lld, \"steps\": %lld, \"warmup\": %lld, \"loss\": %s, \"first_loss\": %s, "
+        "\"train_loss\": %s, \"ms_per_step\": %s, \"samples_per_second\": %s, \"planned_bytes_per_rank_max\": %.0f, "
+        "\"held_bytes_per_rank_max\": %.0f, \"wall_seconds\": %.2f}\n",
+        strategy_name(), world, shard.count, pipeline_ranks, pipelined ? ("\"" + a.schedule + "\"").c_str() : "null",
+        (long long)a.micro_batches, (long long)a.batch, (long long)total_parameters, (long long)seconds.size(),
+        (long long)a.warmup, json_number(loss).c_str(), json_number(first_loss).c_str(),
+        json_number(result.epochs.empty() ? std::nan("") : result.epochs.back().train_loss).c_str(),
+        json_number(ms_per_step, "%.1f").c_str(), json_number(result.samples_per_second, "%.2f").c_str(), planned_max,
+        held_max, wall);
+    std::fflush(stdout);
+  }
+  return std::isfinite(loss) ? 0 : 1;  // a run whose loss is not a number failed
+}
+
+}  // namespace transformer
+
+int main(int argc, char** argv) { return transformer::run(argc, argv); }
