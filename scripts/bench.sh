@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | fashion_mnist
+# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | transformer | fashion_mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${PARATRAIN_BUILD_DIR:-build}
@@ -28,11 +28,15 @@ case "${1:-}" in
   pipeline)
     scripts/build.sh --target bench_pipeline >&2
     scripts/mpirun.sh 2 "$build/benchmarks/bench_pipeline" "${@:2}" ;;
+  transformer)
+    PARATRAIN_WITH_PEER=1 scripts/deps.sh
+    scripts/build.sh --target transformer_ddp >&2
+    benchmarks/transformer_vs_torch.sh "${@:2}" ;;
   fashion_mnist)
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target fashion_mnist_ddp >&2
     benchmarks/fashion_mnist_vs_torch.sh ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | fashion_mnist" >&2
+    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | transformer | fashion_mnist" >&2
     exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-// expect: paratrain: Pipeline stage I+1 (To) cannot take the output of stage I (From)
+// expect: paratrain: Pipeline stage I.1 .To. cannot take the output of stage I .From.
 // A stage whose forward takes two tensors after a stage that returns one: the compiler
 // prints the instantiation stage_link<0, First, Second> with the message.
 #include <torch/torch.h>

@@ -146,9 +146,10 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   }
 
   /// The model's output, through the stages: the last stage's rank has it, the others
-  /// return an undefined tensor. Collective over the ranks of one replica.
+  /// return an undefined tensor. Collective over the ranks of one replica, and over the
+  /// stage's replicas at ZeRO stage 3 (which gather parameters): an empty batch, too,
+  /// runs through the stages.
   at::Tensor predict(const Batch& batch) {
-    if (batch.size() == 0) return {};
     at::NoGradGuard no_grad;
     const bool training = group_->is_training();
     group_->eval();
