@@ -33,11 +33,6 @@
 
 #include "model.hpp"
 #include "paratrain/paratrain.hpp"
-// pipeline::Kind, for --schedule. Before strategy/pipeline.hpp: up to commit ea9a8b5 that
-// header includes pipeline/link.hpp first, whose pipeline::detail::Kind (a message kind)
-// then hides pipeline::Kind inside schedule.hpp's detail functions (a compile error).
-#include "paratrain/pipeline/schedule.hpp"
-#include "paratrain/strategy/pipeline.hpp"
 
 namespace transformer {
 

@@ -233,3 +233,23 @@ TEST_CASE("fit trains a pipeline (2-D where the world allows) as one device trai
   CHECK(result.epochs.back().eval_loss == doctest::Approx(eval_loss).epsilon(1e-9));
   CHECK(result.epochs.back().train_loss > 0);
 }
+
+namespace {
+// A forward with a defaulted trailing tensor, as LibTorch's Transformer layers have.
+struct MaskedImpl : torch::nn::Module {
+  MaskedImpl() { fc = register_module("fc", torch::nn::Linear(features, classes)); }
+  Tensor forward(Tensor x, Tensor mask = {}) { return mask.defined() ? fc(x * mask) : fc(x); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Masked);
+}  // namespace
+
+TEST_CASE("a model whose forward has defaulted tensors takes batches of fewer inputs") {
+  paratrain::DataParallel<Masked> s(Masked(), torch::optim::SGDOptions(0.1));
+  const auto x = torch::randn({5, features}), mask = torch::rand({5, features});
+  CHECK(torch::equal(s.predict(paratrain::Batch{x, torch::zeros({5}, torch::kLong)}), s.model()->forward(x)));
+  CHECK(torch::equal(s.predict(paratrain::Batch{{x, mask}, torch::zeros({5}, torch::kLong)}),
+                     s.model()->forward(x, mask)));
+  CHECK_THROWS_WITH_AS(s.predict(paratrain::Batch{{x, mask, mask}, torch::zeros({5}, torch::kLong)}),
+                       doctest::Contains("cannot be called with the batch's 3 input(s)"), paratrain::error);
+}

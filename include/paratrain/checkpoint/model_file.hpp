@@ -81,8 +81,9 @@ void save_model(S& s, const fs::path& file) {
     // assemble each tensor from whoever holds it.
     std::vector<std::string> mine;
     for (const auto& sl : layout.model) {
-      std::string d = sl.name + "\t" + std::to_string(static_cast<int>(sl.tensor.scalar_type()));
-      for (auto n : sl.shape) d += "\t" + std::to_string(n);
+      std::string d = sl.name;
+      d.append("\t").append(std::to_string(static_cast<int>(sl.tensor.scalar_type())));
+      for (auto n : sl.shape) d.append("\t").append(std::to_string(n));
       mine.push_back(std::move(d));
     }
     std::vector<std::string> all;

@@ -10,6 +10,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -93,17 +94,38 @@ consteval std::size_t forward_arity() {
   }
 }
 
-/// Calls M's forward with `inputs` as its arguments, in order.
+/// Whether M's forward can be called with as many tensors as Seq has indices (a forward
+/// with defaulted trailing tensors, as LibTorch's Transformer layers have, takes fewer).
+template <class M, class Seq>
+inline constexpr bool forward_takes = false;
+template <class M, std::size_t... I>
+inline constexpr bool forward_takes<M, std::index_sequence<I...>> =
+    requires(M& m, const at::Tensor& t) { m->forward((static_cast<void>(I), t)...); };
+
+template <class M, std::size_t... I>
+decltype(auto) forward_with(M& model, const std::vector<at::Tensor>& inputs, std::index_sequence<I...>) {
+  return model->forward(inputs[I]...);
+}
+
+/// Calls M's forward with `inputs` as its first arguments, in order (the rest defaulted).
 template <class M>
-decltype(auto) forward(M& model, const std::vector<at::Tensor>& inputs) {
+auto forward(M& model, const std::vector<at::Tensor>& inputs) {
   constexpr auto n = forward_arity<M>();
-  if (inputs.size() != n)
-    throw error("forward", -1,
-                "the model's forward takes " + std::to_string(n) + " tensor(s) and the batch has " +
-                    std::to_string(inputs.size()) + " input(s); give the data set one input tensor per argument");
-  return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
-    return model->forward(inputs[I]...);
+  using Result = std::remove_cvref_t<decltype(forward_with(model, inputs, std::make_index_sequence<n>{}))>;
+  std::optional<Result> out;
+  [&]<std::size_t... K>(std::index_sequence<K...>) {
+    (
+        [&] {
+          if constexpr (forward_takes<M, std::make_index_sequence<K + 1>>)
+            if (!out && inputs.size() == K + 1) out = forward_with(model, inputs, std::make_index_sequence<K + 1>{});
+        }(),
+        ...);
   }(std::make_index_sequence<n>{});
+  if (!out)
+    throw error("forward", -1,
+                "the model's forward takes " + std::to_string(n) + " tensor(s) and cannot be called with the batch's " +
+                    std::to_string(inputs.size()) + " input(s); give the data set one input tensor per argument");
+  return std::move(*out);
 }
 
 /// `model`'s output for `inputs`: evaluation mode, no gradients, the mode restored after.

@@ -5,6 +5,7 @@
 
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -78,6 +79,11 @@ template <class... Stage, std::size_t... I>
 consteval bool check_stages(std::index_sequence<I...>) {
   using Stages = std::tuple<Stage...>;
   (explain_stage<I, Stage>() && ...);
+  using Last = std::tuple_element_t<sizeof...(Stage) - 1, Stages>;
+  if constexpr (plain_forward<Last>)
+    static_assert(std::same_as<forward_result_t<Last>, at::Tensor>,
+                  "paratrain: a Pipeline's last stage must return one torch::Tensor, the output the loss compares "
+                  "with the targets");
   if constexpr (sizeof...(Stage) > 1) {
     return [&]<std::size_t... J>(std::index_sequence<J...>) {
       return (stage_link<J, std::tuple_element_t<J, Stages>, std::tuple_element_t<J + 1, Stages>>() && ...);
@@ -139,9 +145,13 @@ class Pipeline {
     if (names.size() != size)
       throw error("Pipeline::named", -1,
                   "got " + std::to_string(names.size()) + " names for " + std::to_string(size) + " stages");
-    for (const auto& n : names)
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      const auto& n = names[i];
       if (n.empty() || n.find('.') != std::string::npos)
         throw error("Pipeline::named", -1, "stage name '" + n + "' must be non-empty and have no '.'");
+      if (std::find(names.begin(), names.begin() + static_cast<std::ptrdiff_t>(i), n) != names.begin() + static_cast<std::ptrdiff_t>(i))
+        throw error("Pipeline::named", -1, "stage name '" + n + "' is given twice: the stages' tensors would share names");
+    }
     names_ = std::move(names);
     return *this;
   }

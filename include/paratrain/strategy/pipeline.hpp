@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
@@ -155,7 +156,10 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     group_->eval();
     at::Tensor out;
     for (int s = p_; s < S; s += K_) {
-      auto in = s == 0 ? batch.inputs : receive(pipeline::detail::Message::evaluation, s, 0).first;
+      Tensors in;
+      if (s > 0) in = receive(pipeline::detail::Message::evaluation, s, 0).first;
+      else
+        for (const auto& x : batch.inputs) in.push_back(x.to(device().device()));
       auto y = forward(s, std::move(in));
       if (s == S - 1) out = y.front();
       else deliver(pipeline::detail::Message::evaluation, s + 1, 0, y, std::vector<bool>(y.size(), false));
@@ -278,8 +282,12 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
 
   template <std::size_t... I>
   void build(const Pipeline<Stage...>& stages, std::index_sequence<I...>) {
+    const auto pointer = [](auto& m) {  // a TORCH_MODULE holder's, or the std::shared_ptr itself
+      if constexpr (requires { m.ptr(); }) return m.ptr();
+      else return m;
+    };
     ((owns(static_cast<int>(I)) ? (void)(std::get<I>(stages_) = stages.template make<I>(),
-                                         group_->register_module(stages.names()[I], std::get<I>(stages_).ptr()))
+                                         group_->register_module(stages.names()[I], pointer(std::get<I>(stages_))))
                                 : void()),
      ...);
   }
@@ -360,6 +368,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// The roots of stage's graph and their gradients: the loss, or what the next stage sent.
   std::pair<Tensors, Tensors> backward_roots(const pipeline::Action& a, Stash& st) {
     if (a.stage == S - 1) return {{st.loss}, {at::Tensor()}};
+    // No output needs a gradient (a frozen stage): the next stage sends none.
+    if (std::none_of(st.output_needs.begin(), st.output_needs.end(), [](bool b) { return b; })) return {};
     auto [grads, unused] = receive(pipeline::detail::Message::gradient, a.stage, a.micro);
     Tensors roots, root_grads;
     std::size_t k = 0;
