@@ -15,14 +15,9 @@ on 127.0.0.1 and a free port. Prints one JSON line.
 import argparse
 import json
 import os
-import socket
 import time
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import peer
 
 
 def mlp(nn):
@@ -36,11 +31,7 @@ def run(rank, args):
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    if args.bind:  # as `mpirun --bind-to core` does for paratrain
-        os.sched_setaffinity(0, {rank % os.cpu_count()})
-    torch.set_num_threads(1)
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.ranks)
-    dist.init_process_group("gloo", init_method="env://")
+    peer.join(rank, args.ranks, bind=args.bind)
     torch.manual_seed(1 + rank)
     batch, pool = 64, 16
     x = torch.randn(pool * batch, 784)
@@ -100,11 +91,7 @@ def main():
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--bind", action="store_true", help="pin rank r to core r")
     args = p.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    import torch.multiprocessing as mp
-    mp.spawn(run, args=(args,), nprocs=args.ranks)
+    peer.spawn(run, args, args.ranks)
 
 
 if __name__ == "__main__":

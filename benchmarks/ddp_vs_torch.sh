@@ -29,43 +29,7 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-busy_ticks() {  # CPU time spent by everything on the machine, in clock ticks
-  local _ user nice system idle iowait irq softirq steal
-  read -r _ user nice system idle iowait irq softirq steal _ </proc/stat
-  echo $((user + nice + system + irq + softirq + steal))
-}
-
-wait_quiet() {  # until the machine is under 10% busy over 2 s, for at most 120 s
-  local start=$SECONDS b
-  while ((SECONDS - start < 120)); do
-    b=$(busy_ticks)
-    sleep 2
-    (( ($(busy_ticks) - b) * 100 / $(getconf CLK_TCK) / 2 < 10 )) && return 0
-  done
-  echo "  (the machine stayed busy; measuring anyway)" >&2
-}
-
-# run_clean COMMAND...: runs it, appends its JSON line (with the share of a core that
-# other processes took meanwhile) to $tmp/results, repeats it if that share was > 10%.
-run_clean() {
-  local attempt before after wall user sys others
-  echo "\$ $*" >&2
-  for attempt in 1 2 3 4 5; do
-    wait_quiet
-    before=$(busy_ticks)
-    /usr/bin/time -f '%e %U %S' -o "$tmp/time" "$@" >"$tmp/out"
-    after=$(busy_ticks)
-    read -r wall user sys <"$tmp/time"
-    others=$(awk -v t=$((after - before)) -v hz="$(getconf CLK_TCK)" -v w="$wall" -v u="$user" -v s="$sys" \
-      'BEGIN { o = (t / hz - u - s) / w; printf "%.3f", o < 0 ? 0 : o }')
-    if awk -v o="$others" 'BEGIN { exit !(o <= 0.10) }' || ((attempt == 5)); then
-      ((attempt == 5)) && echo "  (others took ${others} of a core during the last try; kept anyway)" >&2
-      jq -c --argjson others "$others" '. + {others_cpu: $others}' "$tmp/out" | tee -a "$tmp/results" >&2
-      return 0
-    fi
-    echo "  (others took ${others} of a core during this run: repeating it)" >&2
-  done
-}
+. benchmarks/side_by_side.sh  # busy_ticks, wait_quiet, run_clean, machine_line
 
 # The exact command, with the environment that changes the numbers (allocator, MPI tuning).
 command="$({ env | grep -E '^(GLIBC_TUNABLES|OMPI_MCA_[A-Za-z0-9_]+)=' || true; } | sort | tr '\n' ' ')$0 $steps $rounds"
@@ -109,6 +73,4 @@ jq -rs '
 ' "$tmp/results"
 echo
 echo "Command: $command"
-echo "Machine: $(env -u OMP_NUM_THREADS nproc) cores ($(lscpu | sed -n 's/^Model name: *//p')), $(. /etc/os-release && echo "$PRETTY_NAME"),\
- LibTorch $(dpkg-query -W -f '${Version}' libtorch-dev 2>/dev/null || echo '?'),\
- PyTorch $("$python" -c 'import torch; print(torch.__version__)'), $(mpirun --version | head -1)"
+machine_line

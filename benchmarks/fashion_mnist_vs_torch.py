@@ -16,16 +16,11 @@ import gzip
 import json
 import math
 import os
-import socket
 import time
 
+import peer
+
 START = time.time()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_idx(path):
@@ -45,9 +40,7 @@ def run(rank, args):
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DistributedSampler
 
-    os.sched_setaffinity(0, {rank % os.cpu_count()})
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    peer.join(rank, args.ranks)
 
     def load(prefix):
         x = torch.from_numpy(read_idx(f"{args.data}/{prefix}-images-idx3-ubyte.gz").copy()).float().div_(255)
@@ -108,7 +101,4 @@ if __name__ == "__main__":
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     args = p.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    import torch.multiprocessing as mp
-    mp.spawn(run, args=(args,), nprocs=args.ranks)
+    peer.spawn(run, args, args.ranks)

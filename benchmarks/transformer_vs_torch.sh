@@ -36,52 +36,16 @@ export MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-busy_ticks() {  # CPU time spent by everything on the machine, in clock ticks
-  local _ user nice system idle iowait irq softirq steal
-  read -r _ user nice system idle iowait irq softirq steal _ </proc/stat
-  echo $((user + nice + system + irq + softirq + steal))
-}
-
-wait_quiet() {  # until the machine is under 10% busy over 2 s, for at most 120 s
-  local start=$SECONDS b
-  while ((SECONDS - start < 120)); do
-    b=$(busy_ticks)
-    sleep 2
-    (( ($(busy_ticks) - b) * 100 / $(getconf CLK_TCK) / 2 < 10 )) && return 0
-  done
-  echo "  (the machine stayed busy; measuring anyway)" >&2
-}
-
-# record COMMAND...: runs it, appends its JSON line (with the share of a core that other
-# processes took meanwhile) to $tmp/results, repeats it if that share was > 10%.
-record() {
-  local attempt before after wall user sys others
-  echo "\$ $*" >&2
-  for attempt in 1 2 3; do
-    wait_quiet
-    before=$(busy_ticks)
-    /usr/bin/time -f '%e %U %S' -o "$tmp/time" "$@" | tee "$tmp/out" >&2
-    after=$(busy_ticks)
-    read -r wall user sys <"$tmp/time"  # the launcher's children: every rank
-    others=$(awk -v t=$((after - before)) -v hz="$(getconf CLK_TCK)" -v w="$wall" -v u="$user" -v s="$sys" \
-      'BEGIN { o = (t / hz - u - s) / w; printf "%.3f", o < 0 ? 0 : o }')
-    if awk -v o="$others" 'BEGIN { exit !(o <= 0.10) }' || ((attempt == 3)); then
-      ((attempt == 3)) && echo "  (others took ${others} of a core during the last try; kept anyway)" >&2
-      grep -E '^\{' "$tmp/out" | tail -n 1 | jq -c --argjson others "$others" '. + {others_cpu: $others}' \
-        >>"$tmp/results"
-      return 0
-    fi
-    echo "  (others took ${others} of a core during this run: repeating it)" >&2
-  done
-}
+. benchmarks/side_by_side.sh  # busy_ticks, wait_quiet, run_clean, machine_line
 
 # The exact command, with the environment that changes the numbers (allocator, MPI tuning).
 command="$({ env | grep -E '^(GLIBC_TUNABLES|MALLOC_[A-Z_]+|OMPI_MCA_[A-Za-z0-9_]+)=' || true; } | sort | tr '\n' ' ')$0 $steps $warmup $rounds"
 echo "Command: $command" >&2
+export RUN_CLEAN_TRIES=3
 for ((round = 1; round <= rounds; ++round)); do
   echo "-- round $round of $rounds" >&2
-  record scripts/mpirun.sh 2 "$bench" --steps "$steps" --warmup "$warmup"
-  record "$python" benchmarks/transformer_vs_torch.py --ranks 2 --steps "$steps" --warmup "$warmup" --bind
+  run_clean scripts/mpirun.sh 2 "$bench" --steps "$steps" --warmup "$warmup"
+  run_clean "$python" benchmarks/transformer_vs_torch.py --ranks 2 --steps "$steps" --warmup "$warmup" --bind
 done
 
 jq -rs '
@@ -103,6 +67,4 @@ jq -rs '
 ' "$tmp/results"
 echo
 echo "Command: $command"
-echo "Machine: $(env -u OMP_NUM_THREADS nproc) cores ($(lscpu | sed -n 's/^Model name: *//p')), $(. /etc/os-release && echo "$PRETTY_NAME"),\
- LibTorch $(dpkg-query -W -f '${Version}' libtorch-dev 2>/dev/null || echo '?'),\
- PyTorch $("$python" -c 'import torch; print(torch.__version__)'), $(mpirun --version | head -1)"
+machine_line

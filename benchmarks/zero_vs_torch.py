@@ -15,14 +15,9 @@ import argparse
 import json
 import os
 import resource
-import socket
 import time
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import peer
 
 
 def run(rank, args):
@@ -33,10 +28,7 @@ def run(rank, args):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    os.sched_setaffinity(0, {rank % os.cpu_count()})
-    torch.set_num_threads(1)
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(args.ranks)
-    dist.init_process_group("gloo", init_method="env://")
+    peer.join(rank, args.ranks, bind=True)
     torch.manual_seed(1 + rank)
     width, batch, pool = 2048, 32, 8
     x = torch.randn(pool * batch, width)
@@ -92,11 +84,7 @@ def main():
     p.add_argument("--steps", type=int, default=30, help="timed steps, in 3 trials")
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    import torch.multiprocessing as mp
-    mp.spawn(run, args=(args,), nprocs=args.ranks)
+    peer.spawn(run, args, args.ranks)
 
 
 if __name__ == "__main__":

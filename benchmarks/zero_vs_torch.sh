@@ -27,6 +27,7 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 tuned=(MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+. benchmarks/side_by_side.sh  # machine_line
 
 record() {  # record ALLOCATOR COMMAND...: runs it, keeps its JSON line with the allocator named
   local alloc=$1
@@ -65,6 +66,4 @@ jq -rs '
 ' "$tmp/results"
 echo
 echo "Command: $0 \"$sizes\" $steps $rounds (2 ranks, one per core; OMP_NUM_THREADS=1)"
-echo "Machine: $(env -u OMP_NUM_THREADS nproc) cores ($(lscpu | sed -n 's/^Model name: *//p')), $(. /etc/os-release && echo "$PRETTY_NAME"),\
- LibTorch $(dpkg-query -W -f '${Version}' libtorch-dev 2>/dev/null || echo '?'),\
- PyTorch $("$python" -c 'import torch; print(torch.__version__)'), $(mpirun --version | head -1)"
+machine_line
