@@ -271,6 +271,19 @@ inline void validate(std::string_view operation, Kind kind, int ranks, int micro
   return s;
 }
 
+/// The 1F1B pattern every schedule but GPipe shares: `warmup` forwards, then one forward
+/// and one backward in turn, then the backwards left; forward(k) and backward(k) add the
+/// k-th of `total` of each.
+template <class Forward, class Backward>
+void one_forward_one_backward(int total, int warmup, Forward&& forward, Backward&& backward) {
+  for (int k = 0; k < warmup; ++k) forward(k);
+  for (int k = 0; k + warmup < total; ++k) {
+    forward(warmup + k);
+    backward(k);
+  }
+  for (int k = total - warmup; k < total; ++k) backward(k);
+}
+
 }  // namespace detail
 
 /// GPipe (Huang et al. 2019): every rank runs all M forwards, then all M backwards, the
@@ -300,13 +313,9 @@ inline void validate(std::string_view operation, Kind kind, int ranks, int micro
   Schedule s = detail::empty("1F1B", ranks, micro_batches, 1);
   for (int r = 0; r < ranks; ++r) {
     auto& list = s.actions[r];
-    const int warmup = std::min(ranks - r - 1, micro_batches);
-    for (int m = 0; m < warmup; ++m) list.push_back({Op::forward, m, r});
-    for (int i = 0; i + warmup < micro_batches; ++i) {
-      list.push_back({Op::forward, warmup + i, r});
-      list.push_back({Op::backward, i, r});
-    }
-    for (int m = micro_batches - warmup; m < micro_batches; ++m) list.push_back({Op::backward, m, r});
+    detail::one_forward_one_backward(
+        micro_batches, std::min(ranks - r - 1, micro_batches), [&](int m) { list.push_back({Op::forward, m, r}); },
+        [&](int m) { list.push_back({Op::backward, m, r}); });
   }
   return s;
 }
@@ -337,13 +346,8 @@ inline void validate(std::string_view operation, Kind kind, int ranks, int micro
     const auto backward = [&](int k) {
       list.push_back({Op::backward, micro_of(k), (v - 1 - chunk_of(k)) * ranks + r});
     };
-    const int warmup = std::min((ranks - r - 1) * 2 + (v - 1) * ranks, total);
-    for (int k = 0; k < warmup; ++k) forward(k);
-    for (int k = 0; k + warmup < total; ++k) {
-      forward(warmup + k);
-      backward(k);
-    }
-    for (int k = total - warmup; k < total; ++k) backward(k);
+    detail::one_forward_one_backward(total, std::min((ranks - r - 1) * 2 + (v - 1) * ranks, total), forward,
+                                     backward);
   }
   return s;
 }
@@ -363,16 +367,13 @@ inline void validate(std::string_view operation, Kind kind, int ranks, int micro
     int next_w = 0;
     const auto weight = [&] { list.push_back({Op::backward_weight, next_w++, r}); };
     const int warmup = std::min(ranks - r - 1, micro_batches);
-    for (int m = 0; m < warmup; ++m) list.push_back({Op::forward, m, r});
-    for (int i = 0; i + warmup < micro_batches; ++i) {
-      list.push_back({Op::forward, warmup + i, r});
-      list.push_back({Op::backward_input, i, r});
-      if (i >= r) weight();  // W(i - r)
-    }
-    for (int m = micro_batches - warmup; m < micro_batches; ++m) {
-      list.push_back({Op::backward_input, m, r});
-      weight();
-    }
+    detail::one_forward_one_backward(
+        micro_batches, warmup, [&](int m) { list.push_back({Op::forward, m, r}); },
+        [&](int i) {
+          list.push_back({Op::backward_input, i, r});
+          // Steady state: W(i - r); cool-down (the last `warmup` B's): the oldest pending W.
+          if (i >= r || i >= micro_batches - warmup) weight();
+        });
     while (next_w < micro_batches) weight();
   }
   return s;
