@@ -21,6 +21,13 @@ inline double max_over_ranks(MPI_Comm comm, double v) {
   return v;
 }
 
+/// The median of `v` (the upper one of an even count); 0 for none.
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
 /// Seconds per call of `f`, the median over trials of `iterations` calls each,
 /// started together on every rank and ended by the slowest.
 inline std::vector<double> time_alternating(MPI_Comm comm, int trials, int iterations,
@@ -35,12 +42,9 @@ inline std::vector<double> time_alternating(MPI_Comm comm, int trials, int itera
       const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       seconds[c].push_back(max_over_ranks(comm, elapsed) / iterations);
     }
-  std::vector<double> median;
-  for (auto& s : seconds) {
-    std::nth_element(s.begin(), s.begin() + s.size() / 2, s.end());
-    median.push_back(s[s.size() / 2]);
-  }
-  return median;
+  std::vector<double> medians;
+  for (auto& s : seconds) medians.push_back(median(std::move(s)));
+  return medians;
 }
 
 inline std::string human_bytes(double bytes) {

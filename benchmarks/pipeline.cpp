@@ -83,10 +83,6 @@ struct Row {
   double step_ms = 0;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
 
 template <class P>
 Row measure(P stages, pipeline::Kind kind, int v, int M, const Shape& shape, paratrain::comm::Mpi& world) {
@@ -112,17 +108,17 @@ Row measure(P stages, pipeline::Kind kind, int v, int M, const Shape& shape, par
     step();
     const auto& st = s.last_step_stats();
     const double makespan = paratrain::bench::max_over_ranks(world.native(), st.span_seconds);
-    bubbles.push_back(1 - st.busy_seconds / makespan);
+    bubbles.push_back(1 - st.busy_seconds() / makespan);
     spans.push_back(makespan);
     for (int k = 0; k < 4; ++k) sums[k] += st.seconds[k], counts[k] += st.count[k];
     row.peak_stashed = std::max(row.peak_stashed, st.peak_stashed);
   }
   // Every rank's median bubble, to rank 0.
   auto mine = torch::zeros({2}, torch::kDouble);
-  mine[world.rank()] = median(bubbles);
+  mine[world.rank()] = paratrain::bench::median(bubbles);
   world.all_reduce(mine, paratrain::reduce_op::sum);
   row.bubble[0] = mine[0].item<double>(), row.bubble[1] = mine[1].item<double>();
-  row.step_ms = 1e3 * median(spans);
+  row.step_ms = 1e3 * paratrain::bench::median(spans);
   // Costs: forward, backward (or its input half), weight half; averaged over the ranks.
   auto c = torch::tensor({sums[0] / std::max(1, counts[0]),
                           (sums[1] + sums[2]) / std::max(1, counts[1] + counts[2]),
@@ -131,19 +127,18 @@ Row measure(P stages, pipeline::Kind kind, int v, int M, const Shape& shape, par
   world.all_reduce(c, paratrain::reduce_op::sum);
   for (int k = 0; k < 3; ++k) row.costs[k] = c[k].item<double>() / world.size();
   const int K = world.size();
-  if (kind == pipeline::Kind::zero_bubble_h1) {
-    // Qi et al.'s model with the measured F, B and W: (K-1)(F+B-W) idle per rank when
-    // W <= F; the simulation of the schedule gives it for any costs.
-    const auto sim = pipeline::simulate(s.schedule_for(M), {row.costs[0], row.costs[1], row.costs[2]});
-    row.theory = (sim.bubble[0] + sim.bubble[1]) / 2;
-  } else if (kind == pipeline::Kind::interleaved_1f1b && M % K == 0)
-    row.theory = double(K - 1) / (v * M + K - 1);
-  else if (kind == pipeline::Kind::interleaved_1f1b) {  // M < K: chunk by chunk (schedule_for); simulated
-    const auto sim = pipeline::simulate(s.schedule_for(M));
+  // The published formula (pipeline::theoretical_bubble) where it holds; the schedule's
+  // simulation with the measured costs where it does not: ZB-H1's closed form assumes
+  // W <= F, and interleaved 1F1B at M < K runs chunk by chunk (schedule_for).
+  const pipeline::Costs costs{row.costs[0], row.costs[1], row.costs[2] > 0 ? row.costs[2] : row.costs[1]};
+  const bool formula = kind == pipeline::Kind::gpipe || kind == pipeline::Kind::one_f_one_b ||
+                       (kind == pipeline::Kind::interleaved_1f1b && M % K == 0);
+  if (formula) {
+    row.theory = pipeline::theoretical_bubble(kind, K, M, v, costs);
+  } else {
+    const auto sim = pipeline::simulate(s.schedule_for(M), costs);
     row.theory = (sim.bubble[0] + sim.bubble[1]) / 2;
   }
-  else
-    row.theory = double(K - 1) / (M + K - 1);
   // Memory: separate steps, sampled from a thread while each runs.
   if (kind == pipeline::Kind::gpipe || kind == pipeline::Kind::one_f_one_b) {
     double peak = 0;

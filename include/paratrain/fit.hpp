@@ -287,13 +287,13 @@ class Trainer {
     e.samples += r.global_samples;
     const StepInfo info{.epoch = e.index,
                         .step = step_,
-                        .loss = r.has_loss ? r.loss : 0.0,
+                        .loss = r.loss,
                         .lr = s_.optimizer().param_groups().front().options().get_lr(),
                         .global_samples = r.global_samples,
                         .seconds = std::chrono::duration<double>(end - begin).count(),
                         .metrics = &metrics_,
                         .has_loss = r.has_loss};
-    observer_.step(step_, begin, end, info.loss, r.has_loss ? r.samples : 0);
+    observer_.step(step_, begin, end, r.loss, r.has_loss ? r.samples : 0);
     if (options_.on_step) options_.on_step(info);
     const bool last = r.ranks_with_next == 0;
     checkpoints_.poll();

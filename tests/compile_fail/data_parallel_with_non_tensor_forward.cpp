@@ -1,5 +1,6 @@
 // expect: paratrain: the model's forward must take one or more torch::Tensor and return a torch::Tensor
-// A model whose forward takes something other than tensors is told which signature is needed.
+// A model whose forward takes something other than tensors is told which signature is needed
+// where the strategy calls it.
 #include <torch/torch.h>
 
 #include "paratrain/strategy/data_parallel.hpp"
@@ -9,4 +10,6 @@ struct ScaledImpl : torch::nn::Module {
 };
 TORCH_MODULE(Scaled);
 
-paratrain::DataParallel<Scaled> strategy(Scaled(), torch::optim::SGDOptions(0.1));
+void train(paratrain::DataParallel<Scaled>& strategy, const paratrain::Batch& batch) {
+  strategy.step(batch, [](const torch::Tensor& out, const torch::Tensor& y) { return (out - y).square().mean(); });
+}

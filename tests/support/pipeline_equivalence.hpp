@@ -17,6 +17,7 @@
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"
 #include "support/doctest.hpp"
+#include "support/equivalence.hpp"
 
 namespace paratrain_test::pipe {
 
@@ -94,7 +95,7 @@ Pipeline<Stage...> seeded(Pipeline<Stage...>*) {
 }
 
 // Replica r's micro-batch m of step t: 2 to 4 samples, so sizes differ everywhere.
-paratrain::Batch micro_batch(int t, int r, int m) {
+inline paratrain::Batch micro_batch(int t, int r, int m) {
   torch::manual_seed(1000 * t + 37 * r + m);
   const int n = 2 + (t + r + m) % 3;
   auto x = torch::randn({n, features}, torch::kDouble);
@@ -103,26 +104,34 @@ paratrain::Batch micro_batch(int t, int r, int m) {
   return {{x, z}, y};
 }
 
-torch::optim::SGDOptions sgd_options() { return torch::optim::SGDOptions(0.1).momentum(0.9); }
+inline torch::optim::SGDOptions sgd_options() { return torch::optim::SGDOptions(0.1).momentum(0.9); }
 
-// Single-device training on the union of every replica's micro-batches: the stages'
-// parameters after each of `steps` steps, per stage.
+// What single-device training on the union of every replica's micro-batches gives.
+struct Trained {
+  std::vector<std::vector<Tensor>> params;  // per stage, after the last step
+  std::vector<std::vector<double>> loss;    // [step][replica]: the mean loss over that replica's samples
+};
+
+// Single-device training on the union of every replica's micro-batches, `steps` steps.
 template <class... Stage>
 struct Reference {
 template <class Optim, class Options>
-static std::vector<std::vector<Tensor>> run(int replicas, int micro, int steps, Options options, double clip = 0) {
+static Trained run(int replicas, int micro, int steps, Options options, double clip = 0) {
   auto stages = [&]<std::size_t... I>(std::index_sequence<I...>) {
     return std::tuple<Stage...>{make_stage<Stage>(I)...};
   }(std::index_sequence_for<Stage...>{});
   std::vector<Tensor> params;
   std::apply([&](auto&... s) { (..., [&] { for (auto& p : s->parameters()) params.push_back(p); }()); }, stages);
   Optim sgd(params, options);
+  Trained trained;
   for (int t = 0; t < steps; ++t) {
     std::vector<Tensor> xs, zs, ys;
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(replicas), 0);  // each replica's samples
     for (int r = 0; r < replicas; ++r)
       for (int m = 0; m < micro; ++m) {
         auto b = micro_batch(t, r, m);
         xs.push_back(b.inputs[0]), zs.push_back(b.inputs[1]), ys.push_back(b.target);
+        rows[static_cast<std::size_t>(r)] += b.size();
       }
     sgd.zero_grad();
     auto out = std::apply(
@@ -140,23 +149,25 @@ static std::vector<std::vector<Tensor>> run(int replicas, int micro, int steps, 
           return logits;
         },
         stages);
-    torch::nn::functional::cross_entropy(out, torch::cat(ys)).backward();
+    const auto y = torch::cat(ys);
+    auto& losses = trained.loss.emplace_back();
+    {
+      torch::NoGradGuard no_grad;
+      std::int64_t begin = 0;
+      for (const auto n : rows) {
+        losses.push_back(torch::nn::functional::cross_entropy(out.narrow(0, begin, n), y.narrow(0, begin, n))
+                             .template item<double>());
+        begin += n;
+      }
+    }
+    torch::nn::functional::cross_entropy(out, y).backward();
     if (clip > 0) torch::nn::utils::clip_grad_norm_(params, clip);
     sgd.step();
   }
-  std::vector<std::vector<Tensor>> out;
-  std::apply([&](auto&... s) { (out.push_back(s->parameters()), ...); }, stages);
-  return out;
+  std::apply([&](auto&... s) { (trained.params.push_back(s->parameters()), ...); }, stages);
+  return trained;
 }
 };
-
-double max_relative_difference(const std::vector<Tensor>& got, const std::vector<Tensor>& want) {
-  REQUIRE(got.size() == want.size());
-  double worst = 0;
-  for (std::size_t i = 0; i < got.size(); ++i)
-    worst = std::max(worst, ((got[i] - want[i]).abs().max() / want[i].abs().max()).item<double>());
-  return worst;
-}
 
 template <class Comm, class Update, class P>
 void check_pipeline(Comm world, PipelineOptions options, int micro, int steps = 20) {
@@ -168,22 +179,24 @@ void check_pipeline(Comm world, PipelineOptions options, int micro, int steps = 
   CAPTURE(R);
   CAPTURE(micro);
   CAPTURE(s.schedule_for(micro).name);
+  const auto want = [&]<class... Stage>(Pipeline<Stage...>*) {
+    return Reference<Stage...>::template run<torch::optim::SGD>(R, micro, steps, sgd_options(), clip);
+  }(static_cast<P*>(nullptr));
   int peak = 0;
-  double loss_sum = 0;
   for (int t = 0; t < steps; ++t) {
     std::vector<paratrain::Batch> mine;
     for (int m = 0; m < micro; ++m) mine.push_back(micro_batch(t, s.replica(), m));
     const auto r = s.step(std::span<const paratrain::Batch>(mine), paratrain::CrossEntropy{});
+    // The last stage reports its replica's mean loss over the step's micro-batches.
     CHECK(r.has_loss == s.owns(static_cast<int>(P::size) - 1));
-    if (r.has_loss) loss_sum += r.loss;
+    if (r.has_loss)
+      CHECK(r.loss == doctest::Approx(want.loss[static_cast<std::size_t>(t)][static_cast<std::size_t>(s.replica())])
+                          .epsilon(1e-9));
     peak = std::max(peak, s.last_step_stats().peak_stashed);
   }
-  const auto want = [&]<class... Stage>(Pipeline<Stage...>*) {
-    return Reference<Stage...>::template run<torch::optim::SGD>(R, micro, steps, sgd_options(), clip);
-  }(static_cast<P*>(nullptr));
   std::vector<Tensor> expected;
   for (int i = 0; i < static_cast<int>(P::size); ++i)
-    if (s.owns(i)) expected.insert(expected.end(), want[i].begin(), want[i].end());
+    if (s.owns(i)) expected.insert(expected.end(), want.params[i].begin(), want.params[i].end());
   CHECK(max_relative_difference(s.full_parameters(), expected) <= 1e-5);
   // 1F1B and ZB-H1 keep at most K micro-batches' activations (rank r: K - r); GPipe all M.
   const auto kind = options.schedule;

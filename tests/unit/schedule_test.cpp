@@ -125,6 +125,18 @@ TEST_CASE("the simulated bubble is the published one: GPipe, 1F1B, interleaved 1
   }
 }
 
+TEST_CASE("GPipe over virtual stages (interleaved 1F1B's steps whose M is no multiple of K) passes the checker") {
+  for (int k = 1; k <= 6; ++k)
+    for (int m = 1; m <= 16; ++m)
+      for (int v = 2; v <= 3; ++v) {
+        INFO("K " << k << ", M " << m << ", v " << v);
+        const auto s = pipeline::gpipe(k, m, v);
+        CHECK_NOTHROW(pipeline::check(s));
+        // Every stage of the rank, forward and backward, for every micro-batch.
+        for (const auto& actions : s.actions) CHECK(actions.size() == static_cast<std::size_t>(2 * m * v));
+      }
+}
+
 TEST_CASE("GPipe's and 1F1B's makespan is (M + K - 1)(F + B) for other costs too") {
   const pipeline::Costs costs{.forward = 2, .backward_input = 3, .backward_weight = 1};
   for (int k = 1; k <= 6; ++k)

@@ -48,11 +48,6 @@ concept cloneable_module = module<M> && requires(M& m) {
 
 namespace detail {
 
-/// True for modules that a strategy drives pass by pass and that have no forward of
-/// their own: a pipeline rank's stages (Note [Steps driven from outside]).
-template <class M>
-inline constexpr bool driven_from_outside = false;
-
 template <class M>
 using impl_of = std::remove_cvref_t<decltype(*std::declval<M&>())>;
 
@@ -62,6 +57,7 @@ struct member_signature;
 template <class R, class C, class... A>
 struct member_signature<R (C::*)(A...)> {
   using result = R;
+  using parameters = std::tuple<A...>;  ///< as declared
   using args = std::tuple<std::remove_cvref_t<A>...>;
 };
 template <class R, class C, class... A>
@@ -76,6 +72,12 @@ struct member_signature<R (C::*)(A...) const noexcept> : member_signature<R (C::
 template <class M>
 concept plain_forward = requires { &impl_of<M>::forward; };
 
+/// Of a plain_forward: what it returns, and its parameters without references and const.
+template <class M>
+using forward_result_t = std::remove_cvref_t<typename member_signature<decltype(&impl_of<M>::forward)>::result>;
+template <class M>
+using forward_args_t = typename member_signature<decltype(&impl_of<M>::forward)>::args;
+
 template <class Tuple>
 inline constexpr bool all_tensors = false;
 template <class... T>
@@ -86,7 +88,7 @@ inline constexpr bool all_tensors<std::tuple<T...>> = (std::same_as<T, at::Tenso
 template <class M>
 consteval std::size_t forward_arity() {
   if constexpr (plain_forward<M>) {
-    using Args = typename member_signature<decltype(&impl_of<M>::forward)>::args;
+    using Args = forward_args_t<M>;
     if constexpr (all_tensors<Args>) return std::tuple_size_v<Args>;
     else return 1;
   } else {
@@ -128,15 +130,34 @@ auto forward(M& model, const std::vector<at::Tensor>& inputs) {
   return std::move(*out);
 }
 
+/// Evaluation mode and no gradients for a module while it lives; its mode restored after,
+/// also when forward throws.
+class EvalMode {
+ public:
+  explicit EvalMode(torch::nn::Module& m) : module_(m), training_(m.is_training()) { module_.eval(); }
+  EvalMode(const EvalMode&) = delete;
+  EvalMode& operator=(const EvalMode&) = delete;
+  ~EvalMode() { module_.train(training_); }
+
+ private:
+  at::NoGradGuard no_grad_;
+  torch::nn::Module& module_;
+  bool training_;
+};
+
+/// `tensors`, each on `device` (no copy where one is there already).
+inline std::vector<at::Tensor> to_device(const std::vector<at::Tensor>& tensors, at::Device device) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(t.to(device));
+  return out;
+}
+
 /// `model`'s output for `inputs`: evaluation mode, no gradients, the mode restored after.
 template <class M>
 at::Tensor predict(M& model, const std::vector<at::Tensor>& inputs) {
-  at::NoGradGuard no_grad;
-  const bool training = model->is_training();
-  model->eval();
-  at::Tensor out = forward(model, inputs);
-  model->train(training);
-  return out;
+  EvalMode eval(*model);
+  return forward(model, inputs);
 }
 
 }  // namespace detail
@@ -145,19 +166,23 @@ at::Tensor predict(M& model, const std::vector<at::Tensor>& inputs) {
 /// batch, in order) and returns a tensor (the output the loss compares with the targets).
 template <class M>
 concept model = module<M> && (stage_of<M, at::Tensor, at::Tensor> ||
-                              (detail::plain_forward<M> &&
-                               detail::all_tensors<typename detail::member_signature<
-                                   decltype(&detail::impl_of<M>::forward)>::args> &&
-                               std::convertible_to<typename detail::member_signature<
-                                                       decltype(&detail::impl_of<M>::forward)>::result,
-                                                   at::Tensor>));
+                              (detail::plain_forward<M> && detail::all_tensors<detail::forward_args_t<M>> &&
+                               std::convertible_to<detail::forward_result_t<M>, at::Tensor>));
 
-/// Checks each requirement on a model separately, so that the message names the one missed.
+/// Checks that M is a module handle, with a message that says what one is.
 template <class M>
-consteval bool explain_model() {
+consteval bool explain_module() {
   static_assert(module<M>,
                 "paratrain: the model must be a LibTorch module handle: a TORCH_MODULE(Net) holder or "
                 "std::shared_ptr<NetImpl>, where NetImpl derives from torch::nn::Module");
+  return true;
+}
+
+/// Checks each requirement on a model separately, so that the message names the one missed.
+/// Strategies check it where they call the model's forward (a pipeline's stage group has none).
+template <class M>
+consteval bool explain_model() {
+  static_assert(explain_module<M>());
   static_assert(model<M>,
                 "paratrain: the model's forward must take one or more torch::Tensor and return a torch::Tensor; "
                 "give it `torch::Tensor forward(torch::Tensor x)` (or `forward(torch::Tensor src, torch::Tensor "
@@ -165,11 +190,5 @@ consteval bool explain_model() {
   return true;
 }
 
-/// explain_model, except for the stages a pipeline drives itself (Note [Steps driven from outside]).
-template <class M>
-consteval bool explain_model_or_stages() {
-  if constexpr (detail::driven_from_outside<M>) return true;
-  else return explain_model<M>();
-}
 
 }  // namespace paratrain

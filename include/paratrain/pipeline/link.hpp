@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <list>
 #include <string>
@@ -33,11 +34,13 @@ inline constexpr std::int64_t header_magic = 0x50495045;  // "PIPE"
 /// What a message is: tags are unique per (kind, stage, micro-batch) within a step.
 enum class Message : int { activation = 0, gradient = 1, evaluation = 2 };
 
-inline int tag_of(Message kind, int stage, int micro, int stages, int part) {
-  // MPI guarantees tags up to 32767; beyond 255 micro-batches they repeat, which is safe
-  // since messages of one tag between two ranks arrive in the order they were sent.
-  const int m = micro % 256;
-  return (((m * stages + stage) * 3 + static_cast<int>(kind)) * 2 + part) % 32768;
+inline int tag_of(Message kind, int stage, int micro, int stages) {
+  // The payloads go on tag + 1. MPI guarantees tags up to 32767: (kind, stage) pairs take
+  // 3 * stages slots, each with a window of micro-batches; beyond the window micro-batch
+  // numbers repeat, which is safe since the messages of one (kind, stage) between two ranks
+  // are sent and received in the same micro-batch order.
+  const int window = std::max(1, 16384 / (3 * stages));
+  return ((static_cast<int>(kind) * stages + stage) * window + micro % window) * 2;
 }
 
 template <class Comm>
@@ -76,7 +79,7 @@ class Link {
   }
 
   /// Receives what `peer` sent with `tag`: the tensors, and which need a gradient.
-  std::pair<std::vector<at::Tensor>, std::vector<bool>> recv(int peer, int tag, const at::TensorOptions& device) {
+  std::pair<std::vector<at::Tensor>, std::vector<bool>> recv(int peer, int tag, at::Device device) {
     progress();
     auto header = at::empty({header_words}, at::kLong);
     comm_->recv(header, peer, tag);
@@ -93,7 +96,7 @@ class Link {
       const auto dims = h[at++];
       std::vector<std::int64_t> shape(h + at, h + at + dims);
       at += dims;
-      auto t = at::empty(shape, device.dtype(dtype));
+      auto t = at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
       if (t.numel() > 0) comm_->recv(t, peer, tag + 1);
       out.first.push_back(std::move(t));
       out.second.push_back(needs_grad);

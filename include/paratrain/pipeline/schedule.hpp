@@ -576,8 +576,9 @@ inline void check(const Schedule& s) {
   for (std::size_t r = 0; r < t.starts.size(); ++r) {
     for (const auto& [start, a] : t.starts[r]) {
       static constexpr std::string_view letter = "FBbw";
-      std::string label = letter[static_cast<unsigned>(a.op)] + std::to_string(a.micro);
-      if (s.virtual_stages > 1) label += "." + std::to_string(a.stage / s.ranks);
+      std::string label(1, letter[static_cast<unsigned>(a.op)]);
+      label += std::to_string(a.micro);
+      if (s.virtual_stages > 1) label.append(".").append(std::to_string(a.stage / s.ranks));
       const auto first = static_cast<std::size_t>(std::llround(start) / tick);
       const auto span = static_cast<std::size_t>(std::llround(detail::cost_of(a.op, costs)) / tick);
       for (std::size_t c = first; c < first + span; ++c) cells[r][c] = label;

@@ -52,11 +52,12 @@ class SplitBackward {
   /// `outputs`: the stage's outputs (roots of its graph); `grads`: their gradients
   /// (undefined for a scalar loss); `inputs`: the stage's inputs that need a gradient.
   SplitBackward(variable_list outputs, variable_list grads, variable_list inputs)
-      : outputs_(std::move(outputs)), grads_(std::move(grads)), inputs_(std::move(inputs)) {
-    for (std::size_t i = 0; i < outputs_.size(); ++i)
-      if (outputs_[i].requires_grad()) {
-        roots_.push_back(torch::autograd::impl::gradient_edge(outputs_[i]));
-        root_grads_.push_back(grads_[i].defined() ? grads_[i] : at::ones_like(outputs_[i]));
+      : inputs_(std::move(inputs)) {
+    // The roots' edges hold the graph alive; the output tensors are not needed after.
+    for (std::size_t i = 0; i < outputs.size(); ++i)
+      if (outputs[i].requires_grad()) {
+        roots_.push_back(torch::autograd::impl::gradient_edge(outputs[i]));
+        root_grads_.push_back(grads[i].defined() ? std::move(grads[i]) : at::ones_like(outputs[i]));
       }
   }
 
@@ -189,12 +190,10 @@ class SplitBackward {
     outside_grads_.clear();
     roots_.clear();
     root_grads_.clear();
-    outputs_.clear();
-    grads_.clear();
     inputs_.clear();
   }
 
-  variable_list outputs_, grads_, inputs_;
+  variable_list inputs_;
   edge_list roots_;
   variable_list root_grads_;
   std::vector<WeightNode> weight_nodes_;

@@ -37,11 +37,6 @@ struct stage_outputs<std::tuple<T...>> {
   static constexpr std::size_t count = sizeof...(T);
 };
 
-template <class M>
-using forward_result_t = std::remove_cvref_t<typename member_signature<decltype(&impl_of<M>::forward)>::result>;
-template <class M>
-using forward_args_t = typename member_signature<decltype(&impl_of<M>::forward)>::args;
-
 /// Checks one stage on its own: a module with one forward of tensors, returning tensors.
 template <std::size_t I, class Stage>
 consteval bool explain_stage() {
@@ -99,8 +94,6 @@ class StageGroupImpl : public torch::nn::Module {
   using torch::nn::Module::register_module;
 };
 using StageGroup = std::shared_ptr<StageGroupImpl>;
-template <>
-inline constexpr bool driven_from_outside<StageGroup> = true;
 
 }  // namespace detail
 

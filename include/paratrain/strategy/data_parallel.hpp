@@ -76,7 +76,7 @@ struct DataParallelOptions {
 /// \endcode
 template <class Model, class Comm = comm::SingleDevice, class Update = torch::optim::SGD>
 class DataParallel {
-  static_assert(explain_model_or_stages<Model>());
+  static_assert(explain_module<Model>());  // its forward: explain_model where it is called
   static_assert(explain_communicator<Comm>());
   static_assert(async_communicator<Comm>,
                 "paratrain: DataParallel overlaps communication with backward and needs a communicator with "
@@ -185,9 +185,7 @@ class DataParallel {
     begin_step();
     grads_->prepare(/*sync=*/true);
     const double l = batch.size() > 0 ? forward_backward(batch, loss) : 0.0;
-    auto r = end_step(batch.size(), l, has_next, /*joined=*/batch.size() == 0);
-    r.has_loss = batch.size() > 0;
-    return r;
+    return end_step(batch.size(), l, has_next, /*joined=*/batch.size() == 0);
   }
 
   /// Forward and backward over `batch` without communicating: gradients accumulate
@@ -207,9 +205,7 @@ class DataParallel {
   StepResult join(bool has_next = false) {
     begin_step();
     grads_->prepare(/*sync=*/true);
-    auto r = end_step(0, 0.0, has_next, /*joined=*/true);
-    r.has_loss = false;
-    return r;
+    return end_step(0, 0.0, has_next, /*joined=*/true);
   }
 
   // Note [Steps driven from outside]
@@ -228,17 +224,19 @@ class DataParallel {
   /// Note [Steps driven from outside]: before each backward pass over model()'s parameters.
   void before_backward(bool last) { grads_->prepare(/*sync=*/last); }
   /// Note [Steps driven from outside]: after the last backward; `samples` were this rank's.
+  /// The result's loss is the caller's to fill in.
   StepResult end_external_step(std::int64_t samples, bool has_next) {
     if (samples == 0) grads_->prepare(/*sync=*/true);  // no backward ran: nothing is pending
-    auto r = end_step(samples, 0.0, has_next, /*joined=*/samples == 0);
-    r.has_loss = false;
-    return r;
+    return end_step(samples, 0.0, has_next, /*joined=*/samples == 0);
   }
 
   /// The model's output for the batch's inputs, in evaluation mode and without gradients.
-  at::Tensor predict(const Batch& batch) { return detail::predict(model_, batch.inputs); }
+  at::Tensor predict(const Batch& batch) {
+    static_assert(explain_model<Model>());
+    return detail::predict(model_, batch.inputs);
+  }
   /// The output of a one-input model for `input`, in evaluation mode and without gradients.
-  at::Tensor predict(const at::Tensor& input) { return detail::predict(model_, {input}); }
+  at::Tensor predict(const at::Tensor& input) { return predict(Batch{input, at::Tensor()}); }
 
   /// Every parameter of the model, whole, as a copy (model()->parameters() order).
   /// Collective: at ZeRO stage 3 the parameters are gathered for it, so every rank calls it.
@@ -327,6 +325,7 @@ class DataParallel {
 
   template <class Loss>
   double forward_backward(const Batch& batch, Loss& loss) {
+    static_assert(explain_model<Model>());
     model_->train();
     observe::PhaseTimer forward(timeline_, observe::Phase::forward);
     at::Tensor l = loss(detail::forward(model_, batch.inputs), batch.target);
@@ -360,7 +359,7 @@ class DataParallel {
     }
     if constexpr (sharded)
       if (!joined) shards_->end_step();
-    return {loss, samples, status.samples, status.ranks_with_next, norm};
+    return {loss, samples, status.samples, status.ranks_with_next, norm, /*has_loss=*/samples > 0};
   }
 
   Model model_;

@@ -131,10 +131,10 @@ class LocalDataParallel {
     const auto n = batch.size();
     if (n == 0) return 0.0;
     const auto used = static_cast<int>(std::min<std::int64_t>(n, static_cast<std::int64_t>(replicas_.size())));
-    std::vector<std::vector<at::Tensor>> inputs(used);  // [replica][input]
+    std::vector<std::vector<at::Tensor>> inputs(used);  // [replica][input], on the CPU: each thread moves its own
     for (const auto& x : batch.inputs) {
       auto parts = x.tensor_split(used);
-      for (int i = 0; i < used; ++i) inputs[i].push_back(parts[i].to(devices_[i]));
+      for (int i = 0; i < used; ++i) inputs[i].push_back(parts[i]);
     }
     const auto targets = batch.target.tensor_split(used);
     std::vector<double> losses(used);
@@ -147,7 +147,7 @@ class LocalDataParallel {
           for (auto& p : r->parameters()) p.mutable_grad() = at::Tensor();
         const auto y = targets[i].to(devices_[i]);
         const auto n_i = static_cast<double>(y.size(0));
-        at::Tensor l = loss(detail::forward(r, inputs[i]), y);
+        at::Tensor l = loss(detail::forward(r, detail::to_device(inputs[i], devices_[i])), y);
         (l * n_i).backward();  // the sum over the replica's samples
         losses[i] = l.template item<double>() * n_i;
       } catch (...) {
@@ -171,12 +171,8 @@ class LocalDataParallel {
   /// One process has nobody to wait for: nothing to do.
   StepResult join(bool has_next = false) { return {0, 0, 0, has_next ? 1 : 0, 0, /*has_loss=*/false}; }
 
-  at::Tensor predict(const Batch& batch) {
-    std::vector<at::Tensor> inputs;
-    for (const auto& x : batch.inputs) inputs.push_back(x.to(devices_[0]));
-    return detail::predict(model_, inputs);
-  }
-  at::Tensor predict(const at::Tensor& input) { return detail::predict(model_, {input.to(devices_[0])}); }
+  at::Tensor predict(const Batch& batch) { return detail::predict(model_, detail::to_device(batch.inputs, devices_[0])); }
+  at::Tensor predict(const at::Tensor& input) { return predict(Batch{input, at::Tensor()}); }
 
   /// A world of one process: nothing to reduce.
   void all_reduce(at::Tensor&, reduce_op) const noexcept {}

@@ -47,7 +47,6 @@ struct PipelineOptions {
 
 /// What the last step's schedule did on this rank (for measuring the bubble).
 struct PipelineStepStats {
-  double busy_seconds = 0;  ///< computing forward and backward passes
   double span_seconds = 0;  ///< from the schedule's start to its last action's end, waits included
   int peak_stashed = 0;     ///< the most micro-batches whose activations were kept at once
   /// Seconds spent in each kind of action (pipeline::Op order: forward, backward,
@@ -55,6 +54,8 @@ struct PipelineStepStats {
   /// theory (pipeline::theoretical_bubble, simulate) takes.
   std::array<double, 4> seconds{};
   std::array<int, 4> count{};
+  /// Seconds computing forward and backward passes, all kinds together.
+  [[nodiscard]] double busy_seconds() const { return seconds[0] + seconds[1] + seconds[2] + seconds[3]; }
 };
 
 // Note [Pipeline layout]
@@ -105,6 +106,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     Comm stage_replicas = world_.split(p_, replica_);
     group_ = std::make_shared<detail::StageGroupImpl>();
     build(stages, std::index_sequence_for<Stage...>{});
+    if (const auto params = group_->parameters(); !params.empty()) device_ = params.front().device();
     inner_ = std::make_unique<Inner>(group_, std::move(stage_replicas), std::move(optimizer_options),
                                      options.data_parallel);
     link_ = std::make_unique<pipeline::detail::Link<Comm>>(pipe_);
@@ -132,18 +134,15 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     std::int64_t samples = 0;
     for (const auto& b : micro_batches) samples += b.size();
     auto r = inner_->end_external_step(samples, has_next);
-    r.samples = samples;
-    r.has_loss = owns(S - 1) && samples > 0;
-    r.loss = r.has_loss ? run.loss_sum / static_cast<double>(samples) : 0.0;
+    r.has_loss = r.has_loss && owns(S - 1);  // the loss is the last stage's
+    if (r.has_loss) r.loss = run.loss_sum.template item<double>() / static_cast<double>(samples);
     return r;
   }
 
   /// For a replica without micro-batches this step while others have some.
   StepResult join(bool has_next = false) {
     inner_->begin_external_step();
-    auto r = inner_->end_external_step(0, has_next);
-    r.has_loss = false;
-    return r;
+    return inner_->end_external_step(0, has_next);
   }
 
   /// The model's output, through the stages: the last stage's rank has it, the others
@@ -151,21 +150,16 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// stage's replicas at ZeRO stage 3 (which gather parameters): an empty batch, too,
   /// runs through the stages.
   at::Tensor predict(const Batch& batch) {
-    at::NoGradGuard no_grad;
-    const bool training = group_->is_training();
-    group_->eval();
+    detail::EvalMode eval(*group_);
     at::Tensor out;
     for (int s = p_; s < S; s += K_) {
-      Tensors in;
-      if (s > 0) in = receive(pipeline::detail::Message::evaluation, s, 0).first;
-      else
-        for (const auto& x : batch.inputs) in.push_back(x.to(device().device()));
+      auto in = s == 0 ? detail::to_device(batch.inputs, device_)
+                       : receive(pipeline::detail::Message::evaluation, s, 0).first;
       auto y = forward(s, std::move(in));
       if (s == S - 1) out = y.front();
       else deliver(pipeline::detail::Message::evaluation, s + 1, 0, y, std::vector<bool>(y.size(), false));
     }
     link_->flush();
-    group_->train(training);
     return out;
   }
 
@@ -252,8 +246,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// One step's state.
   struct Run {
     std::span<const Batch> micro;
-    double loss_sum = 0;
-    std::map<std::pair<int, int>, Stash> stash;  // (stage, micro)
+    at::Tensor loss_sum = at::zeros({}, at::kDouble);  // summed on the loss's device: read once, after the step
+    std::map<std::pair<int, int>, Stash> stash;     // (stage, micro)
   };
 
   /// K, the pipeline ranks; or the error, the same on every rank, when the stages do not fit.
@@ -307,10 +301,6 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     return std::apply([](auto&&... x) { return Tensors{std::move(x)...}; }, std::move(t));
   }
 
-  at::TensorOptions device() const {
-    const auto params = group_->parameters();
-    return params.empty() ? at::TensorOptions() : at::TensorOptions().device(params.front().device());
-  }
 
   /// Sends to the rank of stage `to` (or keeps it, when that is this rank).
   void deliver(pipeline::detail::Message kind, int to, int micro, const Tensors& t, const Flags& needs) {
@@ -320,7 +310,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       local_[{static_cast<int>(kind), to, micro}] = {std::move(copy), needs};
       return;
     }
-    link_->send(t, needs, to % K_, pipeline::detail::tag_of(kind, to, micro, S, 0));
+    link_->send(t, needs, to % K_, pipeline::detail::tag_of(kind, to, micro, S));
   }
 
   /// What stage `at`'s neighbour sent it for `micro`.
@@ -332,7 +322,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
         throw error("Pipeline", world_.rank(), "internal: a message to this rank itself is missing");
       return std::move(node.mapped());
     }
-    return link_->recv(from % K_, pipeline::detail::tag_of(kind, at, micro, S, 0), device());
+    return link_->recv(from % K_, pipeline::detail::tag_of(kind, at, micro, S), device_);
   }
 
   template <class Loss>
@@ -340,7 +330,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const auto& batch = run.micro[static_cast<std::size_t>(a.micro)];
     Stash st;
     if (a.stage == 0) {
-      for (const auto& x : batch.inputs) st.inputs.push_back(x.to(device().device()));
+      st.inputs = detail::to_device(batch.inputs, device_);
       st.input_needs.assign(st.inputs.size(), false);
     } else {
       auto [in, needs] = receive(pipeline::detail::Message::activation, a.stage, a.micro);
@@ -355,7 +345,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       at::Tensor l = loss(st.outputs.front(), batch.target.to(st.outputs.front().device()));
       const auto n = static_cast<double>(batch.size());
       st.loss = l * n;  // Note [Exact averaging]: the gradient of the sum over the samples
-      run.loss_sum += l.template item<double>() * n;
+      run.loss_sum = run.loss_sum.to(l.device()) + l.detach().to(at::kDouble) * n;
     } else {
       for (const auto& y : st.outputs) st.output_needs.push_back(y.requires_grad());
     }
@@ -461,7 +451,6 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   void record(const pipeline::Action& a, clock::time_point begin) {
     const double t = seconds_since(begin);
     const auto op = static_cast<std::size_t>(a.op);
-    stats_.busy_seconds += t;
     stats_.seconds[op] += t;
     ++stats_.count[op];
   }
@@ -472,6 +461,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   Comm pipe_;  // this replica's pipeline ranks
   std::tuple<Stage...> stages_{Stage(nullptr)...};
   detail::StageGroup group_;
+  at::Device device_{at::kCPU};  // where this rank's stages live: received tensors go there
   std::unique_ptr<Inner> inner_;
   std::unique_ptr<pipeline::detail::Link<Comm>> link_;
   std::map<int, pipeline::Schedule> schedules_;

@@ -13,6 +13,8 @@
 #include <type_traits>
 #include <utility>
 
+#include "paratrain/concepts/module.hpp"
+
 namespace paratrain {
 
 // Note [Units]
@@ -69,28 +71,13 @@ struct BeforeBackward : torch::autograd::Function<BeforeBackward> {
   }
 };
 
-/// The parameter list of a module's `forward`, as a std::tuple (LibTorch's ModuleHolder
-/// needs a non-template forward, so a Unit's repeats its layer's).
-template <class F>
-struct forward_arguments {
-  static_assert(sizeof(F) == 0,
-                "paratrain: a Unit needs its layer to have exactly one, non-template `forward`; wrap the layer in a "
-                "block of your own with one forward and make that block the unit");
-};
-template <class C, class R, class... A>
-struct forward_arguments<R (C::*)(A...)> {
-  using type = std::tuple<A...>;
-};
-template <class C, class R, class... A>
-struct forward_arguments<R (C::*)(A...) const> {
-  using type = std::tuple<A...>;
-};
-
 }  // namespace detail
 
 /// The implementation behind `Unit<Layer>`: `Layer`'s implementation, reporting to a
 /// ZeRO-3 strategy around its forward. Note [Units].
-template <class Impl, class Args = typename detail::forward_arguments<decltype(&Impl::forward)>::type>
+/// (LibTorch's ModuleHolder needs a non-template forward, so a Unit's repeats its layer's
+/// parameter list, read off the layer's one forward.)
+template <class Impl, class Args = typename detail::member_signature<decltype(&Impl::forward)>::parameters>
 class UnitImpl;
 
 template <class Impl, class... A>
