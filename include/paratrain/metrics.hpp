@@ -32,11 +32,7 @@ namespace paratrain {
 class Metrics {
  public:
   /// Adds `value` with weight `weight` (e.g. a batch's mean loss and its sample count).
-  void log(const std::string& name, double value, double weight = 1.0) {
-    auto& [sum, w] = values_[name];
-    sum += value * weight;
-    w += weight;
-  }
+  void log(const std::string& name, double value, double weight = 1.0) { add_sums(name, value * weight, weight); }
 
   /// This rank's running sums, name -> (sum of value * weight, sum of weight): what a
   /// checkpoint keeps to resume mid-epoch.

@@ -33,4 +33,8 @@ echo "SIGKILL to rank 1 while it wrote $killed"
 wait $writer && { echo "the writer did not fail"; exit 1; }
 ls -a "$dir/ckpt"
 compgen -G "$dir/ckpt/.step-*.partial" >/dev/null || { echo "no partial checkpoint was left: the kill came too late"; exit 1; }
+# The save killed was step N; the newest complete checkpoint must be N - 1's.
+step=$(basename "$(dirname "$killed")")  # .step-00000000N.partial
+step=${step#.step-}
+export PARATRAIN_CHECKPOINT_KILLED_STEP=$((10#${step%.partial}))
 "$mpirun_sh" 1 "$tests" --no-skip --test-case="Checkpoint after the kill test" --success

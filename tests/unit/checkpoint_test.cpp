@@ -23,6 +23,7 @@
 #include "paratrain/strategy/local_data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "support/doctest.hpp"
+#include "support/shared_dir.hpp"
 #include "support/equivalence.hpp"
 
 namespace {
@@ -34,18 +35,6 @@ namespace ckpt = paratrain::checkpoint;
 using paratrain::Sharded;
 using namespace paratrain_test;
 
-// A fresh directory that every rank of `c` names alike.
-fs::path shared_dir(comm::Mpi& c, const std::string& what) {
-  auto id = torch::full({1}, c.rank() == 0 ? static_cast<std::int64_t>(::getpid()) : 0, torch::kLong);
-  c.all_reduce(id, paratrain::reduce_op::sum);
-  const auto dir = fs::temp_directory_path() / ("paratrain-" + what + "-" + std::to_string(id.item<std::int64_t>()));
-  if (c.rank() == 0) {
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  c.barrier();
-  return dir;
-}
 
 // Global step k trains on samples [k G, (k+1) G); rank r of `world` takes a contiguous
 // part of them, so with G = 13 the ranks' batch sizes differ (13; 6, 7; 4, 4, 5; 3, 3, 3, 4).
@@ -487,11 +476,17 @@ TEST_CASE("The whole model in one file: from ZeRO-3, into DDP, equal to what eve
   paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::Adam> ddp(other_model(c.rank()), c, torch::optim::AdamOptions(1e-2));
   ckpt::load_model(ddp, dir / "model.pt");
   CHECK(max_relative_difference(ddp.full_parameters(), z.full_parameters()) == 0);
-  // Plain LibTorch reads it too.
+  // Plain LibTorch reads it too: exactly the model's names, holding what single-device
+  // training of the same 3 steps gives.
   std::ifstream in(dir / "model.pt", std::ios::binary);
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
   const auto dict = torch::pickle_load(bytes).toGenericDict();
-  CHECK(dict.at("fc1.weight").toTensor().equal(ddp.model()->fc1->weight));
+  const auto want = reference_steps<torch::optim::Adam>(d, 3, torch::optim::AdamOptions(1e-2));
+  const auto named = make_model({}, 0)->named_parameters();
+  REQUIRE(dict.size() == named.size());
+  std::vector<torch::Tensor> from_file;
+  for (const auto& p : named) from_file.push_back(dict.at(p.key()).toTensor());
+  CHECK(max_relative_difference(from_file, want) <= 1e-5);
   c.barrier();
   if (c.rank() == 0) fs::remove_all(dir);
 }
@@ -538,13 +533,17 @@ TEST_CASE("Checkpoint writer for the kill test" * doctest::skip()) {
 
 TEST_CASE("Checkpoint after the kill test" * doctest::skip()) {
   const char* out = std::getenv("PARATRAIN_CHECKPOINT_KILL_DIR");
+  const char* killed = std::getenv("PARATRAIN_CHECKPOINT_KILLED_STEP");
   REQUIRE(out != nullptr);
+  REQUIRE(killed != nullptr);
   comm::Mpi c;
   const auto latest = ckpt::latest(fs::path(out) / "ckpt");
   REQUIRE(latest.has_value());
+  // Saves are synchronous: step N was begun only once N - 1 was published.
+  CHECK(ckpt::step_of(*latest) == std::atoll(killed) - 1);
   paratrain::DataParallel<Big, comm::Mpi, Sharded<torch::optim::Adam, zero::stage1>> s(Big(), c,
                                                                                        torch::optim::AdamOptions(1e-3));
   const auto loaded = ckpt::load(s, *latest);  // every chunk's checksum holds
-  CHECK(loaded.step >= 1);
+  CHECK(loaded.step == std::atoll(killed) - 1);
   MESSAGE("loaded " << latest->string() << " after the kill");
 }

@@ -42,16 +42,18 @@ struct Options {
 
 /// The checkpoint of step `step` in `directory`.
 inline fs::path path_of(const fs::path& directory, std::int64_t step) {
-  return directory / detail::numbered("step-", step, 9);
+  return directory / detail::step_name(step);
 }
 
 /// The step of a checkpoint directory named as path_of names it; none for other names.
 inline std::optional<std::int64_t> step_of(const fs::path& checkpoint) {
   const auto name = checkpoint.filename().string();
-  if (name.size() != 14 || !name.starts_with("step-") ||
-      !std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+  const std::string_view prefix = detail::step_prefix;
+  if (name.size() != prefix.size() + detail::step_digits || !name.starts_with(prefix) ||
+      !std::all_of(name.begin() + static_cast<std::ptrdiff_t>(prefix.size()), name.end(),
+                   [](char c) { return c >= '0' && c <= '9'; }))
     return std::nullopt;
-  return static_cast<std::int64_t>(std::stoll(name.substr(5)));
+  return static_cast<std::int64_t>(std::stoll(name.substr(prefix.size())));
 }
 
 /// The complete checkpoints in `directory` (those with an index), oldest first.
@@ -107,20 +109,21 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
       load[static_cast<std::size_t>(owner)] += t.numel() * static_cast<std::int64_t>(t.element_size());
       if (owner != rank) return;
     }
-    auto flat = t.detach().reshape({-1});
-    if (copy || !flat.is_cpu()) flat = flat.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-    mine.push_back({std::move(key), std::move(shape), begin, flat.contiguous()});
+    auto flat = t.detach().reshape({-1});  // a copy already when t is not contiguous
+    if (!flat.is_cpu()) flat = flat.to(at::kCPU);
+    else if (copy && t.is_contiguous()) flat = flat.clone();
+    mine.push_back({std::move(key), std::move(shape), begin, std::move(flat)});
   };
-  for (const auto& sl : layout.model) add("model/" + sl.name, sl.replicated, sl.writer, sl.tensor, sl.shape, sl.begin);
+  for (const auto& sl : layout.model) add(detail::model_key(sl.name), sl.replicated, sl.writer, sl.tensor, sl.shape, sl.begin);
   auto& state = s.optimizer().state();
   for (const auto& sl : layout.optimized) {
     const auto it = state.find(state_key(sl.tensor));
     if (it == state.end()) continue;
     const auto t = Schema::get(static_cast<const typename Schema::state_type&>(*it->second));
     for (const auto& [field, tensor] : t.tensors)
-      add("optim/" + sl.name + "/" + field, sl.replicated, sl.writer, tensor, sl.shape, sl.begin);
+      add(detail::optim_key(sl.name, field), sl.replicated, sl.writer, tensor, sl.shape, sl.begin);
     if (t.step && sl.begin == 0)
-      add("optim/" + sl.name + "/step", sl.replicated, sl.writer, at::scalar_tensor(*t.step, at::kLong), {}, 0);
+      add(detail::optim_key(sl.name, "step"), sl.replicated, sl.writer, at::scalar_tensor(*t.step, at::kLong), {}, 0);
   }
   auto generator = at::detail::getDefaultCPUGenerator();
   at::Tensor rng;
@@ -128,19 +131,18 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
     std::lock_guard<std::mutex> lock(generator.mutex());
     rng = generator.get_state();
   }
-  add("rng/cpu/" + std::to_string(rank), false, -1, rng, {rng.numel()}, 0);
+  add(detail::rng_key(rank), false, -1, rng, {rng.numel()}, 0);
   return mine;
 }
 
 /// Each optimized slice's parameter group, by parameter name.
 template <class Optim>
 Dict groups_of(Optim& optimizer, const CheckpointLayout& layout) {
-  std::map<const void*, std::int64_t> group;
-  for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g)
-    for (const auto& p : optimizer.param_groups()[g].params()) group.emplace(p.unsafeGetTensorImpl(), static_cast<std::int64_t>(g));
+  const auto group = group_index(optimizer);
   auto out = make_dict();
   for (const auto& sl : layout.optimized)
-    if (auto it = group.find(sl.tensor.unsafeGetTensorImpl()); it != group.end()) out.insert(sl.name, it->second);
+    if (auto it = group.find(sl.tensor.unsafeGetTensorImpl()); it != group.end())
+      out.insert(sl.name, static_cast<std::int64_t>(it->second));
   return out;
 }
 
@@ -221,7 +223,7 @@ class Checkpointer {
     wait();
     const int rank = s_->rank();
     const auto final_path = path_of(options_.directory, step);
-    const auto partial = options_.directory / detail::numbered(".step-", step, 9, ".partial");
+    const auto partial = options_.directory / detail::partial_name(step);
     std::string err;
     if (rank == 0) try {
         fs::remove_all(partial);
@@ -249,7 +251,8 @@ class Checkpointer {
     try {
       detail::agree(*s_, "checkpoint::save", err);
     } catch (...) {
-      if (rank == 0) fs::remove_all(partial, ec_);
+      std::error_code ignored;  // the save's error is the one to report
+      if (rank == 0) fs::remove_all(partial, ignored);
       throw;
     }
     job_ = std::move(job);
@@ -376,8 +379,7 @@ class Checkpointer {
     // What a writer killed mid-save left behind.
     for (const auto& e : fs::directory_iterator(options_.directory)) {
       const auto name = e.path().filename().string();
-      if (name.starts_with(".step-") && (name.ends_with(".partial") || name.ends_with(".partial.old")))
-        fs::remove_all(e.path());
+      if (detail::is_leftover(name)) fs::remove_all(e.path());
     }
   }
 
@@ -386,7 +388,6 @@ class Checkpointer {
   std::optional<Job> job_;
   std::atomic<bool> done_{false};
   std::thread writer_;
-  std::error_code ec_;
 };
 
 /// Saves `s` synchronously as the checkpoint of `step` in `directory`. Collective.

@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "paratrain/checkpoint/files.hpp"
@@ -53,6 +54,21 @@ inline std::string numbered(const char* prefix, std::int64_t n, int digits, cons
 inline std::string rank_meta_name(int rank) { return numbered("rank-", rank, 5, ".pt"); }
 inline std::string rank_data_name(int rank) { return numbered("rank-", rank, 5, ".bin"); }
 inline constexpr const char* index_name = "index.pt";
+
+// The names Note [Checkpoint format] gives: directories and tensor keys.
+inline constexpr const char* step_prefix = "step-";
+inline constexpr int step_digits = 9;
+inline std::string step_name(std::int64_t step) { return numbered(step_prefix, step, step_digits); }
+/// Where a save of `step` is written before it is published.
+inline std::string partial_name(std::int64_t step) { return numbered(".step-", step, step_digits, ".partial"); }
+/// What a save killed mid-write leaves: a partial directory, or one set aside while publishing.
+inline bool is_leftover(const std::string& name) {
+  return name.starts_with(".step-") && (name.ends_with(".partial") || name.ends_with(".partial.old"));
+}
+inline constexpr std::string_view model_prefix = "model/";
+inline std::string model_key(const std::string& name) { return std::string(model_prefix) + name; }
+inline std::string optim_key(const std::string& name, const std::string& field) { return "optim/" + name + "/" + field; }
+inline std::string rng_key(int rank) { return "rng/cpu/" + std::to_string(rank); }
 
 /// PyTorch's dtype names, so that Python can read a chunk with `getattr(torch, dtype)`.
 inline std::string dtype_name(at::ScalarType t) {
@@ -230,15 +246,15 @@ class ChunkReader {
  public:
   explicit ChunkReader(const Contents& c) : contents_(&c), files_(static_cast<std::size_t>(c.world_size)) {}
 
-  /// Fills `out` (contiguous, on the CPU, `numel` elements of the key's dtype) with
-  /// elements [begin, begin + numel) of `key`.
-  void read(const std::string& key, std::int64_t begin, at::Tensor& out) {
-    const auto* record = contents_->find(key);
-    if (record == nullptr) throw detail::file_error(contents_->path, "has no tensor '" + key + "'", 0);
-    const auto numel = out.numel(), element = static_cast<std::int64_t>(out.element_size());
+  /// Elements [begin, begin + numel) of the tensor `record` describes (named `key`), as
+  /// saved: a flat CPU tensor of its dtype.
+  at::Tensor read(const std::string& key, const TensorRecord& record, std::int64_t begin, std::int64_t numel) {
+    auto out = at::empty({numel}, at::TensorOptions().dtype(record.dtype));
+    const auto element = static_cast<std::int64_t>(out.element_size());
     auto* dst = static_cast<char*>(out.data_ptr());
     std::int64_t covered = 0;
-    for (const auto& chunk : record->chunks) {
+    for (const auto& chunk : record.chunks) {
+      if (numel == 0) break;
       const auto lo = std::max(begin, chunk.begin), hi = std::min(begin + numel, chunk.begin + chunk.numel);
       if (lo >= hi) continue;
       const auto bytes = static_cast<std::size_t>(chunk.numel * element);
@@ -262,6 +278,7 @@ class ChunkReader {
       throw detail::file_error(contents_->path, "holds " + std::to_string(covered) + " of the " + std::to_string(numel) +
                                                     " elements of '" + key + "' this rank needs (a shard is missing)",
                                0);
+    return out;
   }
 
  private:

@@ -53,18 +53,10 @@ struct Staged {
   at::Tensor rng;
 };
 
-// Reads elements [begin, begin + numel) of `key`, as saved (dtype converted at commit).
-inline at::Tensor read_range(ChunkReader& reader, const TensorRecord& record, const std::string& key,
-                             std::int64_t begin, std::int64_t numel) {
-  auto out = at::empty({numel}, at::TensorOptions().dtype(record.dtype));
-  if (numel > 0) reader.read(key, begin, out);
-  return out;
-}
-
 /// `names`: the model's tensors over all ranks (model_names).
 inline void check_model(const Contents& c, const CheckpointLayout& layout, const std::set<std::string>& names) {
   for (const auto& sl : layout.model) {
-    const auto* record = c.find("model/" + sl.name);
+    const auto* record = c.find(model_key(sl.name));
     if (record == nullptr)
       throw file_error(c.path, "has no '" + sl.name + "', which this model has: it was saved from a different model", 0);
     if (record->shape != sl.shape)
@@ -73,8 +65,10 @@ inline void check_model(const Contents& c, const CheckpointLayout& layout, const
                        0);
   }
   for (const auto& [key, record] : c.tensors)
-    if (key.starts_with("model/") && !names.count(key.substr(6)))
-      throw file_error(c.path, "has '" + key.substr(6) + "', which this model lacks: it was saved from a different model", 0);
+    if (key.starts_with(model_prefix) && !names.count(key.substr(model_prefix.size())))
+      throw file_error(c.path, "has '" + key.substr(model_prefix.size()) +
+                                   "', which this model lacks: it was saved from a different model",
+                       0);
 }
 
 template <class Optim>
@@ -90,9 +84,7 @@ void stage_optimizer(Optim& optimizer, const CheckpointLayout& layout, const Con
     throw file_error(c.path, "has " + std::to_string(c.param_groups.size()) + " parameter groups, this optimizer " +
                                  std::to_string(groups.size()),
                      0);
-  std::map<const void*, int> group;
-  for (std::size_t g = 0; g < groups.size(); ++g)
-    for (const auto& p : groups[g].params()) group.emplace(p.unsafeGetTensorImpl(), static_cast<int>(g));
+  const auto group = group_index(optimizer);
   for (const auto& sl : layout.optimized) {
     const auto saved = c.group_of.find(sl.name);
     const int now = group.at(sl.tensor.unsafeGetTensorImpl());
@@ -112,18 +104,18 @@ void stage_optimizer(Optim& optimizer, const CheckpointLayout& layout, const Con
     staged.cleared.push_back(state_key(sl.tensor));
     ParamStateTensors t;
     for (const char* field : Schema::fields) {
-      const auto key = "optim/" + sl.name + "/" + field;
+      const auto key = optim_key(sl.name, field);
       const auto* record = c.find(key);
       if (record == nullptr) continue;
       if (record->shape != sl.shape)
         throw file_error(c.path, "'" + key + "' is " + shape_string(record->shape) + ", its parameter " +
                                      shape_string(sl.shape),
                          0);
-      const auto saved = read_range(reader, *record, key, sl.begin, sl.tensor.numel());
+      const auto saved = reader.read(key, *record, sl.begin, sl.tensor.numel());
       t.tensors.emplace(field, saved.to(sl.tensor.options().requires_grad(false)).view(sl.tensor.sizes()));
     }
-    const auto step_key = "optim/" + sl.name + "/step";
-    if (const auto* record = c.find(step_key)) t.step = read_range(reader, *record, step_key, 0, 1).item<std::int64_t>();
+    const auto step_key = optim_key(sl.name, "step");
+    if (const auto* record = c.find(step_key)) t.step = reader.read(step_key, *record, 0, 1).item<std::int64_t>();
     if (!t.tensors.empty() || t.step) staged.states.emplace_back(state_key(sl.tensor), Schema::make(t));
   }
 }
@@ -168,13 +160,13 @@ Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
     ChunkReader reader(c);
     for (const auto& sl : layout.model) {
       if (sl.tensor.numel() == 0) continue;
-      const auto key = "model/" + sl.name;
-      staged.copies.emplace_back(sl.tensor, detail::read_range(reader, *c.find(key), key, sl.begin, sl.tensor.numel()));
+      const auto key = detail::model_key(sl.name);
+      staged.copies.emplace_back(sl.tensor, reader.read(key, *c.find(key), sl.begin, sl.tensor.numel()));
     }
     if (options.optimizer) detail::stage_optimizer(s.optimizer(), layout, c, reader, staged);
-    const auto rng_key = "rng/cpu/" + std::to_string(s.rank() % c.world_size);
-    if (const auto* record = c.find(rng_key); options.rng && record != nullptr)
-      staged.rng = detail::read_range(reader, *record, rng_key, 0, detail::numel_of(record->shape));
+    const auto rng = detail::rng_key(s.rank() % c.world_size);
+    if (const auto* record = c.find(rng); options.rng && record != nullptr)
+      staged.rng = reader.read(rng, *record, 0, detail::numel_of(record->shape));
     out = {path, c.step, c.world_size, c.extra,
            c.world_size == s.world_size() ? c.rank_extra[static_cast<std::size_t>(s.rank())] : make_dict()};
   } catch (const std::exception& e) {

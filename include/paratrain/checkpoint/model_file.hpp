@@ -11,7 +11,9 @@
 #include <torch/serialize.h>
 
 #include <filesystem>
+#include <map>
 #include <set>
+#include <sstream>
 #include <string>
 
 #include "paratrain/checkpoint/agree.hpp"
@@ -68,7 +70,7 @@ void save_model(S& s, const fs::path& file) {
     if (sl != nullptr && sl->tensor.numel() > 0 && (!sl->replicated || sl->writer == s.rank()))
       whole.narrow(0, sl->begin, sl->tensor.numel()).copy_(sl->tensor.detach().reshape({-1}));
     s.all_reduce(whole, reduce_op::sum);
-    if (s.rank() == 0) dict.insert(name, whole.view(shape).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true));
+    if (s.rank() == 0) dict.insert(name, whole.view(shape).to(at::kCPU));  // a buffer of its own: no copy on the CPU
   };
   if (layout.whole) {
     for (const auto& sl : layout.model) {
@@ -77,35 +79,33 @@ void save_model(S& s, const fs::path& file) {
         dict.insert(sl.name, sl.tensor.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous());
     }
   } else {
-    // Ranks hold different parts (a pipeline's stages): agree on the union, then
-    // assemble each tensor from whoever holds it.
+    // Ranks hold different parts (a pipeline's stages): agree on the union, each tensor
+    // described as "name dtype dims...", then assemble each from whoever holds it.
+    std::map<std::string, const TensorSlice*> held;
     std::vector<std::string> mine;
     for (const auto& sl : layout.model) {
-      std::string d = sl.name;
-      d.append("\t").append(std::to_string(static_cast<int>(sl.tensor.scalar_type())));
-      for (auto n : sl.shape) d.append("\t").append(std::to_string(n));
-      mine.push_back(std::move(d));
+      held.emplace(sl.name, &sl);
+      std::ostringstream d;
+      d << sl.name << ' ' << static_cast<int>(sl.tensor.scalar_type());
+      for (const auto n : sl.shape) d << ' ' << n;
+      mine.push_back(d.str());
     }
-    std::vector<std::string> all;
-    std::set<std::string> seen;
+    std::set<std::string> done;
     for (const auto& of_rank : paratrain::detail::all_gather_strings(s, mine))
-      for (const auto& d : of_rank)
-        if (seen.insert(d.substr(0, d.find('\t'))).second) all.push_back(d);
-    for (const auto& d : all) {
-      std::vector<std::string> fields;
-      for (std::size_t b = 0, e; b <= d.size(); b = e + 1) {
-        e = std::min(d.find('\t', b), d.size());
-        fields.push_back(d.substr(b, e - b));
+      for (const auto& d : of_rank) {
+        std::istringstream in(d);
+        std::string name;
+        int dtype = 0;
+        in >> name >> dtype;
+        if (!done.insert(name).second) continue;
+        std::vector<std::int64_t> shape;
+        for (std::int64_t n = 0; in >> n;) shape.push_back(n);
+        const auto it = held.find(name);
+        const TensorSlice* sl = it != held.end() ? it->second : nullptr;
+        assemble(name, shape,
+                 at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)).device(sl ? sl->tensor.device() : at::kCPU),
+                 sl);
       }
-      std::vector<std::int64_t> shape;
-      for (std::size_t i = 2; i < fields.size(); ++i) shape.push_back(std::stoll(fields[i]));
-      const TensorSlice* held = nullptr;
-      for (const auto& sl : layout.model)
-        if (sl.name == fields[0]) held = &sl;
-      const auto dtype = static_cast<at::ScalarType>(std::stoi(fields[1]));
-      const auto device = held != nullptr ? held->tensor.device() : at::Device(at::kCPU);
-      assemble(fields[0], shape, at::TensorOptions().dtype(dtype).device(device), held);
-    }
   }
   if (s.rank() == 0) try {
       if (file.has_parent_path()) fs::create_directories(file.parent_path());

@@ -44,6 +44,15 @@ struct optimizer_schema;
 
 namespace detail {
 
+/// Each parameter's group index in `optimizer`, by the parameter's storage.
+inline std::map<const void*, int> group_index(torch::optim::Optimizer& optimizer) {
+  std::map<const void*, int> group;
+  const auto& groups = optimizer.param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (const auto& p : groups[g].params()) group.emplace(p.unsafeGetTensorImpl(), static_cast<int>(g));
+  return group;
+}
+
 inline double number(const Dict& d, const char* key) { return d.at(key).toDouble(); }
 inline bool flag(const Dict& d, const char* key) { return d.at(key).toBool(); }
 

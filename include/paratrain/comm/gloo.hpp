@@ -32,6 +32,7 @@
 #include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/detail/collective_signature.hpp"
 #include "paratrain/detail/tensor_checks.hpp"
+#include "paratrain/detail/agree.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/launch.hpp"
 
@@ -400,7 +401,7 @@ class Gloo {
     } catch (const error&) {
       throw;
     } catch (const std::exception& e) {
-      auto why = describe(e);
+      auto why = paratrain::detail::message_of(e);
       while (!why.empty() && (why.back() == '.' || why.back() == ' ' || why.back() == '\n')) why.pop_back();
       const std::string hint =
           s->rank == 0 ? "; if the port is in use, pick another MASTER_PORT"
@@ -447,11 +448,6 @@ class Gloo {
 
   [[nodiscard]] c10d::ProcessGroupGloo& group() const noexcept { return *state_->group; }
 
-  static std::string describe(const std::exception& e) {
-    if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-    return e.what();
-  }
-
   // Inside a catch block: the exception in flight, as a paratrain::error of `op`.
   [[noreturn]] static void rethrow_as_error(const char* op, int rank) {
     try {
@@ -459,7 +455,7 @@ class Gloo {
     } catch (const error&) {
       throw;
     } catch (const std::exception& e) {
-      throw error(op, rank, "Gloo failed: " + describe(e));
+      throw error(op, rank, "Gloo failed: " + paratrain::detail::message_of(e));
     } catch (...) {
       throw error(op, rank, "Gloo failed with an unknown exception");
     }

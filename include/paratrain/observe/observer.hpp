@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/detail/agree.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/observe/metrics_log.hpp"
 #include "paratrain/observe/step_times.hpp"
@@ -85,14 +86,13 @@ class Observer {
     try {
       open_files();
     } catch (const std::exception& e) {
-      failure = e.what();
+      failure = paratrain::detail::message_of(e);
     }
-    auto failed = at::tensor({failure.empty() ? 0.0 : 1.0}, at::kDouble);
-    s_.all_reduce(failed, reduce_op::sum);
-    if (failed.template item<double>() > 0) {
+    try {
+      paratrain::detail::agree(s_, "fit", failure);
+    } catch (...) {
       detach();
-      throw error("fit", s_.rank(),
-                  failure.empty() ? "another rank could not open an observe output (see its message)" : failure);
+      throw;
     }
   }
 
