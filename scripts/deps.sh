@@ -6,7 +6,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libtorch-dev libopenblas0-openmp libgloo-dev
   libopenmpi-dev openmpi-bin libboost-mpi-dev
-  librange-v3-dev doctest-dev nlohmann-json3-dev zlib1g-dev protobuf-compiler python3
+  librange-v3-dev doctest-dev nlohmann-json3-dev libcli11-dev zlib1g-dev protobuf-compiler python3
   dataset-fashion-mnist
 )
 # The PyTorch peer is needed only to regenerate reference data and for the side-by-side benchmarks.

@@ -15,10 +15,12 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -31,7 +33,9 @@
 
 #include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/detail/collective_signature.hpp"
+#include "paratrain/detail/gloo_watchdog.hpp"
 #include "paratrain/detail/tensor_checks.hpp"
+#include "paratrain/detail/watchdog.hpp"
 #include "paratrain/detail/agree.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/launch.hpp"
@@ -93,9 +97,10 @@ class Gloo {
     std::optional<std::string> master_addr;
     /// Its port; by default the environment's MASTER_PORT.
     std::optional<int> master_port;
-    /// How long to wait for the other ranks: at the rendezvous, and in any one operation
-    /// (after which it throws instead of hanging). c10d's default.
-    std::chrono::milliseconds timeout = std::chrono::minutes(30);
+    /// How long to wait for the other ranks: at the rendezvous, and in any one operation,
+    /// after which the watchdog reports it and ends the job (Note [Watchdog]); Gloo's own
+    /// timeout is set a little later. By default PARATRAIN_TIMEOUT (seconds), else 10 minutes.
+    std::chrono::milliseconds timeout = detail::default_timeout();
     /// The network interface to connect over (as PyTorch's GLOO_SOCKET_IFNAME, its default).
     /// Empty: loopback when MASTER_ADDR is a loopback address, else the address this host's
     /// name resolves to.
@@ -117,6 +122,7 @@ class Gloo {
         works_ = std::exchange(o.works_, {});
         keep_ = std::move(o.keep_);
         then_ = std::move(o.then_);
+        watch_ = std::move(o.watch_);
         pollable_ = o.pollable_;
         op_ = o.op_;
         rank_ = o.rank_;
@@ -134,9 +140,11 @@ class Gloo {
         try {
           w->wait();
         } catch (...) {
+          watch_.release();
           rethrow_as_error(op_, rank_);
         }
       }
+      watch_.release();
       if (then_) std::exchange(then_, {})();
       keep_.clear();
     }
@@ -161,6 +169,7 @@ class Gloo {
         // Leaked on purpose, with the buffers they hold: see Mpi's Note [Dropped requests].
         new std::vector<c10::intrusive_ptr<c10d::Work>>(std::exchange(works_, {}));
         new std::vector<at::Tensor>(std::move(keep_));
+        watch_.release();
         return;
       }
       try {
@@ -172,6 +181,7 @@ class Gloo {
     std::vector<c10::intrusive_ptr<c10d::Work>> works_;
     std::vector<at::Tensor> keep_;
     std::function<void()> then_;
+    detail::Watch watch_;  // Note [Watchdog]
     bool pollable_ = true;
     const char* op_ = "";
     int rank_ = -1;
@@ -208,8 +218,8 @@ class Gloo {
   [[nodiscard]] Request ibroadcast(at::Tensor& t, int root) {
     detail::check_buffer("broadcast", rank(), t);
     check_peer("broadcast", root);
-    validate("broadcast", t, root);
     Request r("broadcast", rank(), {t});
+    r.watch_ = begin("broadcast", t, root);
     c10d::BroadcastOptions o;
     o.rootRank = root;
     std::vector<at::Tensor> v{bits(t)};
@@ -223,9 +233,10 @@ class Gloo {
 
   [[nodiscard]] Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
     detail::check_reduce_scatter(rank(), size(), in, out, op);
-    validate("reduce_scatter", in, static_cast<int>(op));
+    auto watch = begin("reduce_scatter", in, static_cast<int>(op));
     auto whole = in.reshape({-1}).to(reduced_type(in), /*non_blocking=*/false, /*copy=*/true);
     Request r("reduce_scatter", rank(), {in, out, whole});
+    r.watch_ = std::move(watch);
     std::vector<at::Tensor> v{whole};
     r.works_.push_back(run("reduce_scatter", [&] { return group().allreduce(v, all_reduce_options(op)); }));
     const auto part = out.numel();
@@ -242,8 +253,8 @@ class Gloo {
 
   [[nodiscard]] Request iall_gather(const at::Tensor& in, at::Tensor& out) {
     detail::check_all_gather(rank(), size(), in, out);
-    validate("all_gather", in, 0);
     Request r("all_gather", rank(), {in, out});
+    r.watch_ = begin("all_gather", in, 0);
     const auto n = in.numel();
     if (n == 0) return r;  // Gloo's all-gather divides by the size (SIGFPE); every rank has 0 here
     const auto flat = bits(out).view({-1});
@@ -270,6 +281,7 @@ class Gloo {
     auto header = at::empty({1}, at::kLong);
     header.data_ptr<std::int64_t>()[0] = t.numel() * t.element_size();
     Request r("send", rank(), {t, header});
+    r.watch_ = begin_point_to_point("send", peer, tag);
     r.pollable_ = false;
     std::vector<at::Tensor> h{header}, payload{t};
     r.works_.push_back(run("send", [&] { return group().send(h, peer, tag); }));
@@ -282,6 +294,7 @@ class Gloo {
   /// Note [Length header].
   void recv(at::Tensor& t, int peer, int tag = 0) {
     check_point_to_point("recv", t, peer, tag);
+    const auto watch = begin_point_to_point("recv", peer, tag);
     auto header = at::empty({1}, at::kLong);
     receive(header, peer, tag);
     const auto bytes = header.data_ptr<std::int64_t>()[0];
@@ -300,6 +313,7 @@ class Gloo {
 
   void barrier() {
     Request r("barrier", rank(), {});
+    r.watch_ = begin_other("barrier");
     r.works_.push_back(run("barrier", [&] { return group().barrier(); }));
     r.wait();
   }
@@ -312,6 +326,7 @@ class Gloo {
     std::string where;                        // "host:port", or "" for a world of one
     c10::intrusive_ptr<c10d::Store> store;    // declared before the group: it outlives it
     c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+    std::shared_ptr<detail::Ledger> ledger;  // Note [Watchdog], Note [Collective fingerprint]
     int splits = 0;  // made so far: names each new group's store prefix, the same on every rank
   };
 
@@ -334,7 +349,8 @@ class Gloo {
 
   static c10::intrusive_ptr<c10d::ProcessGroupGloo> make_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                                               int size, const Options& o, std::string_view host) {
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(o.timeout);
+    // Past the watchdog's deadline and its grace, so that the watchdog reports first.
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(o.timeout + std::chrono::seconds(15));
     gloo_options->devices.push_back(device(o, host));
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
   }
@@ -398,6 +414,9 @@ class Gloo {
         s->store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
       }
       s->group = make_group(s->store, s->rank, s->size, o, host);
+      if (s->size > 1 && !detail::Watchdog::instance().has_channel())
+        detail::Watchdog::instance().set_channel(std::make_unique<detail::GlooWatchdogChannel>(
+            host, static_cast<std::uint16_t>(std::stoi(s->where.substr(s->where.rfind(':') + 1))), s->rank, s->size));
     } catch (const error&) {
       throw;
     } catch (const std::exception& e) {
@@ -410,6 +429,10 @@ class Gloo {
                              hint);
     }
     s->options = std::move(o);
+    std::vector<int> members(static_cast<std::size_t>(s->size));
+    for (int r = 0; r < s->size; ++r) members[static_cast<std::size_t>(r)] = r;
+    s->ledger = std::make_shared<detail::Ledger>("world", std::move(members), s->rank);
+    detail::Watchdog::instance().remember(s->ledger);
     return s;
   }
 
@@ -435,6 +458,14 @@ class Gloo {
     o.rank = s->rank;
     o.world_size = s->size;
     s->options = std::move(o);
+    {
+      std::vector<int> world;
+      for (const auto& [k, r] : members) world.push_back(state_->ledger->members()[static_cast<std::size_t>(r)]);
+      s->ledger = std::make_shared<detail::Ledger>("split " + std::to_string(color) + " of " + state_->ledger->name(),
+                                                   std::move(world), s->rank);
+      detail::Watchdog::instance().remember(s->ledger);
+    }
+    const auto watch = begin_other("split");
     const auto prefix = "paratrain/split/" + std::to_string(state_->splits++) + "/" + std::to_string(color);
     try {
       s->store = c10::make_intrusive<c10d::PrefixStore>(prefix, state_->store);
@@ -511,9 +542,10 @@ class Gloo {
 
   Request start_all_reduce(const char* op, at::Tensor& t, reduce_op r) {
     detail::check_reduction(op, rank(), t, r);
-    validate(op, t, static_cast<int>(r));
+    auto watch = begin(op, t, static_cast<int>(r));
     const auto wire = t.scalar_type() == reduced_type(t) ? t : t.to(reduced_type(t));
     Request request(op, rank(), {t, wire});
+    request.watch_ = std::move(watch);
     std::vector<at::Tensor> v{wire};
     request.works_.push_back(run(op, [&] { return group().allreduce(v, all_reduce_options(r)); }));
     const bool average = r == reduce_op::average, converted = !wire.is_same(t);
@@ -525,18 +557,71 @@ class Gloo {
     return request;
   }
 
-  // Note [Collective validation] (detail/collective_signature.hpp).
-  void validate(std::string_view op, const at::Tensor& t, int detail) {
-    if (!options().validate) return;
-    detail::CollectiveSignature signature(op, t, detail);
-    std::vector<at::Tensor> v{signature.packed()};
-    auto work = run("validate", [&] { return group().allreduce(v, all_reduce_options(reduce_op::max)); });
+  // Every collective passes here: it is counted, the fingerprint compared when due (Note
+  // [Collective fingerprint]), checked in full when asked (Note [Collective validation],
+  // detail/collective_signature.hpp), and watched (Note [Watchdog]).
+  [[nodiscard]] detail::Watch begin(std::string_view op, const at::Tensor& t, int detail) {
+    const auto [record, due] = state_->ledger->record(detail::record_of(op, t, detail));
+    if (due) compare_fingerprints();
+    if (options().validate) {
+      detail::CollectiveSignature signature(op, t, detail);
+      reduce_max_now("validate", signature.packed());
+      signature.check(rank());
+    }
+    return watch_collective(record);
+  }
+
+  [[nodiscard]] detail::Watch begin_other(std::string_view op) const {
+    return watch_collective(state_->ledger->record(detail::record_of(op, at::Tensor(), 0)).first);
+  }
+
+  [[nodiscard]] detail::Watch watch_collective(const detail::OperationRecord& record) const {
+    return detail::Watchdog::instance().begin(state_->ledger, record, options().timeout);
+  }
+
+  [[nodiscard]] detail::Watch begin_point_to_point(std::string_view op, int peer, int tag) const {
+    return detail::Watchdog::instance().begin(state_->ledger, {0, detail::operation_code(op), -1, 0, tag},
+                                              options().timeout, peer);
+  }
+
+  // A blocking MAX all-reduce outside the ledger, watched.
+  void reduce_max_now(const char* op, at::Tensor& t) {
+    const auto watch = watch_collective(detail::record_of(op, t, 0));
+    std::vector<at::Tensor> v{t};
+    auto work = run(op, [&] { return group().allreduce(v, all_reduce_options(reduce_op::max)); });
     try {
       work->wait();
     } catch (...) {
-      rethrow_as_error("validate", rank());
+      rethrow_as_error(op, rank());
     }
-    signature.check(rank());
+  }
+
+  // Note [Collective fingerprint]
+  void compare_fingerprints() {
+    const auto fingerprint = state_->ledger->fingerprint();
+    const std::int64_t high = static_cast<std::int64_t>(fingerprint >> 32);
+    const std::int64_t low = static_cast<std::int64_t>(fingerprint & 0xffffffffu);
+    auto packed = at::empty({4}, at::kLong);
+    auto* p = packed.data_ptr<std::int64_t>();
+    p[0] = high, p[1] = low, p[2] = -high, p[3] = -low;
+    reduce_max_now("fingerprint", packed);
+    if (p[0] == -p[2] && p[1] == -p[3]) return;
+    const auto mine = state_->ledger->history();
+    constexpr auto words = static_cast<std::int64_t>(sizeof mine / sizeof(std::int64_t));
+    auto in = at::empty({words}, at::kLong), out = at::empty({words * size()}, at::kLong);
+    std::memcpy(in.data_ptr(), mine.data(), sizeof mine);
+    std::vector<std::vector<at::Tensor>> parts(1);
+    for (int i = 0; i < size(); ++i) parts[0].push_back(out.narrow(0, i * words, words));
+    std::vector<at::Tensor> v{in};
+    auto work = run("fingerprint", [&] { return group().allgather(parts, v); });
+    try {
+      work->wait();
+    } catch (...) {
+      rethrow_as_error("fingerprint", rank());
+    }
+    std::vector<std::array<detail::OperationRecord, detail::history_length>> all(static_cast<std::size_t>(size()));
+    std::memcpy(all.data(), out.data_ptr(), sizeof mine * all.size());
+    fail("fingerprint", detail::fingerprint_mismatch(*state_->ledger, all));
   }
 
   std::shared_ptr<State> state_;

@@ -21,8 +21,11 @@
 #include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/detail/collective_signature.hpp"
 #include "paratrain/detail/mpi_types.hpp"
+#include "paratrain/detail/mpi_watchdog.hpp"
 #include "paratrain/detail/tensor_checks.hpp"
+#include "paratrain/detail/watchdog.hpp"
 #include "paratrain/error.hpp"
+#include "paratrain/failure.hpp"
 
 namespace paratrain::comm {
 
@@ -113,20 +116,30 @@ class Mpi {
     /// hang or a silently wrong result). Costs one small all-reduce per collective.
     /// On by default when the environment has PARATRAIN_VALIDATE=1.
     bool validate = detail::env_flag("PARATRAIN_VALIDATE");
+    /// How long any one operation may stay pending before the watchdog reports it and ends
+    /// the job: Note [Watchdog]. By default PARATRAIN_TIMEOUT (seconds), else 10 minutes.
+    std::chrono::milliseconds timeout = detail::default_timeout();
   };
 
   /// Initialises MPI for the lifetime of this object, asking for MPI_THREAD_MULTIPLE
-  /// (strategies that communicate from a second thread need it), and tunes Open MPI's
-  /// non-blocking all-reduce: Note [Non-blocking all-reduce algorithm].
+  /// (strategies that communicate from a second thread need it, and so does the
+  /// watchdog's channel: Note [Watchdog]), tunes Open MPI's non-blocking all-reduce
+  /// (Note [Non-blocking all-reduce algorithm]), and makes an exception that escapes main
+  /// end the job with one line instead of a backtrace on every rank (Note [Failing cleanly]).
   class Environment {
    public:
-    Environment() : env_(boost::mpi::threading::multiple) { detail::prefer_reduce_scatter_iallreduce(); }
-    Environment(int& argc, char**& argv) : env_(argc, argv, boost::mpi::threading::multiple) {
-      detail::prefer_reduce_scatter_iallreduce();
-    }
+    Environment() : env_(boost::mpi::threading::multiple) { set_up(); }
+    Environment(int& argc, char**& argv) : env_(argc, argv, boost::mpi::threading::multiple) { set_up(); }
+    Environment(const Environment&) = delete;
+    Environment& operator=(const Environment&) = delete;
+    ~Environment() { detail::Watchdog::instance().retire_channel(); }  // before MPI_Finalize
     [[nodiscard]] bool thread_multiple() const { return env_.thread_level() >= boost::mpi::threading::multiple; }
 
    private:
+    static void set_up() {
+      detail::prefer_reduce_scatter_iallreduce();
+      std::set_terminate(detail::terminate_cleanly);
+    }
     boost::mpi::environment env_;
   };
 
@@ -142,6 +155,7 @@ class Mpi {
         segments_ = std::move(o.segments_);
         keep_ = std::move(o.keep_);
         then_ = std::move(o.then_);
+        watch_ = std::move(o.watch_);
         op_ = o.op_;
         rank_ = o.rank_;
       }
@@ -218,6 +232,7 @@ class Mpi {
 
     void complete() {
       requests_.clear();
+      watch_.release();
       if (then_) std::exchange(then_, {})();
       keep_.clear();
     }
@@ -233,6 +248,7 @@ class Mpi {
         new std::vector<at::Tensor>(std::move(keep_));
         if (segments_) new std::shared_ptr<Segments>(std::move(segments_));
         requests_.clear();
+        watch_.release();
         return;
       }
       if (segments_) {
@@ -244,6 +260,7 @@ class Mpi {
       }
       MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
       requests_.clear();
+      watch_.release();
       if (then_) then_();
     }
 
@@ -251,6 +268,7 @@ class Mpi {
     std::shared_ptr<Segments> segments_;
     std::vector<at::Tensor> keep_;
     std::function<void()> then_;
+    detail::Watch watch_;  // Note [Watchdog]
     const char* op_ = "";
     int rank_ = -1;
   };
@@ -258,12 +276,18 @@ class Mpi {
   /// A duplicate of MPI_COMM_WORLD. Throws if MPI is not initialised, or if a
   /// torchrun-style launcher started the ranks: Note [Launched without MPI].
   Mpi() : Mpi(Options{}) {}
-  explicit Mpi(Options options) : Mpi(world(), options) { check_launcher(); }
+  explicit Mpi(Options options) : Mpi(world(), options) {
+    check_launcher();
+    // Collective over the world, and done by every rank's first world communicator alike.
+    if (!detail::Watchdog::instance().has_channel())
+      detail::Watchdog::instance().set_channel(std::make_unique<detail::MpiWatchdogChannel>());
+  }
 
   /// A duplicate of `base`.
   explicit Mpi(const boost::mpi::communicator& base) : Mpi(base, Options{}) {}
   Mpi(const boost::mpi::communicator& base, Options options)
-      : state_(std::make_shared<State>(boost::mpi::communicator(base, boost::mpi::comm_duplicate), options)) {}
+      : state_(std::make_shared<State>(boost::mpi::communicator(base, boost::mpi::comm_duplicate), options,
+                                       base == boost::mpi::communicator() ? "world" : "a duplicate")) {}
 
   [[nodiscard]] int rank() const noexcept { return state_->rank; }
   [[nodiscard]] int size() const noexcept { return state_->size; }
@@ -274,7 +298,9 @@ class Mpi {
   /// An independent communicator over the same ranks.
   [[nodiscard]] Mpi duplicate() const {
     start_pending_segments();
-    return Mpi(state_->comm, state_->options);
+    const auto watch = begin_other("split");
+    return Mpi(std::make_shared<State>(boost::mpi::communicator(state_->comm, boost::mpi::comm_duplicate),
+                                       state_->options, "a duplicate of " + state_->ledger->name()));
   }
 
   /// The ranks that pass the same `color`, ordered by `key` (then by rank).
@@ -282,11 +308,13 @@ class Mpi {
   [[nodiscard]] Mpi split(int color, int key = 0) const {
     if (color < 0) fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
     start_pending_segments();
-    return Mpi(std::make_shared<State>(state_->comm.split(color, key), state_->options));
+    const auto watch = begin_other("split");
+    return Mpi(std::make_shared<State>(state_->comm.split(color, key), state_->options,
+                                       "split " + std::to_string(color) + " of " + state_->ledger->name()));
   }
 
   void all_reduce(at::Tensor& t, reduce_op op) {
-    prepare_reduction("all_reduce", t, op);
+    const auto watch = prepare_reduction("all_reduce", t, op);
     const auto seg = segment_elements(t);
     auto* p = static_cast<char*>(t.data_ptr());
     for (std::int64_t off = 0; off < t.numel(); off += seg)
@@ -297,8 +325,9 @@ class Mpi {
   }
 
   [[nodiscard]] Request iall_reduce(at::Tensor& t, reduce_op op) {
-    prepare_reduction("iall_reduce", t, op);
+    auto watch = prepare_reduction("iall_reduce", t, op);
     Request r("iall_reduce", rank(), {t});
+    r.watch_ = std::move(watch);
     const auto seg = segment_elements(t);
     auto* p = static_cast<char*>(t.data_ptr());
     for (std::int64_t off = 0; off < t.numel(); off += seg)
@@ -314,8 +343,8 @@ class Mpi {
   [[nodiscard]] Request ibroadcast(at::Tensor& t, int root) {
     detail::check_buffer("broadcast", rank(), t);
     check_peer("broadcast", root);
-    validate("broadcast", t, root);
     Request r("broadcast", rank(), {t});
+    r.watch_ = begin("broadcast", t, root);
     check(MPI_Ibcast(t.data_ptr(), count("broadcast", t), datatype(t), root, native(), &r.requests_.emplace_back()),
           "broadcast");
     return r;
@@ -324,9 +353,9 @@ class Mpi {
   /// Reduces `in` (size() equal parts, one per rank) and leaves part rank() in `out`.
   /// Large buffers go in segments: Note [Segmented reduce-scatter and all-gather].
   void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
-    prepare_reduce_scatter(in, out, op);
+    auto watch = prepare_reduce_scatter(in, out, op);
     if (reduce_scatter_segment(in) < out.numel()) {
-      start_reduce_scatter(in, out, op).wait();
+      start_reduce_scatter(in, out, op, std::move(watch)).wait();
       return;
     }
     check(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count("reduce_scatter", out), datatype(in),
@@ -336,8 +365,8 @@ class Mpi {
   }
 
   [[nodiscard]] Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
-    prepare_reduce_scatter(in, out, op);
-    return start_reduce_scatter(in, out, op);
+    auto watch = prepare_reduce_scatter(in, out, op);
+    return start_reduce_scatter(in, out, op, std::move(watch));
   }
 
   /// Concatenates every rank's `in`, in rank order, into `out` on every rank. In place
@@ -345,9 +374,9 @@ class Mpi {
   /// is): this rank's part is then not copied. Large buffers go in segments:
   /// Note [Segmented reduce-scatter and all-gather].
   void all_gather(const at::Tensor& in, at::Tensor& out) {
-    const bool in_place = prepare_all_gather(in, out);
+    auto [in_place, watch] = prepare_all_gather(in, out);
     if (all_gather_segment(out) < in.numel()) {
-      start_all_gather(in, out, in_place).wait();
+      start_all_gather(in, out, in_place, std::move(watch)).wait();
       return;
     }
     check(MPI_Allgather(in_place ? MPI_IN_PLACE : in.data_ptr(), count("all_gather", in), datatype(in),
@@ -356,8 +385,8 @@ class Mpi {
   }
 
   [[nodiscard]] Request iall_gather(const at::Tensor& in, at::Tensor& out) {
-    const bool in_place = prepare_all_gather(in, out);
-    return start_all_gather(in, out, in_place);
+    auto [in_place, watch] = prepare_all_gather(in, out);
+    return start_all_gather(in, out, in_place, std::move(watch));
   }
 
   void send(const at::Tensor& t, int peer, int tag = 0) { isend(t, peer, tag).wait(); }
@@ -368,6 +397,7 @@ class Mpi {
   void recv(at::Tensor& t, int peer, int tag = 0) {
     detail::check_buffer("recv", rank(), t);
     check_peer("recv", peer);
+    const auto watch = begin_point_to_point("recv", peer, tag);
     MPI_Message message{};
     MPI_Status status{};
     check(MPI_Mprobe(peer, tag, native(), &message, &status), "recv");
@@ -388,6 +418,7 @@ class Mpi {
     detail::check_buffer("send", rank(), t);
     check_peer("send", peer);
     Request r("send", rank(), {t});
+    r.watch_ = begin_point_to_point("send", peer, tag);
     check(MPI_Isend(t.data_ptr(), count("send", t), datatype(t), peer, tag, native(), &r.requests_.emplace_back()),
           "send");
     return r;
@@ -399,6 +430,7 @@ class Mpi {
     detail::check_buffer("recv", rank(), t);
     check_peer("recv", peer);
     Request r("recv", rank(), {t});
+    r.watch_ = begin_point_to_point("recv", peer, tag);
     check(MPI_Irecv(t.data_ptr(), count("recv", t), datatype(t), peer, tag, native(), &r.requests_.emplace_back()),
           "recv");
     return r;
@@ -406,17 +438,20 @@ class Mpi {
 
   void barrier() {
     start_pending_segments();
+    const auto watch = begin_other("barrier");
     check(MPI_Barrier(native()), "barrier");
   }
 
  private:
   struct State {
-    State(boost::mpi::communicator c, Options o) : comm(std::move(c)), options(o) {
+    State(boost::mpi::communicator c, Options o, std::string name) : comm(std::move(c)), options(o) {
       // Errors come back as codes that we turn into paratrain::error, rather than
       // aborting the job from inside MPI.
       MPI_Comm_set_errhandler(native(), MPI_ERRORS_RETURN);
       rank = comm.rank();
       size = comm.size();
+      ledger = std::make_shared<detail::Ledger>(std::move(name), detail::world_ranks(native()), rank);
+      detail::Watchdog::instance().remember(ledger);
     }
     [[nodiscard]] MPI_Comm native() const noexcept { return static_cast<MPI_Comm>(comm); }
 
@@ -424,6 +459,7 @@ class Mpi {
     detail::MpiOps ops;
     Options options;
     std::weak_ptr<Request::Segments> pending;  // Note [Segment order]
+    std::shared_ptr<detail::Ledger> ledger;    // Note [Watchdog], Note [Collective fingerprint]
     int rank = 0;
     int size = 1;
   };
@@ -487,20 +523,58 @@ class Mpi {
     return std::clamp<std::int64_t>(per, 1, INT_MAX);
   }
 
-  void prepare_reduction(const char* op, at::Tensor& t, reduce_op r) {
+  [[nodiscard]] detail::Watch prepare_reduction(const char* op, at::Tensor& t, reduce_op r) {
     detail::check_reduction(op, rank(), t, r);
-    validate(op, t, static_cast<int>(r));
+    return begin(op, t, static_cast<int>(r));
   }
 
   // Every collective but barrier, split and duplicate passes here first, which is where
-  // the pending segments must start: Note [Segment order].
-  // Note [Collective validation] (detail/collective_signature.hpp).
-  void validate(std::string_view op, const at::Tensor& t, int detail) {
+  // the pending segments must start: Note [Segment order]. Then it is counted, and the
+  // fingerprint compared when due: Note [Collective fingerprint]; checked in full when
+  // asked: Note [Collective validation] (detail/collective_signature.hpp). Returns the
+  // operation's watch: Note [Watchdog].
+  [[nodiscard]] detail::Watch begin(std::string_view op, const at::Tensor& t, int detail) {
     start_pending_segments();
-    if (!options().validate) return;
-    detail::CollectiveSignature signature(op, t, detail);
-    check(MPI_Allreduce(MPI_IN_PLACE, signature.packed().data_ptr(), 8, MPI_INT64_T, MPI_MAX, native()), "validate");
-    signature.check(rank());
+    const auto [record, due] = state_->ledger->record(detail::record_of(op, t, detail));
+    if (due) compare_fingerprints();
+    if (options().validate) {
+      detail::CollectiveSignature signature(op, t, detail);
+      const auto watch = watch_collective(detail::record_of("validate", signature.packed(), 0));
+      check(MPI_Allreduce(MPI_IN_PLACE, signature.packed().data_ptr(), 8, MPI_INT64_T, MPI_MAX, native()), "validate");
+      signature.check(rank());
+    }
+    return watch_collective(record);
+  }
+
+  // Collectives without a tensor (barrier, split): counted and watched.
+  [[nodiscard]] detail::Watch begin_other(std::string_view op) const {
+    return watch_collective(state_->ledger->record(detail::record_of(op, at::Tensor(), 0)).first);
+  }
+
+  [[nodiscard]] detail::Watch watch_collective(const detail::OperationRecord& record) const {
+    return detail::Watchdog::instance().begin(state_->ledger, record, options().timeout);
+  }
+
+  [[nodiscard]] detail::Watch begin_point_to_point(std::string_view op, int peer, int tag) const {
+    return detail::Watchdog::instance().begin(state_->ledger, {0, detail::operation_code(op), -1, 0, tag},
+                                              options().timeout, peer);
+  }
+
+  // Note [Collective fingerprint]
+  void compare_fingerprints() {
+    const auto fingerprint = state_->ledger->fingerprint();
+    const std::int64_t high = static_cast<std::int64_t>(fingerprint >> 32), low = static_cast<std::int64_t>(fingerprint & 0xffffffffu);
+    std::int64_t packed[4] = {high, low, -high, -low};
+    {
+      const auto watch = watch_collective({state_->ledger->count(), detail::operation_code("fingerprint"), -1, 0, 0});
+      check(MPI_Allreduce(MPI_IN_PLACE, packed, 4, MPI_INT64_T, MPI_MAX, native()), "fingerprint");
+    }
+    if (packed[0] == -packed[2] && packed[1] == -packed[3]) return;
+    const auto mine = state_->ledger->history();
+    std::vector<std::array<detail::OperationRecord, detail::history_length>> all(static_cast<std::size_t>(size()));
+    const int bytes = static_cast<int>(sizeof mine);
+    check(MPI_Allgather(mine.data(), bytes, MPI_BYTE, all.data(), bytes, MPI_BYTE, native()), "fingerprint");
+    fail("fingerprint", detail::fingerprint_mismatch(*state_->ledger, all));
   }
 
   // Note [Segment order]
@@ -522,13 +596,13 @@ class Mpi {
     return sharding_segment(out, options().all_gather_segment_above_bytes);
   }
 
-  void prepare_reduce_scatter(const at::Tensor& in, const at::Tensor& out, reduce_op op) {
+  [[nodiscard]] detail::Watch prepare_reduce_scatter(const at::Tensor& in, const at::Tensor& out, reduce_op op) {
     detail::check_reduce_scatter(rank(), size(), in, out, op);
-    validate("reduce_scatter", in, static_cast<int>(op));
+    return begin("reduce_scatter", in, static_cast<int>(op));
   }
 
-  /// Checks the arguments and says whether the gather is in place.
-  bool prepare_all_gather(const at::Tensor& in, const at::Tensor& out) {
+  /// Checks the arguments and says whether the gather is in place; and its watch.
+  std::pair<bool, detail::Watch> prepare_all_gather(const at::Tensor& in, const at::Tensor& out) {
     detail::check_all_gather(rank(), size(), in, out);
     const auto bytes = in.numel() * in.element_size();
     const auto* first = static_cast<const char*>(in.data_ptr());
@@ -537,12 +611,12 @@ class Mpi {
     if (bytes > 0 && !in_place && first < whole + size() * bytes && whole < first + bytes)
       fail("all_gather", "in overlaps out but is not part rank() of it; pass `out.narrow(0, rank() * n, n)` to "
                          "gather in place, or a separate tensor");
-    validate("all_gather", in, 0);
-    return in_place;
+    return {in_place, begin("all_gather", in, 0)};
   }
 
-  Request start_reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
+  Request start_reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op, detail::Watch watch) {
     Request r("reduce_scatter", rank(), {in, out});
+    r.watch_ = std::move(watch);
     const auto type = datatype(in);
     const auto mpi_op = state_->ops.op(in.scalar_type(), op);
     if (op == reduce_op::average) r.then_ = [out, n = size()]() mutable { out.div_(n); };
@@ -579,8 +653,9 @@ class Mpi {
     return r;
   }
 
-  Request start_all_gather(const at::Tensor& in, at::Tensor& out, bool in_place) {
+  Request start_all_gather(const at::Tensor& in, at::Tensor& out, bool in_place, detail::Watch watch) {
     Request r("all_gather", rank(), {in, out});
+    r.watch_ = std::move(watch);
     const auto type = datatype(in);
     const auto part = in.numel(), seg = all_gather_segment(out);
     if (seg >= part) {

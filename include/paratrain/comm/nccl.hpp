@@ -7,6 +7,7 @@
 #include <mpi.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -16,6 +17,7 @@
 #include "paratrain/comm/mpi.hpp"
 #include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/detail/tensor_checks.hpp"
+#include "paratrain/detail/watchdog.hpp"
 #include "paratrain/error.hpp"
 
 namespace paratrain::comm {
@@ -42,6 +44,9 @@ class Nccl {
   struct Options {
     /// The CUDA device of this rank; -1 picks the rank within its node.
     int device = -1;
+    /// How long an operation may stay pending (from its start to the end of its wait()
+    /// or test()) before the watchdog reports it and ends the job: Note [Watchdog].
+    std::chrono::milliseconds timeout = detail::default_timeout();
   };
 
   /// Completion of operations enqueued so far, through a CUDA event.
@@ -49,10 +54,11 @@ class Nccl {
    public:
     Request() = default;
     Request(Request&& o) noexcept
-        : event_(std::exchange(o.event_, nullptr)), rank_(o.rank_), keep_(std::move(o.keep_)) {}
+        : event_(std::exchange(o.event_, nullptr)), rank_(o.rank_), keep_(std::move(o.keep_)), watch_(std::move(o.watch_)) {}
     Request& operator=(Request&& o) noexcept {
       std::swap(event_, o.event_);
       std::swap(keep_, o.keep_);
+      std::swap(watch_, o.watch_);
       rank_ = o.rank_;
       return *this;
     }
@@ -66,6 +72,7 @@ class Nccl {
       if (event_ == nullptr) return;
       cuda_check(cudaEventSynchronize(event_), "wait", rank_);
       cudaEventDestroy(std::exchange(event_, nullptr));
+      watch_.release();
       keep_.clear();
     }
     [[nodiscard]] bool test() {
@@ -74,16 +81,18 @@ class Nccl {
       if (rc == cudaErrorNotReady) return false;
       cuda_check(rc, "test", rank_);
       cudaEventDestroy(std::exchange(event_, nullptr));
+      watch_.release();
       keep_.clear();
       return true;
     }
 
    private:
     friend class Nccl;
-    Request(cudaEvent_t e, int rank) : event_(e), rank_(rank) {}
+    Request(cudaEvent_t e, int rank, detail::Watch watch) : event_(e), rank_(rank), watch_(std::move(watch)) {}
     cudaEvent_t event_ = nullptr;
     int rank_ = -1;
     std::vector<at::Tensor> keep_;  // must outlive the operation (a caching allocator would reuse the memory)
+    detail::Watch watch_;           // Note [Watchdog]
   };
 
   /// Rank 0 makes NCCL's unique id and broadcasts it over `bootstrap` (or its failure,
@@ -128,6 +137,9 @@ class Nccl {
     cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "comm::Nccl", s.rank);
     cuda_check(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming), "comm::Nccl", s.rank);
     nccl_check(ncclCommInitRank(&s.comm, s.size, id, s.rank), "comm::Nccl", s.rank);
+    s.timeout = options.timeout;
+    s.ledger = std::make_shared<detail::Ledger>("nccl", detail::world_ranks(bootstrap.native()), s.rank);
+    detail::Watchdog::instance().remember(s.ledger);
   }
 
   [[nodiscard]] int rank() const noexcept { return state_->rank; }
@@ -242,6 +254,8 @@ class Nccl {
     cudaStream_t stream = nullptr;
     cudaEvent_t ready = nullptr;  // Note [Stream order]
     int rank = 0, size = 1, device = 0;
+    std::chrono::milliseconds timeout{};
+    std::shared_ptr<detail::Ledger> ledger;  // Note [Watchdog]
   };
 
   static void nccl_check(ncclResult_t rc, const char* op, int rank) {
@@ -324,7 +338,10 @@ class Nccl {
     cudaEvent_t e = nullptr;
     cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), op, rank());
     cuda_check(cudaEventRecord(e, stream()), op, rank());
-    return Request(e, rank());
+    // Watched from here to its wait(): the watchdog (Note [Watchdog]) ends the job through
+    // MPI when a peer never joins. NCCL's collectives are counted but not fingerprinted.
+    const auto record = state_->ledger->record({0, detail::operation_code(op), -1, 0, 0}).first;
+    return Request(e, rank(), detail::Watchdog::instance().begin(state_->ledger, record, state_->timeout));
   }
 
   std::shared_ptr<State> state_;

@@ -48,8 +48,11 @@ struct min_f {
 // libraries have no such control variable and are left alone.
 inline void prefer_reduce_scatter_iallreduce() {
   if (std::getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm") != nullptr) return;
-  int provided = 0;
-  if (MPI_T_init_thread(MPI_THREAD_SINGLE, &provided) != MPI_SUCCESS) return;
+  // Open MPI's MPI_T_init_thread also sets the level MPI_Query_thread reports (and its own
+  // "using threads" flag) to the one asked for here: ask for the level MPI_Init_thread gave.
+  int level = MPI_THREAD_SINGLE, provided = 0;
+  MPI_Query_thread(&level);
+  if (MPI_T_init_thread(level, &provided) != MPI_SUCCESS) return;
   int index = -1;
   if (MPI_T_cvar_get_index("coll_libnbc_iallreduce_algorithm", &index) == MPI_SUCCESS) {
     MPI_T_cvar_handle handle{};

@@ -1,0 +1,508 @@
+#pragma once
+/// \file
+/// The collective watchdog and the collective-sequence fingerprint, shared by every
+/// communicator: Note [Watchdog] and Note [Collective fingerprint].
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "paratrain/error.hpp"
+
+namespace paratrain::detail {
+
+// Note [Watchdog]
+// Every operation of comm::Mpi, comm::Gloo and comm::Nccl (collectives, sends and
+// receives, blocking or not) holds a Watch from the moment it starts until it completes.
+// One thread per process looks at the oldest watch a few times per timeout; when one has
+// been pending for longer than its communicator's timeout, the rank
+//   1. prints what it waits for: the operation, its sequence number on its communicator,
+//      its dtype and element count (or peer and tag), and for how long;
+//   2. asks every other rank, over a channel that does not need the stuck communicator
+//      (a duplicate of MPI_COMM_WORLD served by the other ranks' watchdog threads, or the
+//      Gloo rendezvous store), what it is doing; ranks that answer are described (waiting
+//      in the same collective: arrived; in another one; busy outside communication since
+//      their last operation), ranks that do not answer within the grace period are named
+//      as stopped or dead, and the ranks' recent collectives are compared to find the
+//      first one they issued differently (Note [Collective fingerprint]);
+//   3. ends the whole job: MPI_Abort under MPI (mpirun then ends every rank, stopped ones
+//      included), an exit under a torchrun-style launch (the peers' next operation then
+//      fails, naming this rank: Note [Who failed]).
+// Nothing is done on the training threads but two map updates per operation; the
+// watchdog thread sleeps otherwise, waking every tick (a tenth of the shortest timeout,
+// at most 1 s) to answer questions and look at the clock.
+
+// Note [Collective fingerprint]
+// Each communicator keeps a running hash of (operation, dtype, element count, root or
+// reduction) of its collectives and the last `history_length` of them. Every
+// `fingerprint_period` collectives the ranks compare hashes with one 4-element MAX
+// all-reduce (the maximum of x and -x meets only where all agree: Note [Collective
+// validation]); on a mismatch they all-gather their histories, which cover every
+// collective since the last agreeing check, and every rank throws the same error naming
+// the first collective that differs and the ranks on each side. The cost is one tiny
+// all-reduce per 64 collectives (measured in docs/benchmarks.md). The full per-call
+// check (PARATRAIN_VALIDATE=1) stays for finding the culprit of a hang at once.
+
+inline constexpr std::size_t history_length = 64;
+inline constexpr std::uint64_t fingerprint_period = 64;
+/// The exit status of a job ended by the watchdog (as timeout(1)'s).
+inline constexpr int watchdog_exit_code = 124;
+
+/// The operations the ledger names, in a fixed order: their codes travel between ranks.
+inline constexpr std::array<std::string_view, 12> operation_names = {
+    "?",    "all_reduce", "iall_reduce", "broadcast", "reduce_scatter", "all_gather",
+    "send", "recv",       "barrier",     "split",     "validate",       "fingerprint"};
+
+inline std::int64_t operation_code(std::string_view op) noexcept {
+  for (std::size_t i = 1; i < operation_names.size(); ++i)
+    if (operation_names[i] == op) return static_cast<std::int64_t>(i);
+  return 0;
+}
+inline std::string_view operation_name(std::int64_t code) noexcept {
+  return code > 0 && code < static_cast<std::int64_t>(operation_names.size()) ? operation_names[static_cast<std::size_t>(code)]
+                                                                               : operation_names[0];
+}
+
+/// One collective as the fingerprint sees it. seq 0 is "none".
+struct OperationRecord {
+  std::int64_t seq = 0;
+  std::int64_t op = 0;
+  std::int64_t dtype = -1;
+  std::int64_t numel = 0;
+  std::int64_t detail = 0;  // root or reduction
+
+  friend bool operator==(const OperationRecord&, const OperationRecord&) = default;
+};
+
+/// "all_reduce #12 (Float, 676 elements)"; without the number when `numbered` is false.
+inline std::string describe(const OperationRecord& r, bool numbered = true) {
+  std::string s(operation_name(r.op));
+  if (numbered) {
+    s += " #";
+    s += std::to_string(r.seq);
+  }
+  if (r.dtype >= 0) {
+    s += " (";
+    s += c10::toString(static_cast<at::ScalarType>(r.dtype));
+    s += ", ";
+    s += std::to_string(r.numel);
+    s += " elements)";
+  }
+  return s;
+}
+
+/// A collective's record, with the seq still to be filled in.
+inline OperationRecord record_of(std::string_view op, const at::Tensor& t, int detail) {
+  // iall_reduce and all_reduce match each other across ranks: one name for both.
+  const auto code = operation_code(op == "iall_reduce" ? std::string_view("all_reduce") : op);
+  return {0, code, t.defined() ? static_cast<std::int64_t>(t.scalar_type()) : -1, t.defined() ? t.numel() : 0, detail};
+}
+
+/// What one communicator has done: its collectives' count, fingerprint and recent history.
+/// `id` is the same on every member rank (a hash of the members' world ranks and how many
+/// communicators over the same members this process made before).
+class Ledger {
+ public:
+  Ledger(std::string name, std::vector<int> members, int rank) : name_(std::move(name)), members_(std::move(members)), rank_(rank) {
+    std::uint64_t h = 1469598103934665603ull;
+    for (int m : members_) h = (h ^ static_cast<std::uint64_t>(m + 1)) * 1099511628211ull;
+    static std::mutex mutex;
+    static std::map<std::uint64_t, std::uint64_t> made;
+    std::lock_guard lock(mutex);
+    id_ = static_cast<std::int64_t>((h ^ (made[h]++ * 0x9e3779b97f4a7c15ull)) >> 1);
+  }
+
+  [[nodiscard]] std::int64_t id() const noexcept { return id_; }
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  [[nodiscard]] const std::vector<int>& members() const noexcept { return members_; }
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+
+  /// Counts a collective; returns it with its seq, and whether the fingerprint is due.
+  std::pair<OperationRecord, bool> record(OperationRecord r) {
+    std::lock_guard lock(mutex_);
+    r.seq = static_cast<std::int64_t>(++count_);
+    for (std::int64_t v : {r.op, r.dtype, r.numel, r.detail})
+      fingerprint_ = (fingerprint_ ^ static_cast<std::uint64_t>(v)) * 1099511628211ull;
+    history_[(count_ - 1) % history_length] = r;
+    return {r, count_ % fingerprint_period == 0};
+  }
+
+  [[nodiscard]] std::uint64_t fingerprint() const {
+    std::lock_guard lock(mutex_);
+    return fingerprint_;
+  }
+  [[nodiscard]] std::int64_t count() const {
+    std::lock_guard lock(mutex_);
+    return static_cast<std::int64_t>(count_);
+  }
+
+  /// The recent collectives, oldest first, padded with seq-0 records to history_length.
+  [[nodiscard]] std::array<OperationRecord, history_length> history() const {
+    std::lock_guard lock(mutex_);
+    std::array<OperationRecord, history_length> out{};
+    const auto n = std::min<std::uint64_t>(count_, history_length);
+    for (std::uint64_t i = 0; i < n; ++i) out[i] = history_[(count_ - n + i) % history_length];
+    return out;
+  }
+
+ private:
+  std::string name_;
+  std::vector<int> members_;
+  int rank_;
+  std::int64_t id_ = 0;
+  mutable std::mutex mutex_;
+  std::uint64_t count_ = 0;
+  std::uint64_t fingerprint_ = 1469598103934665603ull;
+  std::array<OperationRecord, history_length> history_{};
+};
+
+/// The first collective that two histories (oldest first) record differently, as the pair.
+inline std::optional<std::pair<OperationRecord, OperationRecord>> first_difference(
+    const std::array<OperationRecord, history_length>& a, const std::array<OperationRecord, history_length>& b) {
+  for (const auto& x : a) {
+    if (x.seq == 0) continue;
+    for (const auto& y : b)
+      if (y.seq == x.seq) {
+        if (!(x == y)) return std::pair{x, y};
+        break;
+      }
+  }
+  return std::nullopt;
+}
+
+/// Ranks as "0, 2, 3".
+inline std::string rank_list(const std::vector<int>& ranks) {
+  std::string s;
+  for (int r : ranks) {
+    if (!s.empty()) s += ", ";
+    s += std::to_string(r);
+  }
+  return s.empty() ? "none" : s;
+}
+
+/// After the fingerprints disagreed: every rank's history (oldest first, in member order)
+/// gives the first collective that differs, and the ranks on each side. The same text on
+/// every rank, since every rank sees the same histories.
+inline std::string fingerprint_mismatch(const Ledger& ledger,
+                                        const std::vector<std::array<OperationRecord, history_length>>& histories) {
+  std::int64_t first = INT64_MAX;
+  for (std::size_t i = 1; i < histories.size(); ++i)
+    if (auto d = first_difference(histories[0], histories[i])) first = std::min(first, d->first.seq);
+  std::string s = "the ranks of communicator " + ledger.name() + " issued different collectives";
+  if (first == INT64_MAX) return s + " before the last " + std::to_string(history_length) + " (their fingerprints differ)";
+  // Group the ranks by what they issued as collective `first`.
+  std::vector<std::pair<OperationRecord, std::vector<int>>> sides;
+  for (std::size_t i = 0; i < histories.size(); ++i) {
+    OperationRecord mine{first, 0, -1, 0, 0};
+    for (const auto& r : histories[i])
+      if (r.seq == first) mine = r;
+    auto it = std::find_if(sides.begin(), sides.end(), [&](const auto& side) { return side.first == mine; });
+    if (it == sides.end()) it = sides.insert(sides.end(), {mine, {}});
+    it->second.push_back(ledger.members()[i]);
+  }
+  s += ": the first that differs is #" + std::to_string(first) + ":";
+  for (const auto& [record, ranks] : sides)
+    s += " " + (record.op == 0 ? std::string("none") : describe(record, false)) + " on world rank" +
+         (ranks.size() > 1 ? "s " : " ") + rank_list(ranks) + ";";
+  s.pop_back();
+  return s + "; every rank must issue the same collectives in the same order";
+}
+
+/// What a rank says of itself when asked: fixed-size, so that it travels as bytes.
+struct RankStatus {
+  std::int64_t world_rank = -1;
+  std::int64_t ledger = 0;  // the communicator asked about
+  std::int64_t count = 0;   // collectives issued on it so far
+  // The oldest operation pending on that communicator or, failing that, anywhere.
+  std::int64_t pending = 0;  // 0 none, 1 on the communicator asked about, 2 on another
+  OperationRecord operation;
+  std::int64_t peer = -1;
+  std::int64_t age_ms = 0;
+  std::int64_t idle_ms = 0;  // since this rank last started or finished an operation
+  std::array<OperationRecord, history_length> history{};
+};
+
+/// How the watchdog reaches the other ranks without the stuck communicator.
+class WatchdogChannel {
+ public:
+  virtual ~WatchdogChannel() = default;
+  /// The world's size and this process's rank in it.
+  [[nodiscard]] virtual int world_rank() const = 0;
+  [[nodiscard]] virtual int world_size() const = 0;
+  /// Answers the other ranks' questions (called by the watchdog thread every tick).
+  virtual void serve(const std::function<RankStatus(std::int64_t ledger)>& describe_self) = 0;
+  /// Asks every other rank about `ledger`, answering questions meanwhile; the answers that
+  /// came within `grace`, by world rank.
+  virtual std::map<int, RankStatus> ask(std::int64_t ledger, std::chrono::milliseconds grace,
+                                        const std::function<RankStatus(std::int64_t ledger)>& describe_self) = 0;
+  /// Ends the whole job with `code`. Does not return.
+  [[noreturn]] virtual void end_job(int code) = 0;
+};
+
+/// Where the watchdog's settings come from: PARATRAIN_TIMEOUT (seconds, fractions
+/// allowed) or the 10 minutes NCCL's ProcessGroup also waits by default.
+inline std::chrono::milliseconds default_timeout() {
+  if (const char* v = std::getenv("PARATRAIN_TIMEOUT"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    const double seconds = std::strtod(v, &end);
+    if (end == v || *end != '\0' || !(seconds > 0))
+      throw error("PARATRAIN_TIMEOUT", -1,
+                  std::string("\"") + v + "\" is not a positive number of seconds (e.g. PARATRAIN_TIMEOUT=600)");
+    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
+  }
+  return std::chrono::minutes(10);
+}
+
+class Watchdog {
+ public:
+  using clock = std::chrono::steady_clock;
+
+  /// The process's one watchdog; never destroyed (its thread may outlive main's locals).
+  static Watchdog& instance() {
+    static auto* w = new Watchdog();
+    return *w;
+  }
+
+  /// An operation being watched; moving it along moves the watch, dropping it ends it.
+  class Watch {
+   public:
+    Watch() = default;
+    Watch(Watch&& o) noexcept : id_(std::exchange(o.id_, 0)) {}
+    Watch& operator=(Watch&& o) noexcept {
+      if (this != &o) {
+        release();
+        id_ = std::exchange(o.id_, 0);
+      }
+      return *this;
+    }
+    ~Watch() { release(); }
+    void release() noexcept {
+      if (id_ != 0) instance().end(std::exchange(id_, 0));
+    }
+
+   private:
+    friend class Watchdog;
+    explicit Watch(std::uint64_t id) : id_(id) {}
+    std::uint64_t id_ = 0;
+  };
+
+  /// Starts watching an operation of `ledger`'s communicator; `peer` >= 0 for a send or receive.
+  Watch begin(const std::shared_ptr<Ledger>& ledger, const OperationRecord& operation, std::chrono::milliseconds timeout,
+              int peer = -1) {
+    std::unique_lock lock(mutex_);
+    const auto id = ++next_id_;
+    const auto now = clock::now();
+    pending_.emplace(id, Pending{ledger, operation, peer, now, now + timeout});
+    last_activity_ = now;
+    if (!thread_.joinable()) start(lock);
+    if (timeout < shortest_timeout_) {
+      shortest_timeout_ = timeout;
+      wake_.notify_all();
+    }
+    return Watch(id);
+  }
+
+  /// Lets the watchdog reach the other ranks (the first channel given is kept).
+  void set_channel(std::unique_ptr<WatchdogChannel> channel) {
+    std::lock_guard serving(channel_mutex_);
+    std::lock_guard lock(mutex_);
+    if (!channel_) channel_ = std::move(channel);
+  }
+  [[nodiscard]] bool has_channel() const {
+    std::lock_guard lock(mutex_);
+    return channel_ != nullptr;
+  }
+
+  /// Stops using the channel (before MPI_Finalize, say).
+  void retire_channel() {
+    std::lock_guard serving(channel_mutex_);
+    std::lock_guard lock(mutex_);
+    channel_.reset();
+  }
+
+  /// Ends the job with `code` through the channel (so that every rank ends), or returns
+  /// false when there is none (a single process: the caller returns the code).
+  bool end_job(int code) {
+    std::lock_guard serving(channel_mutex_);
+    if (channel_ == nullptr || channel_->world_size() <= 1) return false;
+    std::fflush(nullptr);
+    channel_->end_job(code);
+    std::_Exit(code);  // end_job does not return
+  }
+
+  void remember(const std::shared_ptr<Ledger>& ledger) {
+    std::lock_guard lock(mutex_);
+    ledgers_[ledger->id()] = ledger;
+  }
+
+  /// This rank's answer to "what are you doing on `ledger`?".
+  RankStatus status(std::int64_t ledger_id) const {
+    std::lock_guard lock(mutex_);
+    RankStatus s;
+    s.ledger = ledger_id;
+    const auto now = clock::now();
+    if (auto it = ledgers_.find(ledger_id); it != ledgers_.end())
+      if (auto l = it->second.lock()) {
+        s.count = l->count();
+        s.history = l->history();
+        s.world_rank = l->members()[static_cast<std::size_t>(l->rank())];
+      }
+    const Pending* chosen = nullptr;
+    for (const auto& [id, p] : pending_) {
+      const bool here = p.ledger && p.ledger->id() == ledger_id;
+      if (chosen == nullptr || (here && !(chosen->ledger && chosen->ledger->id() == ledger_id))) chosen = &p;
+      if (here) break;  // the map is in start order: the first here is the oldest here
+    }
+    if (chosen != nullptr) {
+      s.pending = chosen->ledger && chosen->ledger->id() == ledger_id ? 1 : 2;
+      s.operation = chosen->operation;
+      s.peer = chosen->peer;
+      s.age_ms = ms(now - chosen->started);
+    }
+    s.idle_ms = ms(now - last_activity_);
+    return s;
+  }
+
+ private:
+  struct Pending {
+    std::shared_ptr<Ledger> ledger;
+    OperationRecord operation;
+    int peer;
+    clock::time_point started;
+    clock::time_point deadline;
+  };
+
+  Watchdog() = default;
+
+  static std::int64_t ms(clock::duration d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); }
+
+  void end(std::uint64_t id) noexcept {
+    std::lock_guard lock(mutex_);
+    pending_.erase(id);
+    last_activity_ = clock::now();
+  }
+
+  void start(std::unique_lock<std::mutex>&) {
+    thread_ = std::thread([this] { run(); });
+    thread_.detach();
+  }
+
+  [[nodiscard]] std::chrono::milliseconds tick() const {
+    return std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(shortest_timeout_ / 10),
+                      std::chrono::milliseconds(20), std::chrono::milliseconds(1000));
+  }
+
+  void run() {
+    const auto self = [this](std::int64_t ledger) { return status(ledger); };
+    for (;;) {
+      std::optional<Pending> expired;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait_for(lock, tick());
+        const auto now = clock::now();
+        for (const auto& [id, p] : pending_)
+          if (now >= p.deadline && (!expired || p.started < expired->started)) expired = p;
+      }
+      std::lock_guard serving(channel_mutex_);  // channel_ changes only under both locks
+      if (expired) fire(*expired, channel_.get(), self);  // does not return
+      if (channel_ != nullptr) channel_->serve(self);
+    }
+  }
+
+  [[noreturn]] void fire(const Pending& p, WatchdogChannel* channel,
+                         const std::function<RankStatus(std::int64_t)>& self) {
+    const auto& ledger = *p.ledger;
+    const int me = ledger.members()[static_cast<std::size_t>(ledger.rank())];
+    const auto waited = ms(clock::now() - p.started);
+    const std::string prefix = "paratrain: watchdog on rank " + std::to_string(me) + ": ";
+    std::string what = describe(p.operation);
+    if (p.peer >= 0)
+      what = std::string(operation_name(p.operation.op)) + (p.operation.op == operation_code("send") ? " to" : " from") +
+             " rank " + std::to_string(ledger.members()[static_cast<std::size_t>(p.peer)]) + " (tag " +
+             std::to_string(p.operation.detail) + ")";
+    std::fprintf(stderr, "%s%s on communicator %s (world ranks %s) did not complete within %.1f s; asking the other ranks\n",
+                 prefix.c_str(), what.c_str(), ledger.name().c_str(), rank_list(ledger.members()).c_str(),
+                 static_cast<double>(waited) / 1000.0);
+    std::fflush(stderr);
+    const auto grace = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(shortest_timeout_ / 2),
+                                  std::chrono::milliseconds(500), std::chrono::milliseconds(10000));
+    std::map<int, RankStatus> answers;
+    if (channel != nullptr && channel->world_size() > 1) answers = channel->ask(ledger.id(), grace, self);
+    const auto mine = self(ledger.id());
+    std::vector<int> arrived{me}, missing;
+    std::string details;
+    std::optional<std::pair<OperationRecord, OperationRecord>> difference;
+    int differing_rank = -1;
+    for (int r : ledger.members()) {
+      if (r == me) continue;
+      const auto it = answers.find(r);
+      std::string line = "  rank " + std::to_string(r) + ": ";
+      if (it == answers.end()) {
+        missing.push_back(r);
+        line += "no answer within " + std::to_string(grace.count()) + " ms: stopped, dead, or stuck where paratrain cannot answer";
+      } else {
+        const auto& s = it->second;
+        if (auto d = first_difference(mine.history, s.history); d && (!difference || d->first.seq < difference->first.seq))
+          difference = d, differing_rank = r;
+        if (s.pending == 1 && p.peer < 0 && s.operation == p.operation) {
+          arrived.push_back(r);
+          line += "waiting in the same " + describe(s.operation) + " for " + seconds(s.age_ms);
+        } else {
+          missing.push_back(r);
+          line += s.pending == 1   ? "waiting in " + describe(s.operation) + " on this communicator for " + seconds(s.age_ms)
+                  : s.pending == 2 ? "waiting in " + describe(s.operation) + " on another communicator for " + seconds(s.age_ms)
+                                   : "busy outside communication for " + seconds(s.idle_ms);
+          line += "; it has issued " + std::to_string(s.count) + " collectives on this communicator";
+        }
+      }
+      details += prefix + line + "\n";
+    }
+    std::string summary = prefix + "arrived: " + rank_list(arrived) + "; not arrived: " + rank_list(missing);
+    if (difference)
+      summary += "; the ranks issued different collectives: #" + std::to_string(difference->first.seq) + " is " +
+                 describe(difference->first, false) + " on rank " + std::to_string(me) + " but " +
+                 describe(difference->second, false) + " on rank " + std::to_string(differing_rank);
+    std::fprintf(stderr, "%s%s; ending the job (exit %d)\n", details.c_str(), summary.c_str(), watchdog_exit_code);
+    std::fflush(nullptr);
+    if (channel != nullptr) channel->end_job(watchdog_exit_code);
+    std::_Exit(watchdog_exit_code);
+  }
+
+  static std::string seconds(std::int64_t ms) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.1f s", static_cast<double>(ms) / 1000.0);
+    return b;
+  }
+
+  mutable std::mutex mutex_;
+  std::mutex channel_mutex_;  // held while the channel is used; taken before mutex_
+  std::condition_variable wake_;
+  std::map<std::uint64_t, Pending> pending_;  // by id: start order
+  std::map<std::int64_t, std::weak_ptr<Ledger>> ledgers_;
+  std::uint64_t next_id_ = 0;
+  clock::time_point last_activity_ = clock::now();
+  std::chrono::milliseconds shortest_timeout_ = std::chrono::hours(24);
+  std::unique_ptr<WatchdogChannel> channel_;
+  std::thread thread_;
+};
+
+using Watch = Watchdog::Watch;
+
+}  // namespace paratrain::detail

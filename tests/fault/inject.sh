@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# inject.sh <ranks> <deadline s> <expected regex> -- <mpiexec> ... <program> <args>
+# Runs a faulty job under a deadline and checks what the user would: it ended before the
+# deadline, with a non-zero status, saying what the regex says (the rank or operation at
+# fault), leaving no process behind. Prints the time it took to fail.
+set -uo pipefail
+ranks=$1 deadline=$2 expect=$3
+shift 3
+[[ $1 == -- ]] && shift
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+start=$(date +%s%N)
+# SIGKILL after the deadline: a job that hangs fails the test instead of ctest's timeout.
+timeout -s KILL "$deadline" "$@" >"$log" 2>&1
+status=$?
+elapsed_ms=$((($(date +%s%N) - start) / 1000000))
+sed 's/^/  | /' "$log"
+printf 'inject: ended in %d.%d s with status %d (deadline %d s)\n' $((elapsed_ms / 1000)) $((elapsed_ms % 1000 / 100)) "$status" "$deadline"
+fail=0
+if ((status == 137 && elapsed_ms >= deadline * 1000 - 500)); then
+  echo "inject: FAIL: still running at the deadline (killed)"; fail=1
+elif ((status == 0)); then
+  echo "inject: FAIL: the job exited 0 despite the fault"; fail=1
+fi
+if ! grep -Eq "$expect" "$log"; then echo "inject: FAIL: no line matches: $expect"; fail=1; fi
+if grep -Eq 'terminate called|Backtrace|\[ *[0-9]+\] .*\(\+0x' "$log"; then
+  echo "inject: FAIL: a backtrace or 'terminate called' in the output"; fail=1
+fi
+sleep 0.5
+program=
+for a in "$@"; do [[ -z $program && -x $a && $a == */* && $a != */mpiexec && $a != */mpirun ]] && program=$(realpath "$a"); done
+if [[ -n $program ]] && pgrep -f "^$program" >/dev/null; then
+  echo "inject: FAIL: processes left behind:"; pgrep -a -f "^$program"; pkill -KILL -f "^$program"; fail=1
+fi
+exit $fail
