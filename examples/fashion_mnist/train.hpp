@@ -3,6 +3,8 @@
 // ddp.cpp and zero1/2/3.cpp names a strategy in one alias and calls run<Strategy>().
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -28,24 +30,27 @@ struct Args {
   std::int64_t checkpoint_every = 200;  // steps between checkpoints (and one after every epoch)
 };
 
-inline Args parse(int argc, char** argv) {
-  Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string_view k = argv[i];
-    const char* v = argv[i + 1];
-    if (k == "--epochs") a.epochs = std::atoi(v);
-    else if (k == "--batch") a.batch = std::atoll(v);
-    else if (k == "--lr") a.lr = std::atof(v);
-    else if (k == "--data") a.data = v;
-    else if (k == "--train-samples") a.train_samples = std::atoll(v);
-    else if (k == "--checkpoint-dir") a.checkpoint_dir = v;
-    else if (k == "--checkpoint-every") a.checkpoint_every = std::atoll(v);
-    else
-      throw std::invalid_argument("unknown option " + std::string(k) +
-                                  " (--epochs, --batch, --lr, --data, --train-samples, --checkpoint-dir, "
-                                  "--checkpoint-every)");
+// The options, by CLI11: --help, and values checked (a missing or malformed one is an error
+// that names the option). Returns the exit status when the program should end now.
+inline std::optional<int> parse(int argc, char** argv, Args& a) {
+  CLI::App app("Fashion-MNIST with paratrain: the same training loop under every strategy");
+  app.add_option("--epochs", a.epochs, "epochs to train (0: none)")->check(CLI::Range(0, 1000000))->capture_default_str();
+  app.add_option("--batch", a.batch, "samples per process per step")->check(CLI::Range(1, 1 << 30))->capture_default_str();
+  app.add_option("--lr", a.lr, "Adam's learning rate")->check(CLI::Range(1e-12, 1e3))->capture_default_str();
+  app.add_option("--data", a.data, "the directory of the IDX files")->capture_default_str();
+  app.add_option("--train-samples", a.train_samples, "train on the first N samples (0: all 60000)")
+      ->check(CLI::Range(0, 1 << 30));
+  app.add_option("--checkpoint-dir", a.checkpoint_dir, "save checkpoints here, and resume from the newest");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints")
+      ->check(CLI::Range(1, 1 << 30))->capture_default_str();
+  try {
+    app.parse(argc, argv);
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    // Every rank parses the same command line; one of them prints.
+    if (paratrain::detail::known_rank() <= 0) return app.exit(e);
+    return e.get_exit_code();
   }
-  return a;
 }
 
 // What the alias chose, for the summary line.
@@ -75,12 +80,9 @@ constexpr bool uses_mpi() {
 }
 
 template <paratrain::strategy Strategy>
-int run(int argc, char** argv) {
-  std::optional<paratrain::comm::Mpi::Environment> mpi;
-  if constexpr (uses_mpi<Strategy>()) mpi.emplace(argc, argv);
+int train(const Args& args) {
   torch::set_num_threads(1);  // one process per core; threads within would fight over them
   const auto start = std::chrono::steady_clock::now();
-  const auto args = parse(argc, argv);
 
   const auto train_split = load(args.data, "train"), test_split = load(args.data, "t10k");
   const auto n = args.train_samples > 0 ? std::min(args.train_samples, train_split.images.size(0))
@@ -114,7 +116,8 @@ int run(int argc, char** argv) {
                                                      .every_epoch = true}});
   if (result.resumed_from && root) std::printf("resumed from %s\n", result.resumed_from->c_str());
   if (result.epochs.empty()) {
-    if (root) std::printf("nothing left to train: the newest checkpoint is after epoch %d\n", args.epochs);
+    if (root && args.epochs == 0) std::printf("0 epochs: nothing to train\n");
+    else if (root) std::printf("nothing left to train: the newest checkpoint is after epoch %d\n", args.epochs);
     return 0;
   }
   const auto& last = result.epochs.back();
@@ -130,6 +133,16 @@ int run(int argc, char** argv) {
         elapsed(), seconds_to_90 ? std::to_string(*seconds_to_90).c_str() : "null");
   }
   return 0;
+}
+
+template <paratrain::strategy Strategy>
+int run(int argc, char** argv) {
+  std::optional<paratrain::comm::Mpi::Environment> mpi;
+  if constexpr (uses_mpi<Strategy>()) mpi.emplace(argc, argv);
+  Args args;
+  if (const auto status = parse(argc, argv, args)) return *status;
+  // An error on any rank: one "paratrain: ..." line, and the whole job ends.
+  return paratrain::guarded([&] { return train<Strategy>(args); });
 }
 
 }  // namespace fashion_mnist

@@ -212,6 +212,8 @@ int run(int argc, char** argv) {
     std::fputs(usage.data(), stderr);
     return *e.what() ? 2 : 0;
   }
+  // An error on any rank: one "paratrain: ..." line, and the whole job ends.
+  return paratrain::guarded([&]() -> int {
   const auto& cfg = a.model;
 
   std::int64_t parameters = 0;
@@ -350,6 +352,7 @@ int run(int argc, char** argv) {
     std::fflush(stdout);
   }
   return std::isfinite(loss) ? 0 : 1;  // a run whose loss is not a number failed
+  });
 }
 
 }  // namespace transformer

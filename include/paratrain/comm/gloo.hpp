@@ -561,13 +561,13 @@ class Gloo {
   // [Collective fingerprint]), checked in full when asked (Note [Collective validation],
   // detail/collective_signature.hpp), and watched (Note [Watchdog]).
   [[nodiscard]] detail::Watch begin(std::string_view op, const at::Tensor& t, int detail) {
-    const auto [record, due] = state_->ledger->record(detail::record_of(op, t, detail));
-    if (due) compare_fingerprints();
-    if (options().validate) {
+    if (options().validate) {  // first: a collective refused on every rank is not counted
       detail::CollectiveSignature signature(op, t, detail);
       reduce_max_now("validate", signature.packed());
       signature.check(rank());
     }
+    const auto [record, due] = state_->ledger->record(detail::record_of(op, t, detail));
+    if (due) compare_fingerprints();
     return watch_collective(record);
   }
 

@@ -535,14 +535,14 @@ class Mpi {
   // operation's watch: Note [Watchdog].
   [[nodiscard]] detail::Watch begin(std::string_view op, const at::Tensor& t, int detail) {
     start_pending_segments();
-    const auto [record, due] = state_->ledger->record(detail::record_of(op, t, detail));
-    if (due) compare_fingerprints();
-    if (options().validate) {
+    if (options().validate) {  // first: a collective refused on every rank is not counted
       detail::CollectiveSignature signature(op, t, detail);
       const auto watch = watch_collective(detail::record_of("validate", signature.packed(), 0));
       check(MPI_Allreduce(MPI_IN_PLACE, signature.packed().data_ptr(), 8, MPI_INT64_T, MPI_MAX, native()), "validate");
       signature.check(rank());
     }
+    const auto [record, due] = state_->ledger->record(detail::record_of(op, t, detail));
+    if (due) compare_fingerprints();
     return watch_collective(record);
   }
 

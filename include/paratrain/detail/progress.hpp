@@ -44,12 +44,30 @@ class Progress {
   }
 
  private:
-  // mpirun hands its ranks a pseudo-terminal even when its own output goes to a file or a
-  // CI log, so isatty alone would draw bars into logs: a terminal also needs a TERM that
-  // can move the cursor (mpirun passes the user's TERM on).
+  // Note [Progress in logs]
+  // A bar redrawn with "\r\033[K" is for a person at a terminal; in a log file it becomes
+  // hundreds of frames. isatty is not enough: Open MPI's mpirun hands its ranks a
+  // pseudo-terminal even when its own output goes to a file or a CI log (and passes TERM
+  // on). So where the launcher gave this process a terminal, the bar also needs the
+  // launcher's own stdout to be one: the parent's /proc/<pid>/fd/1 (mpirun here, orted on
+  // other nodes, whose output is never a terminal). PARATRAIN_PROGRESS=bar or =lines
+  // overrides the guess.
   static bool interactive(std::FILE* out) {
+    if (const char* forced = std::getenv("PARATRAIN_PROGRESS"); forced != nullptr && *forced != '\0')
+      return std::string_view(forced) == "bar";
     const char* term = std::getenv("TERM");
-    return isatty(fileno(out)) && term != nullptr && *term != '\0' && std::string_view(term) != "dumb";
+    if (!isatty(fileno(out)) || term == nullptr || *term == '\0' || std::string_view(term) == "dumb") return false;
+    if (std::getenv("OMPI_COMM_WORLD_RANK") == nullptr && std::getenv("PMI_RANK") == nullptr) return true;
+    return parent_writes_to_terminal();
+  }
+
+  static bool parent_writes_to_terminal() {
+    char target[256] = {};
+    const auto path = "/proc/" + std::to_string(getppid()) + "/fd/1";
+    const auto n = readlink(path.c_str(), target, sizeof target - 1);
+    if (n <= 0) return false;
+    const std::string_view t(target, static_cast<std::size_t>(n));
+    return t.rfind("/dev/pts/", 0) == 0 || t.rfind("/dev/tty", 0) == 0;
   }
 
   bool enabled_;
