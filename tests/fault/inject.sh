@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# inject.sh <ranks> <deadline s> <expected regex> -- <mpiexec> ... <program> <args>
+# inject.sh <deadline s> <expected regexes> -- <launcher> ... <program> <args>
 # Runs a faulty job under a deadline and checks what the user would: it ended before the
-# deadline, with a non-zero status, saying what the regex says (the rank or operation at
-# fault), leaving no process behind. Prints the time it took to fail.
+# deadline, with a non-zero status, saying what the regexes say (the rank or operation at
+# fault; one per line, each must match a line of the output), leaving no process behind.
+# Prints the time it took to fail.
 set -uo pipefail
-ranks=$1 deadline=$2 expect=$3
-shift 3
+deadline=$1 expect=$2
+shift 2
 [[ $1 == -- ]] && shift
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
@@ -22,13 +23,15 @@ if ((status == 137 && elapsed_ms >= deadline * 1000 - 500)); then
 elif ((status == 0)); then
   echo "inject: FAIL: the job exited 0 despite the fault"; fail=1
 fi
-if ! grep -Eq "$expect" "$log"; then echo "inject: FAIL: no line matches: $expect"; fail=1; fi
+while IFS= read -r pattern; do
+  grep -Eq -- "$pattern" "$log" || { echo "inject: FAIL: no line matches: $pattern"; fail=1; }
+done <<<"$expect"
 if grep -Eq 'terminate called|Backtrace|\[ *[0-9]+\] .*\(\+0x' "$log"; then
   echo "inject: FAIL: a backtrace or 'terminate called' in the output"; fail=1
 fi
 sleep 0.5
 program=
-for a in "$@"; do [[ -z $program && -x $a && $a == */* && $a != */mpiexec && $a != */mpirun ]] && program=$(realpath "$a"); done
+for a in "$@"; do [[ -z $program && -x $a && $a == */* && $a != */mpiexec && $a != */mpirun && $a != *.sh ]] && program=$(realpath "$a"); done
 if [[ -n $program ]] && pgrep -f "^$program" >/dev/null; then
   echo "inject: FAIL: processes left behind:"; pgrep -a -f "^$program"; pkill -KILL -f "^$program"; fail=1
 fi

@@ -113,9 +113,9 @@ for ((attempt = 1; attempt <= attempts; attempt++)); do
 done
 
 print_logs
-if ((status == 124)); then
-  echo "torchrun_style.sh: timed out after ${timeout_s} s; killed the ranks still running" >&2
-elif [[ -n $failed ]]; then
+if [[ -n $failed ]]; then  # first: a rank may itself exit 124 (paratrain's watchdog does)
   echo "torchrun_style.sh: rank $failed exited with status $status; stopped the others" >&2
+elif ((status == 124)); then
+  echo "torchrun_style.sh: timed out after ${timeout_s} s; killed the ranks still running" >&2
 fi
 exit "$status"

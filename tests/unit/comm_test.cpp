@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <string>
 
 #include "paratrain/comm/mpi.hpp"
@@ -108,6 +109,30 @@ TEST_CASE("comm::Mpi: non-blocking requests complete through test() and through 
 TEST_CASE("comm::Mpi: with validation, mismatched collectives throw on every rank instead of hanging") {
   comm::Mpi c({.validate = true});
   collectives::check_validation(c);
+}
+
+TEST_CASE("comm::Mpi: the collective fingerprint names the first collective the ranks issued differently") {
+  comm::Mpi c;  // a fresh duplicate: its count starts at 0
+  collectives::check_fingerprint(c);
+}
+
+// The watchdog runs one thread per process, however many operations are watched.
+TEST_CASE("comm::Mpi: watched operations do not add threads") {
+  const auto threads = [] {
+    std::ifstream status("/proc/self/status");
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+    return -1;
+  };
+  comm::Mpi c;
+  auto t = torch::ones({4});
+  c.all_reduce(t, paratrain::reduce_op::sum);  // the watchdog's thread has started
+  const int before = threads();
+  for (int i = 0; i < 200; ++i) {
+    c.all_reduce(t, paratrain::reduce_op::sum);
+    c.iall_reduce(t, paratrain::reduce_op::sum).wait();
+  }
+  CHECK(threads() == before);
 }
 
 TEST_CASE("comm::Mpi: duplicate() is an independent communicator over the same ranks") {

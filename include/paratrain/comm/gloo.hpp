@@ -149,6 +149,11 @@ class Gloo {
       keep_.clear();
     }
 
+    /// Whether test() answers without blocking: true but for sends, which progress on
+    /// c10d's threads and which test() must wait for (c10d cannot poll them). Callers need
+    /// not, and between two ranks that send to each other must not, test those.
+    [[nodiscard]] bool pollable() const noexcept { return pollable_; }
+
     /// Says whether the operation is complete, without blocking, for collectives. c10d
     /// cannot poll a send or receive, so for those (isend) it waits and returns true.
     [[nodiscard]] bool test() {
@@ -269,11 +274,6 @@ class Gloo {
   /// have posted the matching recv: in a ring, use isend. `tag` must be >= 0.
   void send(const at::Tensor& t, int peer, int tag = 0) { isend(t, peer, tag).wait(); }
 
-  /// Sends and receives progress on c10d's threads, and a send's test() waits for its
-  /// receiver: callers need not (and must not, between two ranks that send to each other)
-  /// test sends to make them progress.
-  static constexpr bool sends_progress_alone = true;
-
   /// A send that completes in the background. Its request's test() waits (c10d cannot
   /// poll a send).
   [[nodiscard]] Request isend(const at::Tensor& t, int peer, int tag = 0) {
@@ -281,7 +281,7 @@ class Gloo {
     auto header = at::empty({1}, at::kLong);
     header.data_ptr<std::int64_t>()[0] = t.numel() * t.element_size();
     Request r("send", rank(), {t, header});
-    r.watch_ = begin_point_to_point("send", peer, tag);
+    r.watch_ = state_->watched.point_to_point("send", peer, tag);
     r.pollable_ = false;
     std::vector<at::Tensor> h{header}, payload{t};
     r.works_.push_back(run("send", [&] { return group().send(h, peer, tag); }));
@@ -294,7 +294,7 @@ class Gloo {
   /// Note [Length header].
   void recv(at::Tensor& t, int peer, int tag = 0) {
     check_point_to_point("recv", t, peer, tag);
-    const auto watch = begin_point_to_point("recv", peer, tag);
+    const auto watch = state_->watched.point_to_point("recv", peer, tag);
     auto header = at::empty({1}, at::kLong);
     receive(header, peer, tag);
     const auto bytes = header.data_ptr<std::int64_t>()[0];
@@ -313,7 +313,7 @@ class Gloo {
 
   void barrier() {
     Request r("barrier", rank(), {});
-    r.watch_ = begin_other("barrier");
+    r.watch_ = state_->watched.collective("barrier");
     r.works_.push_back(run("barrier", [&] { return group().barrier(); }));
     r.wait();
   }
@@ -326,7 +326,7 @@ class Gloo {
     std::string where;                        // "host:port", or "" for a world of one
     c10::intrusive_ptr<c10d::Store> store;    // declared before the group: it outlives it
     c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
-    std::shared_ptr<detail::Ledger> ledger;  // Note [Watchdog], Note [Collective fingerprint]
+    detail::Watched watched;  // Note [Watchdog], Note [Collective fingerprint]
     int splits = 0;  // made so far: names each new group's store prefix, the same on every rank
   };
 
@@ -431,8 +431,7 @@ class Gloo {
     s->options = std::move(o);
     std::vector<int> members(static_cast<std::size_t>(s->size));
     for (int r = 0; r < s->size; ++r) members[static_cast<std::size_t>(r)] = r;
-    s->ledger = std::make_shared<detail::Ledger>("world", std::move(members), s->rank);
-    detail::Watchdog::instance().remember(s->ledger);
+    s->watched = detail::Watched("world", std::move(members), s->rank, s->options.timeout);
     return s;
   }
 
@@ -459,13 +458,13 @@ class Gloo {
     o.world_size = s->size;
     s->options = std::move(o);
     {
+      const auto& parent = state_->watched.ledger();
       std::vector<int> world;
-      for (const auto& [k, r] : members) world.push_back(state_->ledger->members()[static_cast<std::size_t>(r)]);
-      s->ledger = std::make_shared<detail::Ledger>("split " + std::to_string(color) + " of " + state_->ledger->name(),
-                                                   std::move(world), s->rank);
-      detail::Watchdog::instance().remember(s->ledger);
+      for (const auto& [k, r] : members) world.push_back(parent.members()[static_cast<std::size_t>(r)]);
+      s->watched = detail::Watched("split " + std::to_string(color) + " of " + parent.name(), std::move(world), s->rank,
+                                   s->options.timeout);
     }
-    const auto watch = begin_other("split");
+    const auto watch = state_->watched.collective("split");
     const auto prefix = "paratrain/split/" + std::to_string(state_->splits++) + "/" + std::to_string(color);
     try {
       s->store = c10::make_intrusive<c10d::PrefixStore>(prefix, state_->store);
@@ -518,12 +517,7 @@ class Gloo {
 
   void receive(at::Tensor& t, int peer, int tag) {
     std::vector<at::Tensor> v{t};
-    auto work = run("recv", [&] { return group().recv(v, peer, tag); });
-    try {
-      work->wait();
-    } catch (...) {
-      rethrow_as_error("recv", rank());
-    }
+    wait_for("recv", run("recv", [&] { return group().recv(v, peer, tag); }));
   }
 
   // The dtype Gloo reduces a tensor of dtype t in: Note [What Gloo lacks in LibTorch 1.13].
@@ -563,65 +557,36 @@ class Gloo {
   [[nodiscard]] detail::Watch begin(std::string_view op, const at::Tensor& t, int detail) {
     if (options().validate) {  // first: a collective refused on every rank is not counted
       detail::CollectiveSignature signature(op, t, detail);
+      const auto watch = state_->watched.operation(detail::record_of("validate", signature.packed(), 0));
       reduce_max_now("validate", signature.packed());
       signature.check(rank());
     }
-    const auto [record, due] = state_->ledger->record(detail::record_of(op, t, detail));
-    if (due) compare_fingerprints();
-    return watch_collective(record);
+    auto [watch, due] = state_->watched.collective(op, t, detail);
+    if (due)
+      state_->watched.compare_fingerprints(
+          rank(), size(), [&](at::Tensor& words) { reduce_max_now("fingerprint", words); },
+          [&](const at::Tensor& in, at::Tensor& out) {
+            const auto n = in.numel();
+            std::vector<std::vector<at::Tensor>> parts(1);
+            for (int i = 0; i < size(); ++i) parts[0].push_back(out.narrow(0, i * n, n));
+            std::vector<at::Tensor> v{in};
+            wait_for("fingerprint", run("fingerprint", [&] { return group().allgather(parts, v); }));
+          });
+    return std::move(watch);
   }
 
-  [[nodiscard]] detail::Watch begin_other(std::string_view op) const {
-    return watch_collective(state_->ledger->record(detail::record_of(op, at::Tensor(), 0)).first);
-  }
-
-  [[nodiscard]] detail::Watch watch_collective(const detail::OperationRecord& record) const {
-    return detail::Watchdog::instance().begin(state_->ledger, record, options().timeout);
-  }
-
-  [[nodiscard]] detail::Watch begin_point_to_point(std::string_view op, int peer, int tag) const {
-    return detail::Watchdog::instance().begin(state_->ledger, {0, detail::operation_code(op), -1, 0, tag},
-                                              options().timeout, peer);
-  }
-
-  // A blocking MAX all-reduce outside the ledger, watched.
+  // A blocking MAX all-reduce, neither counted nor watched (the caller watches it).
   void reduce_max_now(const char* op, at::Tensor& t) {
-    const auto watch = watch_collective(detail::record_of(op, t, 0));
     std::vector<at::Tensor> v{t};
-    auto work = run(op, [&] { return group().allreduce(v, all_reduce_options(reduce_op::max)); });
+    wait_for(op, run(op, [&] { return group().allreduce(v, all_reduce_options(reduce_op::max)); }));
+  }
+
+  void wait_for(const char* op, const c10::intrusive_ptr<c10d::Work>& work) const {
     try {
       work->wait();
     } catch (...) {
       rethrow_as_error(op, rank());
     }
-  }
-
-  // Note [Collective fingerprint]
-  void compare_fingerprints() {
-    const auto fingerprint = state_->ledger->fingerprint();
-    const std::int64_t high = static_cast<std::int64_t>(fingerprint >> 32);
-    const std::int64_t low = static_cast<std::int64_t>(fingerprint & 0xffffffffu);
-    auto packed = at::empty({4}, at::kLong);
-    auto* p = packed.data_ptr<std::int64_t>();
-    p[0] = high, p[1] = low, p[2] = -high, p[3] = -low;
-    reduce_max_now("fingerprint", packed);
-    if (p[0] == -p[2] && p[1] == -p[3]) return;
-    const auto mine = state_->ledger->history();
-    constexpr auto words = static_cast<std::int64_t>(sizeof mine / sizeof(std::int64_t));
-    auto in = at::empty({words}, at::kLong), out = at::empty({words * size()}, at::kLong);
-    std::memcpy(in.data_ptr(), mine.data(), sizeof mine);
-    std::vector<std::vector<at::Tensor>> parts(1);
-    for (int i = 0; i < size(); ++i) parts[0].push_back(out.narrow(0, i * words, words));
-    std::vector<at::Tensor> v{in};
-    auto work = run("fingerprint", [&] { return group().allgather(parts, v); });
-    try {
-      work->wait();
-    } catch (...) {
-      rethrow_as_error("fingerprint", rank());
-    }
-    std::vector<std::array<detail::OperationRecord, detail::history_length>> all(static_cast<std::size_t>(size()));
-    std::memcpy(all.data(), out.data_ptr(), sizeof mine * all.size());
-    fail("fingerprint", detail::fingerprint_mismatch(*state_->ledger, all));
   }
 
   std::shared_ptr<State> state_;

@@ -298,9 +298,9 @@ class Mpi {
   /// An independent communicator over the same ranks.
   [[nodiscard]] Mpi duplicate() const {
     start_pending_segments();
-    const auto watch = begin_other("split");
+    const auto watch = state_->watched.collective("split");
     return Mpi(std::make_shared<State>(boost::mpi::communicator(state_->comm, boost::mpi::comm_duplicate),
-                                       state_->options, "a duplicate of " + state_->ledger->name()));
+                                       state_->options, "a duplicate of " + state_->watched.ledger().name()));
   }
 
   /// The ranks that pass the same `color`, ordered by `key` (then by rank).
@@ -308,9 +308,9 @@ class Mpi {
   [[nodiscard]] Mpi split(int color, int key = 0) const {
     if (color < 0) fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
     start_pending_segments();
-    const auto watch = begin_other("split");
+    const auto watch = state_->watched.collective("split");
     return Mpi(std::make_shared<State>(state_->comm.split(color, key), state_->options,
-                                       "split " + std::to_string(color) + " of " + state_->ledger->name()));
+                                       "split " + std::to_string(color) + " of " + state_->watched.ledger().name()));
   }
 
   void all_reduce(at::Tensor& t, reduce_op op) {
@@ -397,7 +397,7 @@ class Mpi {
   void recv(at::Tensor& t, int peer, int tag = 0) {
     detail::check_buffer("recv", rank(), t);
     check_peer("recv", peer);
-    const auto watch = begin_point_to_point("recv", peer, tag);
+    const auto watch = state_->watched.point_to_point("recv", peer, tag);
     MPI_Message message{};
     MPI_Status status{};
     check(MPI_Mprobe(peer, tag, native(), &message, &status), "recv");
@@ -418,7 +418,7 @@ class Mpi {
     detail::check_buffer("send", rank(), t);
     check_peer("send", peer);
     Request r("send", rank(), {t});
-    r.watch_ = begin_point_to_point("send", peer, tag);
+    r.watch_ = state_->watched.point_to_point("send", peer, tag);
     check(MPI_Isend(t.data_ptr(), count("send", t), datatype(t), peer, tag, native(), &r.requests_.emplace_back()),
           "send");
     return r;
@@ -430,7 +430,7 @@ class Mpi {
     detail::check_buffer("recv", rank(), t);
     check_peer("recv", peer);
     Request r("recv", rank(), {t});
-    r.watch_ = begin_point_to_point("recv", peer, tag);
+    r.watch_ = state_->watched.point_to_point("recv", peer, tag);
     check(MPI_Irecv(t.data_ptr(), count("recv", t), datatype(t), peer, tag, native(), &r.requests_.emplace_back()),
           "recv");
     return r;
@@ -438,7 +438,7 @@ class Mpi {
 
   void barrier() {
     start_pending_segments();
-    const auto watch = begin_other("barrier");
+    const auto watch = state_->watched.collective("barrier");
     check(MPI_Barrier(native()), "barrier");
   }
 
@@ -450,8 +450,7 @@ class Mpi {
       MPI_Comm_set_errhandler(native(), MPI_ERRORS_RETURN);
       rank = comm.rank();
       size = comm.size();
-      ledger = std::make_shared<detail::Ledger>(std::move(name), detail::world_ranks(native()), rank);
-      detail::Watchdog::instance().remember(ledger);
+      watched = detail::Watched(std::move(name), detail::world_ranks(native()), rank, options.timeout);
     }
     [[nodiscard]] MPI_Comm native() const noexcept { return static_cast<MPI_Comm>(comm); }
 
@@ -459,7 +458,7 @@ class Mpi {
     detail::MpiOps ops;
     Options options;
     std::weak_ptr<Request::Segments> pending;  // Note [Segment order]
-    std::shared_ptr<detail::Ledger> ledger;    // Note [Watchdog], Note [Collective fingerprint]
+    detail::Watched watched;                   // Note [Watchdog], Note [Collective fingerprint]
     int rank = 0;
     int size = 1;
   };
@@ -537,44 +536,23 @@ class Mpi {
     start_pending_segments();
     if (options().validate) {  // first: a collective refused on every rank is not counted
       detail::CollectiveSignature signature(op, t, detail);
-      const auto watch = watch_collective(detail::record_of("validate", signature.packed(), 0));
+      const auto watch = state_->watched.operation(detail::record_of("validate", signature.packed(), 0));
       check(MPI_Allreduce(MPI_IN_PLACE, signature.packed().data_ptr(), 8, MPI_INT64_T, MPI_MAX, native()), "validate");
       signature.check(rank());
     }
-    const auto [record, due] = state_->ledger->record(detail::record_of(op, t, detail));
-    if (due) compare_fingerprints();
-    return watch_collective(record);
-  }
-
-  // Collectives without a tensor (barrier, split): counted and watched.
-  [[nodiscard]] detail::Watch begin_other(std::string_view op) const {
-    return watch_collective(state_->ledger->record(detail::record_of(op, at::Tensor(), 0)).first);
-  }
-
-  [[nodiscard]] detail::Watch watch_collective(const detail::OperationRecord& record) const {
-    return detail::Watchdog::instance().begin(state_->ledger, record, options().timeout);
-  }
-
-  [[nodiscard]] detail::Watch begin_point_to_point(std::string_view op, int peer, int tag) const {
-    return detail::Watchdog::instance().begin(state_->ledger, {0, detail::operation_code(op), -1, 0, tag},
-                                              options().timeout, peer);
-  }
-
-  // Note [Collective fingerprint]
-  void compare_fingerprints() {
-    const auto fingerprint = state_->ledger->fingerprint();
-    const std::int64_t high = static_cast<std::int64_t>(fingerprint >> 32), low = static_cast<std::int64_t>(fingerprint & 0xffffffffu);
-    std::int64_t packed[4] = {high, low, -high, -low};
-    {
-      const auto watch = watch_collective({state_->ledger->count(), detail::operation_code("fingerprint"), -1, 0, 0});
-      check(MPI_Allreduce(MPI_IN_PLACE, packed, 4, MPI_INT64_T, MPI_MAX, native()), "fingerprint");
-    }
-    if (packed[0] == -packed[2] && packed[1] == -packed[3]) return;
-    const auto mine = state_->ledger->history();
-    std::vector<std::array<detail::OperationRecord, detail::history_length>> all(static_cast<std::size_t>(size()));
-    const int bytes = static_cast<int>(sizeof mine);
-    check(MPI_Allgather(mine.data(), bytes, MPI_BYTE, all.data(), bytes, MPI_BYTE, native()), "fingerprint");
-    fail("fingerprint", detail::fingerprint_mismatch(*state_->ledger, all));
+    auto [watch, due] = state_->watched.collective(op, t, detail);
+    if (due)
+      state_->watched.compare_fingerprints(
+          rank(), size(),
+          [&](at::Tensor& words) {
+            check(MPI_Allreduce(MPI_IN_PLACE, words.data_ptr(), 4, MPI_INT64_T, MPI_MAX, native()), "fingerprint");
+          },
+          [&](const at::Tensor& in, at::Tensor& out) {
+            check(MPI_Allgather(in.data_ptr(), count("fingerprint", in), MPI_INT64_T, out.data_ptr(),
+                                count("fingerprint", in), MPI_INT64_T, native()),
+                  "fingerprint");
+          });
+    return std::move(watch);
   }
 
   // Note [Segment order]

@@ -137,9 +137,7 @@ class Nccl {
     cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "comm::Nccl", s.rank);
     cuda_check(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming), "comm::Nccl", s.rank);
     nccl_check(ncclCommInitRank(&s.comm, s.size, id, s.rank), "comm::Nccl", s.rank);
-    s.timeout = options.timeout;
-    s.ledger = std::make_shared<detail::Ledger>("nccl", detail::world_ranks(bootstrap.native()), s.rank);
-    detail::Watchdog::instance().remember(s.ledger);
+    s.watched = detail::Watched("nccl", detail::world_ranks(bootstrap.native()), s.rank, options.timeout);
   }
 
   [[nodiscard]] int rank() const noexcept { return state_->rank; }
@@ -254,8 +252,7 @@ class Nccl {
     cudaStream_t stream = nullptr;
     cudaEvent_t ready = nullptr;  // Note [Stream order]
     int rank = 0, size = 1, device = 0;
-    std::chrono::milliseconds timeout{};
-    std::shared_ptr<detail::Ledger> ledger;  // Note [Watchdog]
+    detail::Watched watched;  // Note [Watchdog]
   };
 
   static void nccl_check(ncclResult_t rc, const char* op, int rank) {
@@ -340,8 +337,7 @@ class Nccl {
     cuda_check(cudaEventRecord(e, stream()), op, rank());
     // Watched from here to its wait(): the watchdog (Note [Watchdog]) ends the job through
     // MPI when a peer never joins. NCCL's collectives are counted but not fingerprinted.
-    const auto record = state_->ledger->record({0, detail::operation_code(op), -1, 0, 0}).first;
-    return Request(e, rank(), detail::Watchdog::instance().begin(state_->ledger, record, state_->timeout));
+    return Request(e, rank(), state_->watched.collective(op));
   }
 
   std::shared_ptr<State> state_;

@@ -4,6 +4,7 @@
 /// communicator: Note [Watchdog] and Note [Collective fingerprint].
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <array>
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -24,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/error.hpp"
 
 namespace paratrain::detail {
@@ -103,7 +106,12 @@ inline std::string describe(const OperationRecord& r, bool numbered = true) {
     s += c10::toString(static_cast<at::ScalarType>(r.dtype));
     s += ", ";
     s += std::to_string(r.numel);
-    s += " elements)";
+    s += " elements";
+    if (r.op == operation_code("all_reduce") || r.op == operation_code("reduce_scatter"))
+      s.append(", ").append(to_string(static_cast<reduce_op>(r.detail)));
+    else if (r.op == operation_code("broadcast"))
+      s.append(", root ").append(std::to_string(r.detail));
+    s += ")";
   }
   return s;
 }
@@ -217,10 +225,14 @@ inline std::string fingerprint_mismatch(const Ledger& ledger,
     if (it == sides.end()) it = sides.insert(sides.end(), {mine, {}});
     it->second.push_back(ledger.members()[i]);
   }
-  s += ": the first that differs is #" + std::to_string(first) + ":";
+  // append, not operator+ on temporaries: GCC 12 warns falsely (-Wstringop-overflow) there
+  s.append(": the first that differs is #").append(std::to_string(first)).append(":");
   for (const auto& [record, ranks] : sides)
-    s += " " + (record.op == 0 ? std::string("none") : describe(record, false)) + " on world rank" +
-         (ranks.size() > 1 ? "s " : " ") + rank_list(ranks) + ";";
+    s.append(" ")
+        .append(record.op == 0 ? std::string("none") : describe(record, false))
+        .append(ranks.size() > 1 ? " on world ranks " : " on world rank ")
+        .append(rank_list(ranks))
+        .append(";");
   s.pop_back();
   return s + "; every rank must issue the same collectives in the same order";
 }
@@ -311,7 +323,7 @@ class Watchdog {
     const auto now = clock::now();
     pending_.emplace(id, Pending{ledger, operation, peer, now, now + timeout});
     last_activity_ = now;
-    if (!thread_.joinable()) start(lock);
+    if (!started_) start(lock);
     if (timeout < shortest_timeout_) {
       shortest_timeout_ = timeout;
       wake_.notify_all();
@@ -400,8 +412,8 @@ class Watchdog {
   }
 
   void start(std::unique_lock<std::mutex>&) {
-    thread_ = std::thread([this] { run(); });
-    thread_.detach();
+    std::thread([this] { run(); }).detach();  // one for the process's lifetime
+    started_ = true;
   }
 
   [[nodiscard]] std::chrono::milliseconds tick() const {
@@ -430,7 +442,7 @@ class Watchdog {
                          const std::function<RankStatus(std::int64_t)>& self) {
     const auto& ledger = *p.ledger;
     const int me = ledger.members()[static_cast<std::size_t>(ledger.rank())];
-    const auto waited = ms(clock::now() - p.started);
+    const auto timeout = ms(p.deadline - p.started);
     const std::string prefix = "paratrain: watchdog on rank " + std::to_string(me) + ": ";
     std::string what = describe(p.operation);
     if (p.peer >= 0)
@@ -439,10 +451,12 @@ class Watchdog {
              std::to_string(p.operation.detail) + ")";
     std::fprintf(stderr, "%s%s on communicator %s (world ranks %s) did not complete within %.1f s; asking the other ranks\n",
                  prefix.c_str(), what.c_str(), ledger.name().c_str(), rank_list(ledger.members()).c_str(),
-                 static_cast<double>(waited) / 1000.0);
+                 static_cast<double>(timeout) / 1000.0);
     std::fflush(stderr);
-    const auto grace = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(shortest_timeout_ / 2),
-                                  std::chrono::milliseconds(500), std::chrono::milliseconds(10000));
+    // Half the timeout, and long enough for every other rank's watchdog to look for the
+    // question: their ticks are at most 1 s (tick()), whatever their own timeouts.
+    const auto grace = std::clamp(std::chrono::milliseconds(timeout / 2), std::chrono::milliseconds(2500),
+                                  std::chrono::milliseconds(10000));
     std::map<int, RankStatus> answers;
     if (channel != nullptr && channel->world_size() > 1) answers = channel->ask(ledger.id(), grace, self);
     const auto mine = self(ledger.id());
@@ -500,9 +514,72 @@ class Watchdog {
   clock::time_point last_activity_ = clock::now();
   std::chrono::milliseconds shortest_timeout_ = std::chrono::hours(24);
   std::unique_ptr<WatchdogChannel> channel_;
-  std::thread thread_;
+  bool started_ = false;
 };
 
 using Watch = Watchdog::Watch;
+
+/// A communicator's side of the watchdog and the fingerprint: its ledger, known to the
+/// watchdog, and its timeout (copied from the communicator's options, which do not change).
+/// comm::Mpi, comm::Gloo and comm::Nccl each keep one in their shared state.
+class Watched {
+ public:
+  Watched() = default;
+  Watched(std::string name, std::vector<int> members, int rank, std::chrono::milliseconds timeout)
+      : ledger_(std::make_shared<Ledger>(std::move(name), std::move(members), rank)), timeout_(timeout) {
+    Watchdog::instance().remember(ledger_);
+  }
+
+  [[nodiscard]] const Ledger& ledger() const noexcept { return *ledger_; }
+
+  /// Watches an operation that is not counted (a validation, a fingerprint comparison).
+  [[nodiscard]] Watch operation(const OperationRecord& record) const {
+    return Watchdog::instance().begin(ledger_, record, timeout_);
+  }
+  /// Counts a collective and watches it; says whether the fingerprints are due for comparison.
+  [[nodiscard]] std::pair<Watch, bool> collective(std::string_view op, const at::Tensor& t, int detail) const {
+    const auto [record, due] = ledger_->record(record_of(op, t, detail));
+    return {operation(record), due};
+  }
+  /// Counts and watches a collective without a tensor (barrier, split).
+  [[nodiscard]] Watch collective(std::string_view op) const { return collective(op, at::Tensor(), 0).first; }
+  [[nodiscard]] Watch point_to_point(std::string_view op, int peer, int tag) const {
+    return Watchdog::instance().begin(ledger_, {0, operation_code(op), -1, 0, tag}, timeout_, peer);
+  }
+
+  /// Note [Collective fingerprint], over the communicator's own transport, uncounted:
+  /// `reduce_max(t)` all-reduces a 4-element int64 tensor with MAX in place, `all_gather(in,
+  /// out)` concatenates every rank's `in` into `out`. Throws the same error on every rank
+  /// when the fingerprints differ.
+  template <class ReduceMax, class AllGather>
+  void compare_fingerprints(int rank, int size, ReduceMax&& reduce_max, AllGather&& all_gather) const {
+    const auto fingerprint = ledger_->fingerprint();
+    const auto high = static_cast<std::int64_t>(fingerprint >> 32), low = static_cast<std::int64_t>(fingerprint & 0xffffffffu);
+    auto packed = at::empty({4}, at::kLong);
+    auto* p = packed.data_ptr<std::int64_t>();
+    p[0] = high, p[1] = low, p[2] = -high, p[3] = -low;
+    {
+      const auto watch = operation(record_of("fingerprint", packed, 0));
+      reduce_max(packed);
+    }
+    if (p[0] == -p[2] && p[1] == -p[3]) return;
+    using History = std::array<OperationRecord, history_length>;
+    constexpr auto words = static_cast<std::int64_t>(sizeof(History) / sizeof(std::int64_t));
+    auto in = at::empty({words}, at::kLong), out = at::empty({words * size}, at::kLong);
+    const auto mine = ledger_->history();
+    std::memcpy(in.data_ptr(), mine.data(), sizeof mine);
+    {
+      const auto watch = operation(record_of("fingerprint", in, 0));
+      all_gather(in, out);
+    }
+    std::vector<History> all(static_cast<std::size_t>(size));
+    std::memcpy(all.data(), out.data_ptr(), sizeof(History) * all.size());
+    throw error("fingerprint", rank, fingerprint_mismatch(*ledger_, all));
+  }
+
+ private:
+  std::shared_ptr<Ledger> ledger_;
+  std::chrono::milliseconds timeout_{};
+};
 
 }  // namespace paratrain::detail

@@ -19,11 +19,13 @@ namespace paratrain::pipeline::detail {
 // Note [Stage messages]
 // A stage's output is one tensor or several (a tuple), whose shapes the receiving stage
 // cannot know beforehand (the last micro-batch is smaller; a stage may change shapes).
-// So every message is a fixed-size header first, then one payload per tensor: the header
-// names the count, and each tensor's dtype, shape and whether it needs a gradient. The
-// receiver allocates from it, so a shape or dtype the next stage does not expect is the
-// next stage's clear error (its forward, or the checks below), never a receive that waits
-// for bytes that do not come. Sends are non-blocking (the sender goes on computing) and
+// So every activation message is a fixed-size header first, then one payload per tensor:
+// the header names the count, and each tensor's dtype, shape and whether it needs a
+// gradient. The receiver allocates from it, so a shape or dtype the next stage does not
+// expect is the next stage's clear error (its forward, or the checks below), never a
+// receive that waits for bytes that do not come. Gradients need no header: they are shaped
+// like the outputs whose gradients they are, which their receiver holds (send_known,
+// recv_like), and a payload of another size is the communicator's length error. Sends are non-blocking (the sender goes on computing) and
 // are completed as later sends and receives make progress; receives block, since the
 // action that needs the data cannot start without it. Tags carry the message's kind,
 // stage and micro-batch, so the order of arrival does not matter.
@@ -78,6 +80,29 @@ class Link {
     }
   }
 
+  /// Sends tensors whose count, dtypes and shapes the receiver knows (a stage's gradients,
+  /// shaped like the outputs it sent): the payloads only, for recv_like.
+  void send_known(const std::vector<at::Tensor>& tensors, int peer, int tag) {
+    progress();
+    for (const auto& t : tensors) {
+      auto payload = t.detach().contiguous();
+      if (payload.numel() > 0) pending_.push_back(comm_->isend(payload, peer, tag + 1));
+    }
+  }
+
+  /// Receives what send_known sent: tensors shaped like `like`, on their devices. A payload
+  /// of another size is the communicator's error (comm::Mpi and comm::Gloo check lengths).
+  std::vector<at::Tensor> recv_like(const std::vector<at::Tensor>& like, int peer, int tag) {
+    progress();
+    std::vector<at::Tensor> out;
+    for (const auto& l : like) {
+      auto t = at::empty(l.sizes(), l.options());
+      if (t.numel() > 0) comm_->recv(t, peer, tag + 1);
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+
   /// Receives what `peer` sent with `tag`: the tensors, and which need a gradient.
   std::pair<std::vector<at::Tensor>, std::vector<bool>> recv(int peer, int tag, at::Device device) {
     progress();
@@ -104,13 +129,18 @@ class Link {
     return out;
   }
 
-  /// Completes the sends that have gone: MPI progresses only inside its calls. A
-  /// communicator whose transfers progress on threads of their own, and whose test() of
-  /// a send waits for the receiver (comm::Gloo), says so with `sends_progress_alone`: testing
-  /// it here would make two ranks that send to each other wait for each other.
+  /// Completes the sends that have gone: MPI progresses only inside its calls. A request
+  /// whose test() would wait for the receiver says so with `pollable()` false (comm::Gloo's
+  /// sends, which progress on c10d's threads): testing it here would make two ranks that
+  /// send to each other wait for each other, so it is left for flush().
   void progress() {
-    if constexpr (requires { requires Comm::sends_progress_alone; }) return;
-    for (auto it = pending_.begin(); it != pending_.end();) it = it->test() ? pending_.erase(it) : std::next(it);
+    for (auto it = pending_.begin(); it != pending_.end();)
+      it = pollable(*it) && it->test() ? pending_.erase(it) : std::next(it);
+  }
+
+  static bool pollable(const Request& r) {
+    if constexpr (requires { r.pollable(); }) return r.pollable();
+    else return true;
   }
 
   /// Waits for every send to complete.
