@@ -47,6 +47,14 @@ function(_paratrain_conan_mark_unrequested component)
 endfunction()
 
 _paratrain_conan_attach(paratrain::paratrain torch)
+# The headers are C++20 (concepts, defaulted comparisons): say so on the target, as the
+# source tree's and the installed paratrain::paratrain do, whatever the consumer's
+# toolchain sets (CMakeDeps carries no compile features).
+get_target_property(_paratrain_features paratrain::paratrain INTERFACE_COMPILE_FEATURES)
+if(NOT "cxx_std_20" IN_LIST _paratrain_features)
+  set_property(TARGET paratrain::paratrain APPEND PROPERTY INTERFACE_COMPILE_FEATURES cxx_std_20)
+endif()
+unset(_paratrain_features)
 set(paratrain_paratrain_FOUND TRUE)
 
 set(_paratrain_components ${paratrain_FIND_COMPONENTS})
