@@ -162,6 +162,31 @@ TEST_CASE("LocalDataParallel and single-device DataParallel load each other's ch
   fs::remove_all(dir);
 }
 
+// A parameter that is a strided view (every other column of a larger tensor): reshape
+// gives a strided view of it, not a copy, and a checkpoint must still hold its values.
+struct StridedImpl : torch::nn::Module {
+  StridedImpl() { w = register_parameter("w", torch::randn({2, 6}).slice(1, 0, 6, 2)); }
+  torch::Tensor forward(torch::Tensor x) { return x.matmul(w.t()); }
+  torch::Tensor w;
+};
+TORCH_MODULE(Strided);
+
+TEST_CASE("A checkpoint holds a strided parameter's values, not the memory under it") {
+  comm::Mpi world;
+  if (world.size() != 1) return;
+  const auto dir = shared_dir(world, "strided");
+  torch::manual_seed(3);
+  paratrain::DataParallel<Strided, comm::SingleDevice, torch::optim::SGD> a(Strided(), torch::optim::SGDOptions(0.1));
+  REQUIRE_FALSE(a.model()->w.is_contiguous());
+  const auto want = a.model()->w.detach().clone();
+  ckpt::save(a, dir, 1);
+  paratrain::DataParallel<Strided, comm::SingleDevice, torch::optim::SGD> b(Strided(), torch::optim::SGDOptions(0.1));
+  REQUIRE_FALSE(torch::equal(b.model()->w, want));
+  ckpt::load(b, ckpt::path_of(dir, 1));
+  CHECK(torch::equal(b.model()->w, want));
+  fs::remove_all(dir);
+}
+
 // ZeRO-3 at W -> DDP at W/2 -> single device -> ZeRO-1 at min(3, W): at 4 ranks the
 // issue's chain, 4 -> 2 -> 1 -> 3; every link followed by training.
 template <class Optim, class Opts>

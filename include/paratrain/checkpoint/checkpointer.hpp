@@ -109,9 +109,12 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
       load[static_cast<std::size_t>(owner)] += t.numel() * static_cast<std::int64_t>(t.element_size());
       if (owner != rank) return;
     }
-    auto flat = t.detach().reshape({-1});  // a copy already when t is not contiguous
-    if (!flat.is_cpu()) flat = flat.to(at::kCPU);
-    else if (copy && t.is_contiguous()) flat = flat.clone();
+    // Flat, contiguous and (when `copy`) the writer's own memory, copied at most once:
+    // reshape may return a strided view of t even when t is not contiguous.
+    auto flat = t.detach().reshape({-1});
+    if (!flat.is_cpu()) flat = flat.to(at::kCPU).contiguous();
+    else if (!flat.is_contiguous()) flat = flat.contiguous();
+    else if (copy && flat.is_alias_of(t)) flat = flat.clone();
     mine.push_back({std::move(key), std::move(shape), begin, std::move(flat)});
   };
   for (const auto& sl : layout.model) add(detail::model_key(sl.name), sl.replicated, sl.writer, sl.tensor, sl.shape, sl.begin);

@@ -8,8 +8,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <mutex>
-#include <set>
 #include <string>
 
 #include "paratrain/checkpoint/agree.hpp"
@@ -54,7 +54,8 @@ struct Staged {
 };
 
 /// `names`: the model's tensors over all ranks (model_names).
-inline void check_model(const Contents& c, const CheckpointLayout& layout, const std::set<std::string>& names) {
+inline void check_model(const Contents& c, const CheckpointLayout& layout,
+                        const std::map<std::string, ModelTensor>& names) {
   for (const auto& sl : layout.model) {
     const auto* record = c.find(model_key(sl.name));
     if (record == nullptr)

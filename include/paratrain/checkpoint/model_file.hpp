@@ -12,8 +12,6 @@
 
 #include <filesystem>
 #include <map>
-#include <set>
-#include <sstream>
 #include <string>
 
 #include "paratrain/checkpoint/agree.hpp"
@@ -79,33 +77,15 @@ void save_model(S& s, const fs::path& file) {
         dict.insert(sl.name, sl.tensor.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous());
     }
   } else {
-    // Ranks hold different parts (a pipeline's stages): agree on the union, each tensor
-    // described as "name dtype dims...", then assemble each from whoever holds it.
+    // Ranks hold different parts (a pipeline's stages): assemble each tensor of the union
+    // from whoever holds it, with a zero buffer on this rank's device elsewhere.
     std::map<std::string, const TensorSlice*> held;
-    std::vector<std::string> mine;
-    for (const auto& sl : layout.model) {
-      held.emplace(sl.name, &sl);
-      std::ostringstream d;
-      d << sl.name << ' ' << static_cast<int>(sl.tensor.scalar_type());
-      for (const auto n : sl.shape) d << ' ' << n;
-      mine.push_back(d.str());
+    for (const auto& sl : layout.model) held.emplace(sl.name, &sl);
+    const auto device = layout.model.empty() ? at::Device(at::kCPU) : layout.model.front().tensor.device();
+    for (const auto& [name, t] : detail::model_names(s, layout)) {
+      const auto it = held.find(name);
+      assemble(name, t.shape, at::TensorOptions().dtype(t.dtype).device(device), it != held.end() ? it->second : nullptr);
     }
-    std::set<std::string> done;
-    for (const auto& of_rank : paratrain::detail::all_gather_strings(s, mine))
-      for (const auto& d : of_rank) {
-        std::istringstream in(d);
-        std::string name;
-        int dtype = 0;
-        in >> name >> dtype;
-        if (!done.insert(name).second) continue;
-        std::vector<std::int64_t> shape;
-        for (std::int64_t n = 0; in >> n;) shape.push_back(n);
-        const auto it = held.find(name);
-        const TensorSlice* sl = it != held.end() ? it->second : nullptr;
-        assemble(name, shape,
-                 at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)).device(sl ? sl->tensor.device() : at::kCPU),
-                 sl);
-      }
   }
   if (s.rank() == 0) try {
       if (file.has_parent_path()) fs::create_directories(file.parent_path());
