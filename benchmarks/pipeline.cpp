@@ -130,7 +130,11 @@ Row measure(P stages, pipeline::Kind kind, int v, int M, const Shape& shape, par
   // The published formula (pipeline::theoretical_bubble) where it holds; the schedule's
   // simulation with the measured costs where it does not: ZB-H1's closed form assumes
   // W <= F, and interleaved 1F1B at M < K runs chunk by chunk (schedule_for).
-  const pipeline::Costs costs{row.costs[0], row.costs[1], row.costs[2] > 0 ? row.costs[2] : row.costs[1]};
+  // A whole backward (no W measured) is cost_of(backward) = backward_input + backward_weight:
+  // split it in halves, so that the simulation charges it once.
+  const bool split = row.costs[2] > 0;
+  const pipeline::Costs costs{row.costs[0], split ? row.costs[1] : row.costs[1] / 2,
+                              split ? row.costs[2] : row.costs[1] / 2};
   const bool formula = kind == pipeline::Kind::gpipe || kind == pipeline::Kind::one_f_one_b ||
                        (kind == pipeline::Kind::interleaved_1f1b && M % K == 0);
   if (formula) {
@@ -207,11 +211,12 @@ int main(int argc, char** argv) {
                                   world);
       const double mean = (r.bubble[0] + r.bubble[1]) / 2;
       if (world.rank() == 0) {
+        char w_ms[32] = "—";
+        if (r.costs[2] > 0) std::snprintf(w_ms, sizeof w_ms, "%.1f", 1e3 * r.costs[2]);
         std::printf("| %s | %d | %.3f | %.3f | %.3f | %.2f | %d | %s | %.1f | %.1f / %.1f / %s |\n", name_of(kind), M,
                     r.bubble[0], r.bubble[1], r.theory, r.theory > 0 ? mean / r.theory : 0.0, r.peak_stashed,
                     r.peak_mib > 0 ? std::to_string(static_cast<int>(r.peak_mib + 0.5)).c_str() : "—", r.step_ms,
-                    1e3 * r.costs[0], 1e3 * r.costs[1],
-                    r.costs[2] > 0 ? (std::to_string(1e3 * r.costs[2]).substr(0, 4)).c_str() : "—");
+                    1e3 * r.costs[0], 1e3 * r.costs[1], w_ms);
         std::fflush(stdout);
       }
     }

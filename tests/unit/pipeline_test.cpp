@@ -6,8 +6,13 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
 #include <tuple>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/mpi.hpp"
@@ -182,6 +187,38 @@ TEST_CASE("a pipeline's checkpoint loads into the whole model under DDP, and bac
   CHECK(max_relative_difference(held, expected) <= 1e-5);
   c.barrier();
   if (c.rank() == 0) fs::remove_all(dir);
+}
+
+// Every stage pass is a span of fit's trace (Note [Zero-cost timeline]): each rank runs one
+// forward and one backward per micro-batch of each step of 1F1B.
+TEST_CASE("fit's trace shows each stage pass of a pipeline") {
+  comm::Mpi c;
+  if (c.size() % 2 != 0) return;
+  using P = ChainOf<2>;
+  paratrain::DataParallel<P, comm::Mpi> s(seeded(static_cast<P*>(nullptr)), c, sgd_options());
+  const auto dir = paratrain_test::shared_dir(c, "pipeline_trace");
+  torch::manual_seed(5);
+  const std::int64_t n = 24L * s.replicas();  // 2 steps of 4 micro-batches of 3 per replica
+  const paratrain::data::TensorDataset train(
+      {torch::randn({n, features}, torch::kDouble), torch::randn({n, width}, torch::kDouble)},
+      torch::randint(classes, {n}, torch::kLong));
+  paratrain::fit(s, train, {.epochs = 1, .batch_size = 3, .accumulation = 4, .shuffle = false, .progress = false,
+                            .observe = {.trace_file = (dir / "trace.json").string()}});
+  if (c.rank() == 0) {
+    std::ifstream in(dir / "trace.json");
+    const auto trace = nlohmann::json::parse(in);
+    std::map<int, std::map<std::string, int>> count;  // per rank: spans by name
+    for (const auto& e : trace["traceEvents"])
+      if (e["ph"] == "X") ++count[e["pid"].get<int>()][e["name"].get<std::string>()];
+    for (int r = 0; r < c.size(); ++r) {
+      CAPTURE(r);
+      CHECK(count[r]["forward"] == 2 * 4);
+      CHECK(count[r]["backward"] == 2 * 4);
+      CHECK(count[r]["optimizer"] == 2);
+    }
+  }
+  c.barrier();
+  if (c.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("fit trains a pipeline (2-D where the world allows) as one device trains on the same sample order") {

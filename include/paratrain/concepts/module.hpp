@@ -53,7 +53,11 @@ using impl_of = std::remove_cvref_t<decltype(*std::declval<M&>())>;
 
 /// The parameter and result types of a member function: a module's forward.
 template <class F>
-struct member_signature;
+struct member_signature {
+  static_assert(sizeof(F) == 0,
+                "paratrain: a module's forward must be one non-static member function (not a template, not "
+                "overloaded): paratrain reads its parameters and result off its type");
+};
 template <class R, class C, class... A>
 struct member_signature<R (C::*)(A...)> {
   using result = R;

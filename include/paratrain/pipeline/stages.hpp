@@ -21,21 +21,13 @@
 namespace paratrain {
 namespace detail {
 
-/// The tensors a stage's forward returns, as a tuple: at::Tensor is one.
+/// Whether a stage's forward returns tensors (one, or a tuple of them), and how many.
 template <class R>
-struct stage_outputs {
-  static constexpr bool valid = false;
-};
-template <>
-struct stage_outputs<at::Tensor> {
-  static constexpr bool valid = true;
-  static constexpr std::size_t count = 1;
-};
+inline constexpr bool tensor_outputs = std::same_as<R, at::Tensor> || all_tensors<R>;
+template <class R>
+inline constexpr std::size_t output_count = 1;
 template <class... T>
-struct stage_outputs<std::tuple<T...>> {
-  static constexpr bool valid = (std::same_as<T, at::Tensor> && ...);
-  static constexpr std::size_t count = sizeof...(T);
-};
+inline constexpr std::size_t output_count<std::tuple<T...>> = sizeof...(T);
 
 /// Checks one stage on its own: a module with one forward of tensors, returning tensors.
 template <std::size_t I, class Stage>
@@ -50,7 +42,7 @@ consteval bool explain_stage() {
     static_assert(all_tensors<forward_args_t<Stage>>,
                   "paratrain: a Pipeline stage's forward must take torch::Tensor arguments only (activations travel "
                   "between ranks as tensors); see the stage's index and type in this instantiation");
-    static_assert(stage_outputs<forward_result_t<Stage>>::valid,
+    static_assert(tensor_outputs<forward_result_t<Stage>>,
                   "paratrain: a Pipeline stage's forward must return a torch::Tensor or a std::tuple of "
                   "torch::Tensor; see the stage's index and type in this instantiation");
   }
@@ -61,8 +53,8 @@ consteval bool explain_stage() {
 /// both stages' types in the instantiation the compiler prints with it.
 template <std::size_t I, class From, class To>
 consteval bool stage_link() {
-  if constexpr (plain_forward<From> && plain_forward<To> && stage_outputs<forward_result_t<From>>::valid) {
-    static_assert(stage_outputs<forward_result_t<From>>::count == std::tuple_size_v<forward_args_t<To>>,
+  if constexpr (plain_forward<From> && plain_forward<To> && tensor_outputs<forward_result_t<From>>) {
+    static_assert(output_count<forward_result_t<From>> == std::tuple_size_v<forward_args_t<To>>,
                   "paratrain: Pipeline stage I+1 (To) cannot take the output of stage I (From): the number of "
                   "tensors stage I's forward returns differs from the number stage I+1's forward takes; make "
                   "stage I return a std::tuple of what stage I+1 takes, in order");
@@ -89,10 +81,7 @@ consteval bool check_stages(std::index_sequence<I...>) {
 
 /// The stages one pipeline rank owns, as one module whose submodules are named after
 /// the stages: its parameter names are the whole model's (Note [Stage names]).
-class StageGroupImpl : public torch::nn::Module {
- public:
-  using torch::nn::Module::register_module;
-};
+struct StageGroupImpl : torch::nn::Module {};
 using StageGroup = std::shared_ptr<StageGroupImpl>;
 
 }  // namespace detail

@@ -25,6 +25,7 @@
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/data/batch.hpp"
 #include "paratrain/error.hpp"
+#include "paratrain/observe/timeline.hpp"
 #include "paratrain/pipeline/link.hpp"
 #include "paratrain/pipeline/schedule.hpp"
 #include "paratrain/pipeline/split_backward.hpp"
@@ -229,17 +230,22 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// Bytes this rank holds for its stages' parameters, gradients and optimizer state.
   [[nodiscard]] ModelStateBytes model_state_bytes() const { return inner_->model_state_bytes(); }
 
+  /// fit's trace (Note [Zero-cost timeline]): each stage pass as a forward or backward span,
+  /// the replicas' reductions and the optimizer step through the stages' DataParallel.
+  void set_timeline(observe::StepTimeline* timeline) noexcept {
+    timeline_ = timeline;
+    inner_->set_timeline(timeline);
+  }
+
  private:
   using Tensors = std::vector<at::Tensor>;
   using Flags = std::vector<bool>;
 
-  /// One micro-batch on one stage, from its forward to its backward.
+  /// One micro-batch on one stage, from its forward to its backward: only what backward
+  /// uses (the graph keeps what autograd needs).
   struct Stash {
-    Tensors inputs;   // leaves: the received activations (those that need a gradient)
-    Flags input_needs;
-    Tensors outputs;  // the graph's roots
-    Flags output_needs;
-    at::Tensor loss;  // the last stage's: loss * samples
+    Tensors leaves;  // the received activations that need a gradient: theirs go back
+    Tensors roots;   // the outputs that need a gradient; on the last stage, loss * samples
     std::optional<pipeline::detail::SplitBackward> split;
   };
 
@@ -276,18 +282,15 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
 
   template <std::size_t... I>
   void build(const Pipeline<Stage...>& stages, std::index_sequence<I...>) {
-    const auto pointer = [](auto& m) {  // a TORCH_MODULE holder's, or the std::shared_ptr itself
-      if constexpr (requires { m.ptr(); }) return m.ptr();
-      else return m;
-    };
+    // Module::register_module takes a TORCH_MODULE holder or a std::shared_ptr alike.
     ((owns(static_cast<int>(I)) ? (void)(std::get<I>(stages_) = stages.template make<I>(),
-                                         group_->register_module(stages.names()[I], pointer(std::get<I>(stages_))))
+                                         group_->register_module(stages.names()[I], std::get<I>(stages_)))
                                 : void()),
      ...);
   }
 
   /// Stage s's forward on `in`, as a list of tensors.
-  Tensors forward(int s, Tensors in) {
+  Tensors forward(int s, const Tensors& in) {
     Tensors out;
     [&]<std::size_t... I>(std::index_sequence<I...>) {
       ((s == static_cast<int>(I) ? (void)(out = as_tensors(detail::forward(std::get<I>(stages_), in))) : void()), ...);
@@ -302,7 +305,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   }
 
 
-  /// Sends to the rank of stage `to` (or keeps it, when that is this rank).
+  /// Sends to the rank of stage `to` (or keeps it, when that is this rank). A gradient goes
+  /// without a header: its receiver holds the outputs it is shaped like (Note [Stage messages]).
   void deliver(pipeline::detail::Message kind, int to, int micro, const Tensors& t, const Flags& needs) {
     if (owns(to)) {
       Tensors copy;
@@ -310,7 +314,15 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       local_[{static_cast<int>(kind), to, micro}] = {std::move(copy), needs};
       return;
     }
-    link_->send(t, needs, to % K_, pipeline::detail::tag_of(kind, to, micro, S));
+    const int peer = to % K_, tag = pipeline::detail::tag_of(kind, to, micro, S);
+    if (kind == pipeline::detail::Message::gradient) link_->send_known(t, peer, tag);
+    else link_->send(t, needs, peer, tag);
+  }
+
+  /// The gradients stage `at + 1` sent back for stage `at`'s `outputs` of `micro`.
+  Tensors receive_gradients(int at, int micro, const Tensors& outputs) {
+    if (owns(at + 1)) return receive(pipeline::detail::Message::gradient, at, micro).first;
+    return link_->recv_like(outputs, (at + 1) % K_, pipeline::detail::tag_of(pipeline::detail::Message::gradient, at, micro, S));
   }
 
   /// What stage `at`'s neighbour sent it for `micro`.
@@ -329,57 +341,49 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   void run_forward(const pipeline::Action& a, Run& run, Loss& loss) {
     const auto& batch = run.micro[static_cast<std::size_t>(a.micro)];
     Stash st;
+    Tensors inputs;
     if (a.stage == 0) {
-      st.inputs = detail::to_device(batch.inputs, device_);
-      st.input_needs.assign(st.inputs.size(), false);
+      inputs = detail::to_device(batch.inputs, device_);
     } else {
       auto [in, needs] = receive(pipeline::detail::Message::activation, a.stage, a.micro);
       for (std::size_t i = 0; i < in.size(); ++i)
-        if (needs[i]) in[i].requires_grad_(true);
-      st.inputs = std::move(in);
-      st.input_needs = std::move(needs);
+        if (needs[i]) st.leaves.push_back(in[i].requires_grad_(true));
+      inputs = std::move(in);
     }
     const auto begin = clock::now();
-    st.outputs = forward(a.stage, st.inputs);
+    observe::PhaseTimer timer(timeline_, observe::Phase::forward);
+    const auto outputs = forward(a.stage, inputs);
+    Flags needs;
     if (a.stage == S - 1) {
-      at::Tensor l = loss(st.outputs.front(), batch.target.to(st.outputs.front().device()));
+      at::Tensor l = loss(outputs.front(), batch.target.to(outputs.front().device()));
       const auto n = static_cast<double>(batch.size());
-      st.loss = l * n;  // Note [Exact averaging]: the gradient of the sum over the samples
+      st.roots = {l * n};  // Note [Exact averaging]: the gradient of the sum over the samples
       run.loss_sum = run.loss_sum.to(l.device()) + l.detach().to(at::kDouble) * n;
     } else {
-      for (const auto& y : st.outputs) st.output_needs.push_back(y.requires_grad());
+      for (const auto& y : outputs) {
+        needs.push_back(y.requires_grad());
+        if (y.requires_grad()) st.roots.push_back(y);
+      }
     }
+    timer.stop();
     record(a, begin);
-    if (a.stage != S - 1) deliver(pipeline::detail::Message::activation, a.stage + 1, a.micro, st.outputs, st.output_needs);
+    if (a.stage != S - 1) deliver(pipeline::detail::Message::activation, a.stage + 1, a.micro, outputs, needs);
     run.stash.emplace(std::pair{a.stage, a.micro}, std::move(st));
     stats_.peak_stashed = std::max(stats_.peak_stashed, static_cast<int>(run.stash.size()));
   }
 
-  /// The roots of stage's graph and their gradients: the loss, or what the next stage sent.
-  std::pair<Tensors, Tensors> backward_roots(const pipeline::Action& a, Stash& st) {
-    if (a.stage == S - 1) return {{st.loss}, {at::Tensor()}};
-    // No output needs a gradient (a frozen stage): the next stage sends none.
-    if (std::none_of(st.output_needs.begin(), st.output_needs.end(), [](bool b) { return b; })) return {};
-    auto [grads, unused] = receive(pipeline::detail::Message::gradient, a.stage, a.micro);
-    Tensors roots, root_grads;
-    std::size_t k = 0;
-    for (std::size_t i = 0; i < st.outputs.size(); ++i)
-      if (st.output_needs[i]) {
-        if (k >= grads.size())
-          throw error("Pipeline", world_.rank(), "stage " + std::to_string(a.stage + 1) +
-                                                     " sent fewer gradients than stage " + std::to_string(a.stage) +
-                                                     " has outputs that need one");
-        roots.push_back(st.outputs[i]);
-        root_grads.push_back(std::move(grads[k++]));
-      }
-    return {std::move(roots), std::move(root_grads)};
-  }
-
-  Tensors inputs_needing_grad(const Stash& st) const {
-    Tensors out;
-    for (std::size_t i = 0; i < st.inputs.size(); ++i)
-      if (st.input_needs[i]) out.push_back(st.inputs[i]);
-    return out;
+  /// The gradients of the stage's roots: none for the loss, else what the next stage sent
+  /// (nothing when no output needs one: a frozen stage).
+  Tensors root_gradients(const pipeline::Action& a, const Stash& st) {
+    if (a.stage == S - 1) return {at::Tensor()};
+    if (st.roots.empty()) return {};
+    auto grads = receive_gradients(a.stage, a.micro, st.roots);
+    if (grads.size() != st.roots.size())
+      throw error("Pipeline", world_.rank(), "stage " + std::to_string(a.stage + 1) + " sent " +
+                                                 std::to_string(grads.size()) + " gradients; stage " +
+                                                 std::to_string(a.stage) + " has " + std::to_string(st.roots.size()) +
+                                                 " outputs that need one");
+    return grads;
   }
 
   void send_input_grads(const pipeline::Action& a, Tensors grads) {
@@ -390,22 +394,26 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   void run_backward(const pipeline::Action& a, Run& run, bool last) {
     auto node = run.stash.extract({a.stage, a.micro});
     auto& st = node.mapped();
-    auto [roots, grads] = backward_roots(a, st);
+    const auto grads = root_gradients(a, st);
     const auto begin = clock::now();
+    observe::PhaseTimer timer(timeline_, observe::Phase::backward);
     inner_->before_backward(last);
-    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    if (!st.roots.empty()) torch::autograd::backward(st.roots, grads);
     Tensors in_grads;
-    for (auto& x : inputs_needing_grad(st)) in_grads.push_back(x.grad().defined() ? x.grad() : at::zeros_like(x));
+    for (auto& x : st.leaves) in_grads.push_back(x.grad().defined() ? x.grad() : at::zeros_like(x));
+    timer.stop();
     record(a, begin);
     send_input_grads(a, std::move(in_grads));
   }
 
   void run_backward_input(const pipeline::Action& a, Run& run) {
     auto& st = run.stash.at({a.stage, a.micro});
-    auto [roots, grads] = backward_roots(a, st);
+    auto grads = root_gradients(a, st);
     const auto begin = clock::now();
-    st.split.emplace(std::move(roots), std::move(grads), inputs_needing_grad(st));
+    observe::PhaseTimer timer(timeline_, observe::Phase::backward);
+    st.split.emplace(std::exchange(st.roots, {}), std::move(grads), std::exchange(st.leaves, {}));
     auto in_grads = st.split->input_gradients();
+    timer.stop();
     record(a, begin);
     send_input_grads(a, std::move(in_grads));
   }
@@ -413,8 +421,10 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   void run_backward_weight(const pipeline::Action& a, Run& run, bool last) {
     auto node = run.stash.extract({a.stage, a.micro});
     const auto begin = clock::now();
+    observe::PhaseTimer timer(timeline_, observe::Phase::backward);
     inner_->before_backward(last);
     node.mapped().split->weight_gradients();
+    timer.stop();
     record(a, begin);
   }
 
@@ -467,6 +477,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   std::map<int, pipeline::Schedule> schedules_;
   std::map<std::tuple<int, int, int>, std::pair<Tensors, Flags>> local_;  // messages to this rank itself
   PipelineStepStats stats_;
+  observe::StepTimeline* timeline_ = nullptr;  // Note [Zero-cost timeline]
 };
 
 }  // namespace paratrain
