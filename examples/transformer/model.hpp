@@ -44,6 +44,19 @@ inline void xavier(torch::nn::Module& m) {
     if (p.dim() > 1) torch::nn::init::xavier_uniform_(p);
 }
 
+/// `count` layers from `make`, registered in `owner` as "layers.<i>" (PyTorch's names).
+template <class Layer, class Make>
+std::vector<Layer> layer_stack(torch::nn::Module& owner, torch::nn::ModuleList& list, std::int64_t count, Make make) {
+  list = owner.register_module("layers", torch::nn::ModuleList());
+  std::vector<Layer> layers;
+  for (std::int64_t i = 0; i < count; ++i) {
+    Layer layer = make();
+    list->push_back(layer);
+    layers.push_back(layer);
+  }
+  return layers;
+}
+
 }  // namespace detail
 
 /// (src, tgt) -> (memory, tgt): the encoder stack over src; tgt passes through untouched
@@ -52,14 +65,11 @@ struct EncoderImpl : torch::nn::Module {
   using Layer = paratrain::Unit<torch::nn::TransformerEncoderLayer>;
 
   explicit EncoderImpl(const Config& c) {
-    layers_list = register_module("layers", torch::nn::ModuleList());
-    for (std::int64_t i = 0; i < c.encoder_layers; ++i) {
-      Layer layer(torch::nn::TransformerEncoderLayerOptions(c.d_model, c.nhead)
-                      .dim_feedforward(c.dim_feedforward)
-                      .dropout(c.dropout));
-      layers_list->push_back(layer);  // registered as "layers.<i>", PyTorch's names
-      layers.push_back(layer);
-    }
+    layers = detail::layer_stack<Layer>(*this, layers_list, c.encoder_layers, [&] {
+      return Layer(torch::nn::TransformerEncoderLayerOptions(c.d_model, c.nhead)
+                       .dim_feedforward(c.dim_feedforward)
+                       .dropout(c.dropout));
+    });
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
     detail::xavier(*this);
   }
@@ -82,14 +92,11 @@ struct DecoderImpl : torch::nn::Module {
   using Layer = paratrain::Unit<torch::nn::TransformerDecoderLayer>;
 
   explicit DecoderImpl(const Config& c) {
-    layers_list = register_module("layers", torch::nn::ModuleList());
-    for (std::int64_t i = 0; i < c.decoder_layers; ++i) {
-      Layer layer(torch::nn::TransformerDecoderLayerOptions(c.d_model, c.nhead)
-                      .dim_feedforward(c.dim_feedforward)
-                      .dropout(c.dropout));
-      layers_list->push_back(layer);
-      layers.push_back(layer);
-    }
+    layers = detail::layer_stack<Layer>(*this, layers_list, c.decoder_layers, [&] {
+      return Layer(torch::nn::TransformerDecoderLayerOptions(c.d_model, c.nhead)
+                       .dim_feedforward(c.dim_feedforward)
+                       .dropout(c.dropout));
+    });
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
     detail::xavier(*this);
   }
