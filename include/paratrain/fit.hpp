@@ -53,13 +53,15 @@ struct StepInfo {
 /// After each epoch; the losses, accuracy and metrics are reduced over all ranks.
 struct EpochInfo {
   int epoch = 0;
-  double train_loss = 0;         ///< mean over the epoch's samples
+  double train_loss = 0;         ///< mean over the epoch's samples (of steps not skipped)
   double eval_loss = 0;          ///< when an evaluation set was given
   double eval_accuracy = 0;      ///< when targets are class indices
   std::int64_t eval_samples = 0; ///< evaluated once each, never duplicated
   double seconds = 0;            ///< training time of the epoch on this rank (evaluation excluded)
   double samples_per_second = 0; ///< over all ranks
   std::map<std::string, double> metrics;  ///< everything logged, reduced (Note [Safe metric reduction])
+  /// Steps whose optimizer step was skipped for NaN or Inf gradients (NonFinite::skip).
+  std::int64_t skipped_steps = 0;
 };
 
 struct FitResult {
@@ -224,6 +226,7 @@ class Trainer {
     std::int64_t done = 0;          ///< steps of the epoch done before a resume
     std::int64_t steps = 0;         ///< steps of the epoch in all
     double samples = 0;             ///< trained on, over all replicas
+    std::int64_t skipped = 0;       ///< steps skipped for non-finite gradients
     clock::time_point start;
     bool save_at_end = false;
   };
@@ -275,7 +278,7 @@ class Trainer {
       for (auto m = first; m < last; ++m) batches.push_back(train_.get(e.micro[m]));
     }
     auto r = s_.step(std::span<const Batch>(batches), loss_, k + 1 < e.steps);
-    if (r.has_loss) {
+    if (r.has_loss && !r.skipped) {  // a skipped step's loss is usually NaN too
       metrics_.log("loss", r.loss, double(r.samples));
       window_.log("loss", r.loss, double(r.samples));
     }
@@ -285,6 +288,7 @@ class Trainer {
   /// Reports the step, saves a checkpoint when one is due, logs; true after the epoch's last step.
   bool after_step(Epoch& e, std::int64_t k, const StepResult& r, clock::time_point begin, clock::time_point end) {
     e.samples += r.global_samples;
+    e.skipped += r.skipped ? 1 : 0;
     const StepInfo info{.epoch = e.index,
                         .step = step_,
                         .loss = r.loss,
@@ -323,7 +327,7 @@ class Trainer {
 
   /// Reduces the epoch's metrics, evaluates, reports and saves.
   void end_epoch(const Epoch& e) {
-    EpochInfo info{.epoch = e.index};
+    EpochInfo info{.epoch = e.index, .skipped_steps = e.skipped};
     info.seconds = std::chrono::duration<double>(clock::now() - e.start).count();
     info.samples_per_second = e.samples / info.seconds;
     window_ = Metrics{};

@@ -262,4 +262,25 @@ inline Placement detect_placement() {
   });
 }
 
+/// Where the launcher variables contradict the MPI world this process joined: empty when
+/// they agree or there are none, else the sentence to report. Two mistakes show up so:
+/// torchrun's RANK and WORLD_SIZE exported by hand around mpirun, which win by Note
+/// [Launcher precedence] (every rank would then take the same GPU and Gloo would
+/// rendezvous the wrong ranks), and a comm::Mpi program started by torchrun, where every
+/// process is an MPI world of one that would train alone. A process a batch script runs
+/// itself (SLURM_PROCID set, outside srun) is an MPI world of one legitimately.
+inline std::string contradiction_with_mpi(const Placement& p, int mpi_rank, int mpi_size) {
+  if (p.launcher == "none" || (p.rank == mpi_rank && p.world_size == mpi_size)) return {};
+  if (mpi_size == 1 && p.launcher == "slurm") return {};
+  const auto where = [](int rank, int size) { return "rank " + std::to_string(rank) + " of " + std::to_string(size); };
+  std::string s = "the launcher variables (" + std::string(p.launcher) + ") say this process is " +
+                  where(p.rank, p.world_size) + ", but MPI says " + where(mpi_rank, mpi_size) + ": ";
+  if (p.launcher == "torchrun" && mpi_size > 1)
+    return s + "RANK and WORLD_SIZE were set for another launch (exported around mpirun or srun?); unset them";
+  if (p.launcher == "torchrun")
+    return s + "torchrun started it, and comm::Mpi needs an MPI launcher (mpirun, srun); under torchrun use "
+               "comm::Gloo";
+  return s + "the environment holds another launch's variables; start the job with one launcher";
+}
+
 }  // namespace paratrain

@@ -5,6 +5,7 @@
 // clipping, and the errors of a pipeline that does not fit the world.
 #include <torch/torch.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -299,4 +300,74 @@ TEST_CASE("a model whose forward has defaulted tensors takes batches of fewer in
                      s.model()->forward(x, mask)));
   CHECK_THROWS_WITH_AS(s.predict(paratrain::Batch{{x, mask, mask}, torch::zeros({5}, torch::kLong)}),
                        doctest::Contains("cannot be called with the batch's 3 input(s)"), paratrain::error);
+}
+
+namespace {
+// `count` micro-batches of `size` samples of the pipeline's inputs (x, z) and targets.
+std::vector<paratrain::Batch> micro_batches(int count, std::int64_t size) {
+  std::vector<paratrain::Batch> out;
+  for (int i = 0; i < count; ++i)
+    out.push_back({{torch::randn({size, features}, torch::kDouble), torch::randn({size, width}, torch::kDouble)},
+                   torch::randint(classes, {size}, torch::kLong)});
+  return out;
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const paratrain::error& e) {
+    return e.what();
+  }
+  return {};
+}
+}  // namespace
+
+// Note [Same micro-batches]: the ranks of one replica must run the same micro-batches.
+TEST_CASE("a pipeline's ranks given different or unusable micro-batches fail alike on every rank") {
+  comm::Mpi c;
+  if (c.size() % 2 != 0) return;
+  using P = ChainOf<2>;
+  paratrain::DataParallel<P, comm::Mpi> s(seeded(static_cast<P*>(nullptr)), c, sgd_options());
+  torch::manual_seed(11);
+  SUBCASE("3 micro-batches on world rank 1, 4 elsewhere") {
+    const auto micro = micro_batches(c.rank() == 1 ? 3 : 4, 2);
+    const auto what = error_of([&] { s.step(std::span<const paratrain::Batch>(micro), paratrain::CrossEntropy{}); });
+    CAPTURE(what);
+    CHECK(what.find("the ranks of pipeline replica 0 were given different micro-batches (from 3 to 4 of them)") !=
+          std::string::npos);
+  }
+  SUBCASE("targets for fewer samples than the inputs on world rank 1") {
+    auto micro = micro_batches(4, 3);
+    if (c.rank() == 1) micro[2].target = micro[2].target.narrow(0, 0, 2);
+    const auto what = error_of([&] { s.step(std::span<const paratrain::Batch>(micro), paratrain::CrossEntropy{}); });
+    CAPTURE(what);
+    CHECK(what.find(c.rank() == 1 ? "micro-batch 2: the batch's inputs hold 3 samples and its targets 2 samples"
+                                  : "a rank of pipeline replica 0 was given a micro-batch it cannot use") !=
+          std::string::npos);
+  }
+  // Still in step: every rank's next step, alike, trains.
+  const auto micro = micro_batches(4, 2);
+  CHECK_NOTHROW(s.step(std::span<const paratrain::Batch>(micro), paratrain::CrossEntropy{}));
+}
+
+TEST_CASE("NaN in one stage's gradients skips the step on every stage and replica") {
+  comm::Mpi c;
+  if (c.size() % 2 != 0) return;
+  using P = ChainOf<2>;
+  paratrain::DataParallel<P, comm::Mpi> s(seeded(static_cast<P*>(nullptr)), c, sgd_options(),
+                                          {.data_parallel = {.nonfinite_gradients = paratrain::NonFinite::skip}});
+  torch::manual_seed(12 + c.rank());
+  for (int k = 0; k < 3; ++k) {
+    CAPTURE(k);
+    auto micro = micro_batches(2, 3);
+    if (k == 1 && c.rank() == 0) micro[1].inputs[0][1][2] = std::nan("");  // stage 0 of replica 0 only
+    const auto before = s.full_parameters();
+    const auto r = s.step(std::span<const paratrain::Batch>(micro), paratrain::CrossEntropy{});
+    const auto after = s.full_parameters();
+    CHECK(r.skipped == (k == 1));
+    if (k == 1) CHECK(paratrain_test::max_relative_difference(after, before) == 0);
+    else CHECK(paratrain_test::max_relative_difference(after, before) > 0);
+    for (const auto& p : after) CHECK(torch::isfinite(p).all().item<bool>());
+  }
 }

@@ -26,6 +26,7 @@
 #include "paratrain/detail/watchdog.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/failure.hpp"
+#include "paratrain/launch.hpp"
 
 namespace paratrain::comm {
 
@@ -139,6 +140,27 @@ class Mpi {
     static void set_up() {
       detail::prefer_reduce_scatter_iallreduce();
       std::set_terminate(detail::terminate_cleanly);
+      check_launch();
+    }
+    // Collective over the world: throws on every rank when some rank's launcher variables
+    // contradict the MPI world (paratrain::contradiction_with_mpi).
+    static void check_launch() {
+      int rank = 0, size = 1;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      MPI_Comm_size(MPI_COMM_WORLD, &size);
+      std::string mine;
+      try {
+        mine = contradiction_with_mpi(detect_placement(), rank, size);
+      } catch (const error&) {
+        // Malformed launcher variables: detect_placement reports them where it is called.
+      }
+      int first = mine.empty() ? size : rank;
+      MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+      if (first == size) return;
+      throw error("Mpi::Environment", rank,
+                  first == rank ? mine
+                                : "rank " + std::to_string(first) +
+                                      "'s launcher variables contradict the MPI world (its message says how)");
     }
     boost::mpi::environment env_;
   };

@@ -26,6 +26,9 @@ struct StepResult {
   /// and on a rank that had no samples. A rank without one reports none: fit leaves it
   /// out of the mean rather than counting it as 0.
   bool has_loss = true;
+  /// The optimizer step was skipped on every rank: the averaged gradients held NaN or Inf
+  /// and DataParallelOptions::nonfinite_gradients is NonFinite::skip.
+  bool skipped = false;
 };
 
 /// Which part of the data a rank trains on: its data-parallel replica `index` of `count`.

@@ -40,6 +40,34 @@ struct Batch {
   }
 };
 
+namespace detail {
+
+/// Why `b` cannot be trained on, or "" when it can (an empty batch can: the rank joins).
+/// Every input, and the targets where there are some, indexes samples by dimension 0,
+/// and all hold the same number of them.
+inline std::string batch_problem(const Batch& b) {
+  if (!b.inputs.empty() && b.inputs.front().defined() && b.inputs.front().dim() == 0)
+    return "the batch's input 0 is a scalar; samples are indexed by dimension 0";
+  const auto n = b.size();
+  if (n == 0) return {};
+  const auto samples = [](const at::Tensor& t) { return std::to_string(t.size(0)) + " samples"; };
+  for (std::size_t i = 0; i < b.inputs.size(); ++i) {
+    const auto& x = b.inputs[i];
+    const auto which = "input " + std::to_string(i);
+    if (!x.defined()) return "the batch's " + which + " is undefined";
+    if (x.dim() == 0) return "the batch's " + which + " is a scalar; samples are indexed by dimension 0";
+    if (x.size(0) != n)
+      return "the batch's input 0 holds " + samples(b.inputs[0]) + " and its " + which + " " + samples(x) +
+             " (dimension 0)";
+  }
+  if (b.target.defined() && (b.target.dim() == 0 || b.target.size(0) != n))
+    return "the batch's inputs hold " + std::to_string(n) + " samples and its targets " +
+           (b.target.dim() == 0 ? std::string("are a scalar") : samples(b.target)) + " (dimension 0)";
+  return {};
+}
+
+}  // namespace detail
+
 namespace data {
 
 /// A dataset held in tensors whose dimension 0 indexes the samples: one input tensor

@@ -21,7 +21,9 @@
 #include "paratrain/concepts/optimizer.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/data/batch.hpp"
+#include "paratrain/detail/agree.hpp"
 #include "paratrain/detail/all_reduce_on.hpp"
+#include "paratrain/detail/same_model.hpp"
 #include "paratrain/detail/allocator.hpp"
 #include "paratrain/detail/coalesce.hpp"
 #include "paratrain/error.hpp"
@@ -33,6 +35,13 @@
 #include "paratrain/strategy/state_slices.hpp"
 
 namespace paratrain {
+
+/// What a step does when an averaged gradient holds NaN or Inf (DataParallelOptions).
+enum class NonFinite {
+  apply,  ///< nothing: the optimizer applies it, as PyTorch does
+  skip,   ///< every rank skips the optimizer step alike (StepResult::skipped), as AMP's scaler does
+  stop,   ///< every rank throws paratrain::error naming the step and the parameter
+};
 
 /// How DataParallel buckets, overlaps and synchronises; the defaults are PyTorch DDP's.
 struct DataParallelOptions {
@@ -53,6 +62,10 @@ struct DataParallelOptions {
   /// optimizer step, exactly as torch::nn::utils::clip_grad_norm_ on the whole model
   /// (also when sharded); 0: off. StepResult::grad_norm reports the norm before clipping.
   double max_grad_norm = 0;
+  /// NaN or Inf in the averaged gradients: apply, skip the step, or stop. Checking (skip,
+  /// stop) reads every gradient once, and adds one scalar all-reduce per step where the
+  /// gradients are sharded (ZeRO 2, 3) or split into pipeline stages.
+  NonFinite nonfinite_gradients = NonFinite::apply;
 };
 
 /// Data parallelism across the ranks of `Comm`: every rank holds a replica of `Model`,
@@ -119,6 +132,8 @@ class DataParallel {
   DataParallel(Model model, Comm comm, ParamGroups groups, OptimOptions defaults, Options options = {})
       : model_(std::move(model)), comm_(std::move(comm)), options_(options) {
     detail::tune_allocator();
+    detail::ReducingOn<Comm> group{comm_, detail::device_of(*model_)};
+    detail::check_same_model(group, *model_, "DataParallel");  // Note [Same model]
     detail::broadcast_coalesced(comm_, model_->parameters(), 0);
     detail::broadcast_coalesced(comm_, model_->buffers(), 0);
     const BucketOptions bucketing{options.bucket_cap_bytes, options.first_bucket_cap_bytes, sharded ? comm_.size() : 1};
@@ -165,12 +180,21 @@ class DataParallel {
   template <loss_function Loss>
   StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
     if (micro_batches.empty()) return join(has_next);
+    std::string problem;
+    for (std::size_t i = 0; i < micro_batches.size() && problem.empty(); ++i)
+      problem = detail::batch_problem(micro_batches[i]);
+    agree_at_stage3(problem);
+    if (!problem.empty()) {  // joins, then every rank throws
+      begin_step();
+      grads_->prepare(/*sync=*/true);
+      return end_step(0, 0.0, has_next, /*joined=*/true, problem);
+    }
     double loss_sum = 0, samples = 0;
     for (const auto& b : micro_batches.first(micro_batches.size() - 1)) {
       loss_sum += accumulate(b, loss) * static_cast<double>(b.size());
       samples += static_cast<double>(b.size());
     }
-    auto r = step(micro_batches.back(), loss, has_next);
+    auto r = step_agreed(micro_batches.back(), loss, has_next);
     samples += static_cast<double>(r.samples);
     r.loss = samples > 0 ? (loss_sum + r.loss * static_cast<double>(r.samples)) / samples : 0.0;
     r.samples = static_cast<std::int64_t>(samples);
@@ -180,18 +204,20 @@ class DataParallel {
 
   /// One training step over `batch` on this rank and the batches of all other ranks:
   /// the step above with one micro-batch.
+  /// A batch the step cannot use (targets for fewer samples than the inputs, say) is an
+  /// error on every rank, named on its own: that rank joins the others' step instead.
   template <loss_function Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
-    begin_step();
-    grads_->prepare(/*sync=*/true);
-    const double l = batch.size() > 0 ? forward_backward(batch, loss) : 0.0;
-    return end_step(batch.size(), l, has_next, /*joined=*/batch.size() == 0);
+    agree_at_stage3(detail::batch_problem(batch));
+    return step_agreed(batch, loss, has_next);
   }
 
   /// Forward and backward over `batch` without communicating: gradients accumulate
   /// until the next `step`, which then averages over all their samples. Returns the mean loss.
   template <loss_function Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
+    if (const auto problem = detail::batch_problem(batch); !problem.empty())
+      throw error("DataParallel::accumulate", rank(), problem);
     if (!accumulating_) new_step();
     accumulating_ = true;
     grads_->prepare(/*sync=*/false);
@@ -203,6 +229,7 @@ class DataParallel {
   /// For a rank that has no batch this step while others do: takes part in their
   /// collectives with no samples, and applies the same update, so replicas stay equal.
   StepResult join(bool has_next = false) {
+    agree_at_stage3({});
     begin_step();
     grads_->prepare(/*sync=*/true);
     return end_step(0, 0.0, has_next, /*joined=*/true);
@@ -312,6 +339,16 @@ class DataParallel {
   }
 
  private:
+  template <class Loss>
+  StepResult step_agreed(const Batch& batch, Loss& loss, bool has_next) {
+    begin_step();
+    grads_->prepare(/*sync=*/true);
+    const auto problem = detail::batch_problem(batch);
+    const bool usable = batch.size() > 0 && problem.empty();
+    const double l = usable ? forward_backward(batch, loss) : 0.0;
+    return end_step(usable ? batch.size() : 0, l, has_next, /*joined=*/!usable, problem);
+  }
+
   void new_step() {
     grads_->zero_grad();
     if constexpr (sharded) shards_->begin_step();
@@ -336,22 +373,34 @@ class DataParallel {
     return l.item<double>();
   }
 
-  StepResult end_step(std::int64_t samples, double loss, bool has_next, bool joined) {
+  /// `failure`: why this rank could not take part; every rank throws then, after the
+  /// step's collectives (the failing rank joins them).
+  StepResult end_step(std::int64_t samples, double loss, bool has_next, bool joined, const std::string& failure = {}) {
     const double local = std::exchange(pending_samples_, 0.0) + static_cast<double>(samples);
     // A step with no forward on this rank (join(), or step() with an empty batch) still
     // takes part in the others' unit gathers: Note [Joining at stage 3].
     if constexpr (sharded)
       if (local == 0) shards_->replay_gathers(rank());
     observe::PhaseTimer sync(timeline_, observe::Phase::sync);
-    const auto status = grads_->finish(local, has_next, joined);
+    const auto status = grads_->finish(local, has_next, joined, !failure.empty());
     sync.stop();
+    if (status.ranks_failed > 0) {
+      if constexpr (sharded)
+        if (!joined) shards_->end_step();
+      throw error("DataParallel::step", rank(),
+                  !failure.empty() ? failure
+                                   : std::to_string(status.ranks_failed) +
+                                         " other rank(s) were given a batch they cannot use (see their message)");
+    }
     if (!options_.join && status.ranks_with_next != 0 && status.ranks_with_next != world_size())
       throw error("DataParallel::step", rank(),
                   std::to_string(status.ranks_with_next) + " of " + std::to_string(world_size()) +
                       " ranks have another batch; give every rank the same number of batches (DistributedSampler "
                       "does), or keep DataParallelOptions::join on (the default)");
+    ++steps_;
     double norm = 0;
-    if (status.samples > 0) {
+    const bool skipped = status.samples > 0 && !gradients_finite();
+    if (status.samples > 0 && !skipped) {
       if (options_.max_grad_norm > 0) norm = grads_->clip_grad_norm(options_.max_grad_norm, norm_elsewhere_);
       observe::PhaseTimer step(timeline_, observe::Phase::optimizer);
       if constexpr (sharded) shards_->step(*grads_);
@@ -359,7 +408,37 @@ class DataParallel {
     }
     if constexpr (sharded)
       if (!joined) shards_->end_step();
-    return {loss, samples, status.samples, status.ranks_with_next, norm, /*has_loss=*/samples > 0};
+    return {loss, samples, status.samples, status.ranks_with_next, norm, /*has_loss=*/samples > 0, skipped};
+  }
+
+  // Note [Unusable batches]
+  // A rank given a batch it cannot use (detail::batch_problem) must not simply throw: the
+  // others would wait for it in the step's collectives. Below ZeRO stage 3 it joins the step
+  // without the batch, and the step's status all-reduce (GradientBuckets::finish) tells
+  // every rank to throw. At stage 3 forward itself gathers units, which a rank without a
+  // forward can only repeat from its last step, so there the ranks agree on their batches
+  // before the step: one scalar all-reduce in every step(), and in join().
+
+  /// Note [Unusable batches]: at stage 3, throws on every rank when one has a `problem`.
+  void agree_at_stage3(const std::string& problem) {
+    if constexpr (stage == 3) {
+      detail::ReducingOn<Comm> group{comm_, detail::device_of(*model_)};
+      detail::agree(group, "DataParallel::step", problem);
+    }
+  }
+
+  /// After the gradients are averaged, with NonFinite::skip or stop: whether they are all
+  /// finite; stop throws instead, on every rank alike (all_finite's answer is global).
+  bool gradients_finite() {
+    if (options_.nonfinite_gradients == NonFinite::apply || grads_->all_finite(norm_elsewhere_)) return true;
+    if (options_.nonfinite_gradients == NonFinite::skip) return false;
+    const auto name = grads_->first_nonfinite();
+    throw error("DataParallel::step", rank(),
+                "the averaged gradients of step " + std::to_string(steps_) + " (counted from 1) hold NaN or Inf" +
+                    (name.empty() ? std::string(", in a part of the model another rank holds")
+                                  : ", first in parameter '" + name + "'") +
+                    "; stopped, as DataParallelOptions::nonfinite_gradients asks (NonFinite::skip skips such "
+                    "steps instead)");
   }
 
   Model model_;
@@ -373,6 +452,7 @@ class DataParallel {
   std::unique_ptr<optimizer_type> optimizer_;  // DDP only
   bool accumulating_ = false;
   double pending_samples_ = 0;
+  std::int64_t steps_ = 0;  // optimizer steps taken or skipped, for messages
   observe::StepTimeline* timeline_ = nullptr;
   std::function<void(at::Tensor&)> norm_elsewhere_;  // Note [Steps driven from outside]
 };

@@ -73,6 +73,7 @@ struct ReduceScatterGradients {
 struct StepStatus {
   double samples = 0;       ///< samples across all ranks this step
   int ranks_with_next = 0;  ///< ranks that have another batch after this one
+  int ranks_failed = 0;     ///< ranks that could not take part (finish's `failed`); nothing else is valid then
 };
 
 /// Gradients of a model's parameters in the buckets of a BucketLayout: hooks that see
@@ -141,22 +142,24 @@ class GradientBuckets {
   }
 
   /// After backward (or instead of it, for a rank that has joined with no data):
-  /// launches what is left, waits, and divides by the global sample count.
-  StepStatus finish(double local_samples, bool has_next, bool joined = false) {
-    // [samples, ranks with a next batch, ranks with an unexpected unused parameter,
-    //  then with find_unused_parameters: for each parameter, the ranks that used it]
+  /// launches what is left, waits, and divides by the global sample count. A rank that
+  /// `failed` joins, and every rank's status then says how many failed, and nothing else.
+  StepStatus finish(double local_samples, bool has_next, bool joined = false, bool failed = false) {
+    // [samples, ranks with a next batch, ranks with an unexpected unused parameter, ranks
+    //  that failed, then with find_unused_parameters: for each parameter, the ranks that used it]
     const auto n = static_cast<std::int64_t>(params_.size());
-    auto status = at::zeros({3 + (find_unused_ ? n : 0)}, at::kDouble);
+    auto status = at::zeros({4 + (find_unused_ ? n : 0)}, at::kDouble);
     auto* s = status.data_ptr<double>();
     std::optional<std::string> unused;
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (find_unused_ && params_[i].used) s[3 + i] = 1;
+      if (find_unused_ && params_[i].used) s[4 + i] = 1;
       if (!params_[i].used && !joined && !find_unused_ && !unused) unused = layout_->params()[i].name;
       mark_ready(i);
     }
     s[0] = local_samples;
     s[1] = has_next ? 1 : 0;
     s[2] = unused ? 1 : 0;
+    s[3] = failed ? 1 : 0;
     const auto start = std::chrono::steady_clock::now();
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       if (auto& r = buckets_[b].request) {
@@ -168,9 +171,10 @@ class GradientBuckets {
     }
     all_reduce_on_device(status);
     exposed_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s[3] > 0) return {s[0], static_cast<int>(s[1]), static_cast<int>(s[3])};
     used_anywhere_.assign(params_.size(), true);
     if (find_unused_)
-      for (std::size_t i = 0; i < params_.size(); ++i) used_anywhere_[i] = s[3 + i] > 0;
+      for (std::size_t i = 0; i < params_.size(); ++i) used_anywhere_[i] = s[4 + i] > 0;
     // A parameter no rank used has no gradient, so the optimizer leaves it alone
     // (weight decay and momentum included), exactly as on a single device.
     if constexpr (!shards)
@@ -207,6 +211,36 @@ class GradientBuckets {
     const double coef = std::min(max_norm / (norm + 1e-6), 1.0);
     for (auto& b : buckets_) reduced(b).mul_(coef);
     return norm;
+  }
+
+  /// After finish(): whether every element of the reduced gradients is finite, on every
+  /// rank's shard when sharded, and of the gradients `also` accounts for (a pipeline's
+  /// other stages: it adds their sum to the one-element tensor it is given). One sum in
+  /// double decides: it is finite exactly when every element is, since no float32 (or
+  /// narrower) values can overflow it. Collective when sharded, and over `also`'s ranks.
+  bool all_finite(const std::function<void(at::Tensor&)>& also = {}) {
+    std::vector<at::Tensor> sums;
+    for (auto& b : buckets_) sums.push_back(reduced(b).sum(at::kDouble));
+    auto total = at::stack(sums).sum().reshape({1});
+    if constexpr (shards) all_reduce_on_device(total);
+    if (also) also(total);
+    return std::isfinite(total.template item<double>());
+  }
+
+  /// After finish(): the name of the first parameter whose reduced gradient holds NaN or
+  /// Inf in this rank's part of it (all of it, unless sharded); empty when there is none.
+  [[nodiscard]] std::string first_nonfinite() const {
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      const auto bad = at::isfinite(reduced(buckets_[b])).logical_not().nonzero();
+      if (bad.size(0) == 0) continue;
+      auto at = bad[0][0].template item<std::int64_t>();
+      if constexpr (shards) at += comm_->rank() * layout_->shard_numel(b);
+      for (auto i : layout_->buckets()[b].params) {
+        const auto& p = layout_->params()[i];
+        if (at >= p.offset && at < p.offset + p.tensor.numel()) return p.name;
+      }
+    }
+    return {};
   }
 
   /// After finish(): whether any rank produced a gradient for parameter `i` this step

@@ -126,6 +126,8 @@ class LocalDataParallel {
   /// Forward and backward on every replica, gradients summed into the model; no update.
   template <loss_function Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
+    if (const auto problem = detail::batch_problem(batch); !problem.empty())
+      throw error("LocalDataParallel", 0, problem + ": it cannot be split over the replicas");
     if (!accumulating_) zero_model_grads();
     accumulating_ = true;
     const auto n = batch.size();

@@ -11,6 +11,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -128,7 +129,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// every stage of one replica is given the same micro-batches.
   template <loss_function Loss>
   StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
-    if (micro_batches.empty()) return join(has_next);
+    check_same_micro_batches(micro_batches);
+    if (micro_batches.empty()) return join_checked(has_next);
     inner_->begin_external_step();
     Run run{micro_batches};
     run_schedule(schedule_for(static_cast<int>(micro_batches.size())), run, loss);
@@ -142,8 +144,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
 
   /// For a replica without micro-batches this step while others have some.
   StepResult join(bool has_next = false) {
-    inner_->begin_external_step();
-    return inner_->end_external_step(0, has_next);
+    check_same_micro_batches({});
+    return join_checked(has_next);
   }
 
   /// The model's output, through the stages: the last stage's rank has it, the others
@@ -255,6 +257,49 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     at::Tensor loss_sum = at::zeros({}, at::kDouble);  // summed on the loss's device: read once, after the step
     std::map<std::pair<int, int>, Stash> stash;     // (stage, micro)
   };
+
+  // Note [Same micro-batches]
+  // The ranks of one replica run one schedule on one set of micro-batches: given different
+  // counts they would run different schedules whose messages never match (a hang until the
+  // watchdog's timeout), and given different sizes the last stage's loss would fail on one
+  // rank only. So each step begins with one MAX all-reduce over the world of 5 numbers per
+  // replica: each rank fills its replica's (count, -count, h, -h, bad), h a hash of the
+  // sizes and bad 1 when a micro-batch is malformed (detail::batch_problem), and the lowest
+  // value elsewhere. A replica whose ranks disagree, or a malformed micro-batch anywhere,
+  // makes every rank throw; replicas may differ from each other (the last, short batch; join).
+
+  StepResult join_checked(bool has_next) {
+    inner_->begin_external_step();
+    return inner_->end_external_step(0, has_next);
+  }
+
+  /// Note [Same micro-batches]: throws on every rank when a replica's ranks were given
+  /// different micro-batches.
+  void check_same_micro_batches(std::span<const Batch> micro) {
+    std::uint64_t h = 14695981039346656037ull;  // FNV-1a over the sizes
+    for (const auto& b : micro) h = (h ^ static_cast<std::uint64_t>(b.size())) * 1099511628211ull;
+    std::string problem;
+    for (std::size_t i = 0; i < micro.size() && problem.empty(); ++i)
+      if (auto p = detail::batch_problem(micro[i]); !p.empty()) problem = "micro-batch " + std::to_string(i) + ": " + p;
+    const auto m = static_cast<std::int64_t>(micro.size()), hash = static_cast<std::int64_t>(h >> 2);
+    auto t = at::full({replicas_, 5}, std::numeric_limits<std::int64_t>::min(), at::kLong);
+    t[replica_].copy_(at::tensor({m, -m, hash, -hash, problem.empty() ? 0L : 1L}, at::kLong));
+    detail::all_reduce_on(world_, t, device_, reduce_op::max);
+    const auto* v = t.data_ptr<std::int64_t>();
+    if (!problem.empty()) throw error("Pipeline::step", world_.rank(), problem);
+    for (int r = 0; r < replicas_; ++r)
+      if (v[5 * r + 4] > 0)
+        throw error("Pipeline::step", world_.rank(),
+                    "a rank of pipeline replica " + std::to_string(r) + " was given a micro-batch it cannot use (see its message)");
+    for (int r = 0; r < replicas_; ++r, v += 5)
+      if (v[0] != -v[1] || v[2] != -v[3])
+        throw error("Pipeline::step", world_.rank(),
+                    "the ranks of pipeline replica " + std::to_string(r) + " were given different micro-batches (" +
+                        (v[0] != -v[1] ? "from " + std::to_string(-v[1]) + " to " + std::to_string(v[0]) + " of them"
+                                       : std::string("as many, of different sizes")) +
+                        "): every stage of one replica runs on the same micro-batches (fit gives them so; Note "
+                        "[Same micro-batches])");
+  }
 
   /// K, the pipeline ranks; or the error, the same on every rank, when the stages do not fit.
   static int pipeline_ranks(const Comm& world, const Options& options) {
