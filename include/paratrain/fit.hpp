@@ -47,7 +47,7 @@ struct StepInfo {
   double global_samples = 0;     ///< the step's effective batch
   double seconds = 0;            ///< this step's wall time on this rank
   Metrics* metrics = nullptr;    ///< log your own values here; fit reduces them safely
-  bool has_loss = true;          ///< false where this rank computes no loss (a pipeline's earlier stages)
+  bool has_loss = true;          ///< false where this rank computes no loss (a pipeline's earlier stages, a skipped step)
 };
 
 /// After each epoch; the losses, accuracy and metrics are reduced over all ranks.
@@ -289,15 +289,16 @@ class Trainer {
   bool after_step(Epoch& e, std::int64_t k, const StepResult& r, clock::time_point begin, clock::time_point end) {
     e.samples += r.global_samples;
     e.skipped += r.skipped ? 1 : 0;
+    const bool has_loss = r.has_loss && !r.skipped;  // a skipped step's loss is usually NaN
     const StepInfo info{.epoch = e.index,
                         .step = step_,
-                        .loss = r.loss,
+                        .loss = has_loss ? r.loss : 0.0,
                         .lr = s_.optimizer().param_groups().front().options().get_lr(),
                         .global_samples = r.global_samples,
                         .seconds = std::chrono::duration<double>(end - begin).count(),
                         .metrics = &metrics_,
-                        .has_loss = r.has_loss};
-    observer_.step(step_, begin, end, r.loss, r.has_loss ? r.samples : 0);
+                        .has_loss = has_loss};
+    observer_.step(step_, begin, end, info.loss, has_loss ? r.samples : 0);
     if (options_.on_step) options_.on_step(info);
     const bool last = r.ranks_with_next == 0;
     checkpoints_.poll();
@@ -310,7 +311,9 @@ class Trainer {
         checkpoints_.save(position(step_ + 1, e.index, k + 1, sampler_.start() + visited * shard_.count), metrics_);
       }
     }
-    const auto loss_text = [&](double loss) { return r.has_loss ? format("loss %.4f", loss) : std::string(); };
+    const auto loss_text = [&](double loss) {
+      return r.skipped ? std::string("skipped: NaN or Inf gradients") : has_loss ? format("loss %.4f", loss) : std::string();
+    };
     if ((k + 1) % options_.log_every == 0 && !last) {
       const auto m = window_.sync(s_);  // Note [Safe metric reduction]: every rank is here
       const double seconds = std::chrono::duration<double>(clock::now() - e.start).count();

@@ -15,6 +15,7 @@
 #include "paratrain/checkpoint/load.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/strategy.hpp"
+#include "paratrain/detail/agree.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/metrics.hpp"
 
@@ -82,6 +83,12 @@ inline FitPosition position_from(const std::filesystem::path& path, const checkp
   p.epoch_step = field<std::int64_t>(index, d, "epoch_step");
   p.position = field<std::int64_t>(index, d, "position");
   p.step = field<std::int64_t>(index, d, "step");
+  const auto typed = [&](const char* key, bool ok) {
+    if (!ok) throw checkpoint::detail::file_error(index, std::string("has a malformed fit entry '") + key + "' (corrupt)", 0);
+  };
+  typed("base_lrs", d.contains("base_lrs") && d.at("base_lrs").isDoubleList());
+  typed("shuffle", d.contains("shuffle") && d.at("shuffle").isBool());
+  typed("drop_last", d.contains("drop_last") && d.at("drop_last").isBool());
   p.base_lrs = d.at("base_lrs").toDoubleVector();
   p.dataset_size = field<std::int64_t>(index, d, "dataset_size");
   p.seed = field<std::int64_t>(index, d, "seed");
@@ -140,11 +147,21 @@ class FitCheckpoints {
       if (!path) return std::nullopt;
       const auto loaded = checkpoint::load(*s_, *path);
       auto p = position_from(*path, loaded.extra);  // the same on every rank: from the same index
-      if (const auto it = loaded.rank_extra.find("metrics"); it != loaded.rank_extra.end())
-        for (const auto& item : it->value().toGenericDict()) {
-          const auto sw = item.value().toDoubleVector();
-          metrics.add_sums(item.key().toStringRef(), sw.at(0), sw.at(1));
-        }
+      // Each rank's own metric sums: a malformed entry is reported on every rank.
+      std::string malformed;
+      if (const auto it = loaded.rank_extra.find("metrics"); it != loaded.rank_extra.end()) {
+        if (!it->value().isGenericDict()) malformed = "its metrics are not a dict";
+        else
+          for (const auto& item : it->value().toGenericDict()) {
+            if (!item.key().isString() || !item.value().isDoubleList() || item.value().toDoubleList().size() != 2) {
+              malformed = "a metric entry is not a name with two numbers";
+              break;
+            }
+            const auto sw = item.value().toDoubleVector();
+            metrics.add_sums(item.key().toStringRef(), sw[0], sw[1]);
+          }
+      }
+      paratrain::detail::agree(*s_, "fit", malformed.empty() ? "" : path->string() + ": " + malformed + " (corrupt)");
       resumed_from_ = *path;
       return p;
     } else {

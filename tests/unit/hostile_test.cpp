@@ -88,14 +88,18 @@ TEST_CASE_TEMPLATE("NaN gradients: skipped alike on every rank, or a stop that n
   const Data data;
   using S = paratrain::DataParallel<Mlp, comm::Mpi, U>;
   constexpr bool sharded = !std::is_same_v<U, torch::optim::SGD>;
-  // Rank r's batch has 3 + r samples; at step 2 the last rank's first sample is NaN.
-  const auto batch = [&](int step) {
-    auto b = data.of(world, rank, step, 3 + rank, 3 + world);
-    if (step == 2 && rank == world - 1) {
-      b.inputs[0] = b.inputs[0].clone();
-      b.inputs[0][0][0].fill_(std::nan(""));
-    }
-    return b;
+  // Rank r's batch has 3 + r samples. At step 2 the last rank's gradient of fc2.bias alone is
+  // NaN: averaged, it is NaN on every rank, in the one shard that holds fc2.bias (the first
+  // parameter of the first bucket: rank 0's) when sharded, so the others learn it only
+  // from the ranks' agreement.
+  const auto step = [&](auto& s, int k) {
+    const auto b = data.of(world, rank, k, 3 + rank, 3 + world);
+    if (k != 2 || rank != world - 1) return s.step(b, loss_fn);
+    auto& bias = s.model()->fc2->bias;
+    const auto hook = bias.register_hook([](const torch::Tensor& g) { return torch::full_like(g, std::nan("")); });
+    const auto r = s.step(b, loss_fn);
+    bias.remove_hook(hook);
+    return r;
   };
   const auto opts = torch::optim::SGDOptions(0.1).momentum(0.9);
   SUBCASE("skip: the poisoned step leaves every parameter as it was, and training goes on") {
@@ -103,7 +107,7 @@ TEST_CASE_TEMPLATE("NaN gradients: skipped alike on every rank, or a stop that n
     for (int k = 0; k < 5; ++k) {
       CAPTURE(k);
       const auto before = s.full_parameters();
-      const auto r = s.step(batch(k), loss_fn);
+      const auto r = step(s, k);
       const auto after = s.full_parameters();
       CHECK(r.skipped == (k == 2));
       CHECK(all_finite(after));
@@ -113,17 +117,18 @@ TEST_CASE_TEMPLATE("NaN gradients: skipped alike on every rank, or a stop that n
   }
   SUBCASE("stop: every rank throws at the poisoned step, naming it") {
     S s(make_model({}, rank), c, opts, {.nonfinite_gradients = paratrain::NonFinite::stop});
-    CHECK_NOTHROW(s.step(batch(0), loss_fn));
-    CHECK_NOTHROW(s.step(batch(1), loss_fn));
-    const auto what = error_of([&] { s.step(batch(2), loss_fn); });
+    CHECK_NOTHROW(step(s, 0));
+    CHECK_NOTHROW(step(s, 1));
+    const auto what = error_of([&] { step(s, 2); });
     CAPTURE(what);
     CHECK(what.find("the averaged gradients of step 3 (counted from 1) hold NaN or Inf") != std::string::npos);
-    // Replicated gradients are whole on every rank; a sharded rank names what it holds, if any.
-    if (!sharded) CHECK(what.find("first in parameter 'fc") != std::string::npos);
+    // Replicated gradients are whole on every rank; sharded, only rank 0 holds fc2.bias's.
+    if (!sharded || rank == 0) CHECK(what.find("first in parameter 'fc2.bias'") != std::string::npos);
+    else CHECK(what.find("in a part of the model another rank holds") != std::string::npos);
   }
   SUBCASE("apply, the default: the NaN reaches the parameters, as in PyTorch") {
     S s(make_model({}, rank), c, opts);
-    for (int k = 0; k < 3; ++k) s.step(batch(k), loss_fn);
+    for (int k = 0; k < 3; ++k) step(s, k);
     CHECK_FALSE(all_finite(s.full_parameters()));
   }
 }

@@ -223,9 +223,13 @@ inline Contents read_contents(const fs::path& path) {
     c.data_bytes.push_back(field<std::int64_t>(index_path, e, "data_bytes"));
     const auto meta = detail::read_dict(meta_path, bytes);
     c.rank_extra.push_back(field<Dict>(meta_path, meta, "extra"));
-    for (const auto& g : field<Dict>(meta_path, meta, "groups"))
+    for (const auto& g : field<Dict>(meta_path, meta, "groups")) {
+      if (!g.key().isString() || !g.value().isInt())
+        throw file_error(meta_path, "has a malformed parameter group entry (corrupt)", 0);
       c.group_of[g.key().toStringRef()] = static_cast<int>(g.value().toInt());
+    }
     for (const auto& item : field<c10::List<c10::IValue>>(meta_path, meta, "chunks")) {
+      if (!item.get().isGenericDict()) throw file_error(meta_path, "has a malformed chunk entry (corrupt)", 0);
       const auto ch = item.get().toGenericDict();
       const auto key = field<std::string>(meta_path, ch, "key");
       const auto dtype = detail::dtype_of(field<std::string>(meta_path, ch, "dtype"));

@@ -98,6 +98,13 @@ void stage_optimizer(Optim& optimizer, const CheckpointLayout& layout, const Con
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const auto options = c.param_groups.get(g);
     if (!options.isGenericDict()) throw file_error(c.path / index_name, "has malformed group options (corrupt)", 0);
+    // Read now, on a copy, so that commit() cannot fail half-way.
+    try {
+      Schema::set_options(*groups[g].options().clone(), options.toGenericDict());
+    } catch (const std::exception& e) {
+      throw file_error(c.path / index_name,
+                       "has malformed options for parameter group " + std::to_string(g) + ": " + e.what() + " (corrupt)", 0);
+    }
     staged.group_options.push_back(options.toGenericDict());
   }
   for (const auto& sl : layout.optimized) {

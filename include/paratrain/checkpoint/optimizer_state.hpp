@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <stdexcept>
 #include <utility>
 #include <vector>
 
@@ -53,8 +54,25 @@ inline std::map<const void*, int> group_index(torch::optim::Optimizer& optimizer
   return group;
 }
 
-inline double number(const Dict& d, const char* key) { return d.at(key).toDouble(); }
-inline bool flag(const Dict& d, const char* key) { return d.at(key).toBool(); }
+// Typed reads of a group's saved options; a missing or mistyped entry is a clear error.
+inline const c10::IValue& option(const Dict& d, const char* key, bool ok(const c10::IValue&), const char* what) {
+  const auto it = d.find(key);
+  if (it == d.end() || !ok(it->value()))
+    throw std::invalid_argument(std::string("option '") + key + "' is missing or not " + what);
+  return it->value();
+}
+inline double number(const Dict& d, const char* key) {
+  const auto& v = option(d, key, [](const c10::IValue& v) { return v.isDouble() || v.isInt(); }, "a number");
+  return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+}
+inline bool flag(const Dict& d, const char* key) {
+  return option(d, key, [](const c10::IValue& v) { return v.isBool(); }, "true or false").toBool();
+}
+inline std::pair<double, double> number_pair(const Dict& d, const char* key) {
+  const auto& v = option(
+      d, key, [](const c10::IValue& v) { return v.isDoubleList() && v.toDoubleList().size() == 2; }, "two numbers");
+  return {v.toDoubleList().get(0), v.toDoubleList().get(1)};
+}
 
 // The state types differ only in fields; each accessor pair is named once below.
 template <class State, class Options>
@@ -127,8 +145,8 @@ struct AdamSchema : SchemaBase<State, Options> {
   }
   static void set_options(torch::optim::OptimizerOptions& base, const Dict& d) {
     auto& o = Base::cast(base);
-    const auto betas = d.at("betas").toDoubleList();
-    o.lr(number(d, "lr")).betas({betas.get(0), betas.get(1)}).eps(number(d, "eps"));
+    const auto [beta1, beta2] = number_pair(d, "betas");
+    o.lr(number(d, "lr")).betas({beta1, beta2}).eps(number(d, "eps"));
     o.weight_decay(number(d, "weight_decay")).amsgrad(flag(d, "amsgrad"));
   }
 };

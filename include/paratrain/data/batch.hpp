@@ -46,7 +46,12 @@ namespace detail {
 /// Every input, and the targets where there are some, indexes samples by dimension 0,
 /// and all hold the same number of them.
 inline std::string batch_problem(const Batch& b) {
-  if (!b.inputs.empty() && b.inputs.front().defined() && b.inputs.front().dim() == 0)
+  if (!b.inputs.empty() && !b.inputs.front().defined()) {
+    bool data = b.target.defined();
+    for (const auto& x : b.inputs) data = data || x.defined();
+    return data ? "the batch's input 0 is undefined, while it holds other tensors" : "";
+  }
+  if (!b.inputs.empty() && b.inputs.front().dim() == 0)
     return "the batch's input 0 is a scalar; samples are indexed by dimension 0";
   const auto n = b.size();
   if (n == 0) return {};

@@ -205,7 +205,7 @@ class DataParallel {
   /// One training step over `batch` on this rank and the batches of all other ranks:
   /// the step above with one micro-batch.
   /// A batch the step cannot use (targets for fewer samples than the inputs, say) is an
-  /// error on every rank, named on its own: that rank joins the others' step instead.
+  /// error on every rank, named by the rank that has it (Note [Unusable batches]).
   template <loss_function Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
     agree_at_stage3(detail::batch_problem(batch));
@@ -214,12 +214,18 @@ class DataParallel {
 
   /// Forward and backward over `batch` without communicating: gradients accumulate
   /// until the next `step`, which then averages over all their samples. Returns the mean loss.
+  /// A batch it cannot use is left out and makes that next step an error on every rank; at
+  /// ZeRO stage 3, where forward gathers units, it throws here, on this rank only (give
+  /// stage 3 its micro-batches through step(span), which checks them all first).
   template <loss_function Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
-    if (const auto problem = detail::batch_problem(batch); !problem.empty())
-      throw error("DataParallel::accumulate", rank(), problem);
     if (!accumulating_) new_step();
     accumulating_ = true;
+    if (auto problem = detail::batch_problem(batch); !problem.empty()) {
+      if constexpr (stage == 3) throw error("DataParallel::accumulate", rank(), problem);
+      if (pending_problem_.empty()) pending_problem_ = std::move(problem);
+      return 0.0;
+    }
     grads_->prepare(/*sync=*/false);
     if (batch.size() == 0) return 0.0;
     pending_samples_ += static_cast<double>(batch.size());
@@ -343,13 +349,15 @@ class DataParallel {
   StepResult step_agreed(const Batch& batch, Loss& loss, bool has_next) {
     begin_step();
     grads_->prepare(/*sync=*/true);
-    const auto problem = detail::batch_problem(batch);
+    auto problem = detail::batch_problem(batch);
     const bool usable = batch.size() > 0 && problem.empty();
     const double l = usable ? forward_backward(batch, loss) : 0.0;
+    if (problem.empty()) problem = std::exchange(pending_problem_, {});  // from accumulate
     return end_step(usable ? batch.size() : 0, l, has_next, /*joined=*/!usable, problem);
   }
 
   void new_step() {
+    pending_problem_.clear();
     grads_->zero_grad();
     if constexpr (sharded) shards_->begin_step();
   }
@@ -399,8 +407,10 @@ class DataParallel {
                       "does), or keep DataParallelOptions::join on (the default)");
     ++steps_;
     double norm = 0;
-    const bool skipped = status.samples > 0 && !gradients_finite();
-    if (status.samples > 0 && !skipped) {
+    const bool finite = status.samples <= 0 || options_.nonfinite_gradients == NonFinite::apply ||
+                        grads_->all_finite(norm_elsewhere_);
+    const bool skipped = !finite && options_.nonfinite_gradients == NonFinite::skip;
+    if (status.samples > 0 && finite) {
       if (options_.max_grad_norm > 0) norm = grads_->clip_grad_norm(options_.max_grad_norm, norm_elsewhere_);
       observe::PhaseTimer step(timeline_, observe::Phase::optimizer);
       if constexpr (sharded) shards_->step(*grads_);
@@ -408,14 +418,15 @@ class DataParallel {
     }
     if constexpr (sharded)
       if (!joined) shards_->end_step();
+    if (!finite && !skipped) stop_on_nonfinite();
     return {loss, samples, status.samples, status.ranks_with_next, norm, /*has_loss=*/samples > 0, skipped};
   }
 
   // Note [Unusable batches]
   // A rank given a batch it cannot use (detail::batch_problem) must not simply throw: the
   // others would wait for it in the step's collectives. Below ZeRO stage 3 it joins the step
-  // without the batch, and the step's status all-reduce (GradientBuckets::finish) tells
-  // every rank to throw. At stage 3 forward itself gathers units, which a rank without a
+  // without the batch (accumulate() leaves it out and remembers it for the step), and the
+  // step's status all-reduce (GradientBuckets::finish) tells every rank to throw. At stage 3 forward itself gathers units, which a rank without a
   // forward can only repeat from its last step, so there the ranks agree on their batches
   // before the step: one scalar all-reduce in every step(), and in join().
 
@@ -427,11 +438,8 @@ class DataParallel {
     }
   }
 
-  /// After the gradients are averaged, with NonFinite::skip or stop: whether they are all
-  /// finite; stop throws instead, on every rank alike (all_finite's answer is global).
-  bool gradients_finite() {
-    if (options_.nonfinite_gradients == NonFinite::apply || grads_->all_finite(norm_elsewhere_)) return true;
-    if (options_.nonfinite_gradients == NonFinite::skip) return false;
+  /// NonFinite::stop: the error every rank throws (all_finite's answer is global).
+  [[noreturn]] void stop_on_nonfinite() {
     const auto name = grads_->first_nonfinite();
     throw error("DataParallel::step", rank(),
                 "the averaged gradients of step " + std::to_string(steps_) + " (counted from 1) hold NaN or Inf" +
@@ -453,6 +461,7 @@ class DataParallel {
   bool accumulating_ = false;
   double pending_samples_ = 0;
   std::int64_t steps_ = 0;  // optimizer steps taken or skipped, for messages
+  std::string pending_problem_;  // a batch accumulate() could not use: Note [Unusable batches]
   observe::StepTimeline* timeline_ = nullptr;
   std::function<void(at::Tensor&)> norm_elsewhere_;  // Note [Steps driven from outside]
 };

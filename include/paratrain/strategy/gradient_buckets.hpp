@@ -215,16 +215,15 @@ class GradientBuckets {
 
   /// After finish(): whether every element of the reduced gradients is finite, on every
   /// rank's shard when sharded, and of the gradients `also` accounts for (a pipeline's
-  /// other stages: it adds their sum to the one-element tensor it is given). One sum in
-  /// double decides: it is finite exactly when every element is, since no float32 (or
-  /// narrower) values can overflow it. Collective when sharded, and over `also`'s ranks.
+  /// other stages: it adds their count of NaN and Inf elements to the one-element double
+  /// tensor it is given). Collective when sharded, and over `also`'s ranks.
   bool all_finite(const std::function<void(at::Tensor&)>& also = {}) {
-    std::vector<at::Tensor> sums;
-    for (auto& b : buckets_) sums.push_back(reduced(b).sum(at::kDouble));
-    auto total = at::stack(sums).sum().reshape({1});
+    std::vector<at::Tensor> counts;
+    for (auto& b : buckets_) counts.push_back(at::isfinite(reduced(b)).logical_not().sum());
+    auto total = at::stack(counts).sum().to(at::kDouble).reshape({1});
     if constexpr (shards) all_reduce_on_device(total);
     if (also) also(total);
-    return std::isfinite(total.template item<double>());
+    return total.template item<double>() == 0;
   }
 
   /// After finish(): the name of the first parameter whose reduced gradient holds NaN or

@@ -63,6 +63,11 @@ class LocalDataParallel {
   using Options = LocalDataParallelOptions;
 
  private:
+  static void check_batch(const Batch& b) {
+    if (auto problem = detail::batch_problem(b); !problem.empty())
+      throw error("LocalDataParallel", 0, problem + ": it cannot be split over the replicas");
+  }
+
   using Impl = std::remove_cvref_t<decltype(*std::declval<Model&>())>;
 
  public:
@@ -92,6 +97,7 @@ class LocalDataParallel {
   /// One optimizer step over the micro-batches, each split over the replicas.
   template <loss_function Loss>
   StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
+    for (const auto& b : micro_batches) check_batch(b);  // all before any: no half-accumulated step
     double loss_sum = 0, samples = 0;
     for (const auto& b : micro_batches) {
       loss_sum += accumulate(b, loss) * static_cast<double>(b.size());
@@ -126,8 +132,7 @@ class LocalDataParallel {
   /// Forward and backward on every replica, gradients summed into the model; no update.
   template <loss_function Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
-    if (const auto problem = detail::batch_problem(batch); !problem.empty())
-      throw error("LocalDataParallel", 0, problem + ": it cannot be split over the replicas");
+    check_batch(batch);
     if (!accumulating_) zero_model_grads();
     accumulating_ = true;
     const auto n = batch.size();

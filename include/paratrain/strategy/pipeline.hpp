@@ -274,13 +274,14 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   }
 
   /// Note [Same micro-batches]: throws on every rank when a replica's ranks were given
-  /// different micro-batches.
+  /// different micro-batches, or one a micro-batch it cannot use.
   void check_same_micro_batches(std::span<const Batch> micro) {
-    std::uint64_t h = 14695981039346656037ull;  // FNV-1a over the sizes
-    for (const auto& b : micro) h = (h ^ static_cast<std::uint64_t>(b.size())) * 1099511628211ull;
-    std::string problem;
+    std::string problem;  // first: Batch::size() itself throws on a scalar input
     for (std::size_t i = 0; i < micro.size() && problem.empty(); ++i)
       if (auto p = detail::batch_problem(micro[i]); !p.empty()) problem = "micro-batch " + std::to_string(i) + ": " + p;
+    std::uint64_t h = 14695981039346656037ull;  // FNV-1a over the sizes
+    if (problem.empty())
+      for (const auto& b : micro) h = (h ^ static_cast<std::uint64_t>(b.size())) * 1099511628211ull;
     const auto m = static_cast<std::int64_t>(micro.size()), hash = static_cast<std::int64_t>(h >> 2);
     auto t = at::full({replicas_, 5}, std::numeric_limits<std::int64_t>::min(), at::kLong);
     t[replica_].copy_(at::tensor({m, -m, hash, -hash, problem.empty() ? 0L : 1L}, at::kLong));
