@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -19,6 +20,7 @@
 
 #include "paratrain/checkpoint/files.hpp"
 #include "paratrain/checkpoint/optimizer_state.hpp"
+#include "paratrain/checkpoint/zip_check.hpp"
 #include "paratrain/detail/crc32c.hpp"
 
 namespace paratrain::checkpoint {
@@ -106,6 +108,8 @@ inline std::string shape_string(const std::vector<std::int64_t>& shape) {
 }
 
 inline Dict read_dict(const fs::path& path, const std::vector<char>& bytes) {
+  if (const auto damage = zip_damage(bytes))  // Note [Zip checksums]
+    throw file_error(path, "is not a paratrain checkpoint file, or is corrupt: " + *damage, 0);
   try {
     auto v = torch::pickle_load(bytes);
     if (!v.isGenericDict()) throw std::runtime_error("not a dict");
@@ -177,6 +181,25 @@ struct Contents {
   }
 };
 
+namespace detail {
+
+/// Whether `chunk` lies inside a tensor of `shape` (no negative dimension, its element
+/// count representable) and inside a data file of `file_bytes` bytes, without overflow.
+inline bool chunk_fits(const Chunk& chunk, const std::vector<std::int64_t>& shape, std::size_t element,
+                       std::int64_t file_bytes) {
+  constexpr auto max = std::numeric_limits<std::int64_t>::max();
+  std::int64_t total = 1;
+  for (const auto d : shape) {
+    if (d < 0 || (d != 0 && total > max / d)) return false;
+    total *= d;
+  }
+  const auto e = static_cast<std::int64_t>(element);
+  return chunk.begin >= 0 && chunk.numel >= 0 && chunk.begin <= total - chunk.numel && chunk.offset >= 0 &&
+         chunk.numel <= (max - chunk.offset) / e && chunk.offset + chunk.numel * e <= file_bytes;
+}
+
+}  // namespace detail
+
 /// Reads and checks the index and chunk tables of the checkpoint directory `path`.
 inline Contents read_contents(const fs::path& path) {
   using detail::field;
@@ -234,12 +257,19 @@ inline Contents read_contents(const fs::path& path) {
       const auto key = field<std::string>(meta_path, ch, "key");
       const auto dtype = detail::dtype_of(field<std::string>(meta_path, ch, "dtype"));
       if (!dtype) throw file_error(meta_path, "chunk '" + key + "' has an unknown dtype", 0);
+      const auto shape = field<std::vector<std::int64_t>>(meta_path, ch, "shape");
+      const Chunk chunk{r, field<std::int64_t>(meta_path, ch, "begin"), field<std::int64_t>(meta_path, ch, "numel"),
+                        field<std::int64_t>(meta_path, ch, "offset"),
+                        static_cast<std::uint32_t>(field<std::int64_t>(meta_path, ch, "crc32c"))};
+      const bool known = c.tensors.count(key) != 0;
       auto& record = c.tensors[key];
+      if (known && (record.dtype != *dtype || record.shape != shape))
+        throw file_error(meta_path, "chunk '" + key + "' disagrees with another chunk of it on its dtype or shape (corrupt)", 0);
       record.dtype = *dtype;
-      record.shape = field<std::vector<std::int64_t>>(meta_path, ch, "shape");
-      record.chunks.push_back({r, field<std::int64_t>(meta_path, ch, "begin"), field<std::int64_t>(meta_path, ch, "numel"),
-                               field<std::int64_t>(meta_path, ch, "offset"),
-                               static_cast<std::uint32_t>(field<std::int64_t>(meta_path, ch, "crc32c"))});
+      record.shape = shape;
+      if (!detail::chunk_fits(chunk, shape, c10::elementSize(*dtype), c.data_bytes.back()))
+        throw file_error(meta_path, "chunk '" + key + "' lies outside its tensor or its data file (corrupt)", 0);
+      record.chunks.push_back(chunk);
     }
   }
   return c;

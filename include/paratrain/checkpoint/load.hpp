@@ -173,8 +173,14 @@ Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
     }
     if (options.optimizer) detail::stage_optimizer(s.optimizer(), layout, c, reader, staged);
     const auto rng = detail::rng_key(s.rank() % c.world_size);
-    if (const auto* record = c.find(rng); options.rng && record != nullptr)
+    if (const auto* record = c.find(rng); options.rng && record != nullptr) {
       staged.rng = reader.read(rng, *record, 0, detail::numel_of(record->shape));
+      try {  // now, on a generator of its own, so that commit() cannot fail half-way
+        at::detail::createCPUGenerator().set_state(staged.rng);
+      } catch (const std::exception& e) {
+        throw detail::file_error(path, "holds a malformed '" + rng + "' (" + detail::message_of(e) + ")", 0);
+      }
+    }
     out = {path, c.step, c.world_size, c.extra,
            c.world_size == s.world_size() ? c.rank_extra[static_cast<std::size_t>(s.rank())] : make_dict()};
   } catch (const std::exception& e) {
