@@ -2,7 +2,8 @@
 # A rank killed with SIGKILL in the middle of writing a checkpoint leaves the previous
 # one loadable: real processes, a real kill.
 #   kill_during_write.sh <mpirun.sh> <paratrain_tests> <scratch dir>
-# The writer (2 ranks) saves an 8.4M-parameter ZeRO-2 model with Adam again and again;
+# The writer (2 ranks) saves an 8.4M-parameter model with Adam again and again, under DDP,
+# ZeRO-2 or ZeRO-3 (PARATRAIN_CHECKPOINT_KILL_STRATEGY, default zero2);
 # once a checkpoint exists and the next one's files are being written, rank 1 gets
 # SIGKILL. Then 1 rank loads the newest complete checkpoint (every checksum checked).
 set -euo pipefail

@@ -348,9 +348,12 @@ void check_error_names(F&& f, const std::string& needle) {
 
 // A 8.4M-parameter model: its checkpoints take long enough to write to be killed midway.
 struct BigImpl : torch::nn::Module {
-  BigImpl() : a(register_module("a", torch::nn::Linear(2048, 2048))), b(register_module("b", torch::nn::Linear(2048, 2048))) {}
+  // Units for ZeRO-3; inert under the other strategies.
+  BigImpl()
+      : a(register_module("a", paratrain::Unit<torch::nn::Linear>(2048, 2048))),
+        b(register_module("b", paratrain::Unit<torch::nn::Linear>(2048, 2048))) {}
   torch::Tensor forward(torch::Tensor x) { return b(torch::relu(a(x))); }
-  torch::nn::Linear a, b;
+  paratrain::Unit<torch::nn::Linear> a, b;
 };
 TORCH_MODULE(Big);
 
@@ -546,13 +549,26 @@ TEST_CASE("Checkpoint writer for the kill test" * doctest::skip()) {
   REQUIRE(out != nullptr);
   comm::Mpi c;
   std::ofstream(fs::path(out) / ("pid-" + std::to_string(c.rank()))) << ::getpid();
-  paratrain::DataParallel<Big, comm::Mpi, Sharded<torch::optim::Adam, zero::stage2>> s(Big(), c,
-                                                                                       torch::optim::AdamOptions(1e-3));
-  const auto x = torch::randn({4, 2048});
-  const auto mse = [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); };
-  for (std::int64_t k = 1;; ++k) {
-    s.step({x, x}, mse);
-    ckpt::save(s, fs::path(out) / "ckpt", k);
+  const auto write = [&](auto& s) {
+    const auto x = torch::randn({4, 2048});
+    const auto mse = [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); };
+    for (std::int64_t k = 1;; ++k) {
+      s.step({x, x}, mse);
+      ckpt::save(s, fs::path(out) / "ckpt", k);
+    }
+  };
+  const std::string strategy = std::getenv("PARATRAIN_CHECKPOINT_KILL_STRATEGY") ? std::getenv("PARATRAIN_CHECKPOINT_KILL_STRATEGY") : "zero2";
+  const auto adam = torch::optim::AdamOptions(1e-3);
+  if (strategy == "ddp") {
+    paratrain::DataParallel<Big, comm::Mpi, torch::optim::Adam> s(Big(), c, adam);
+    write(s);
+  } else if (strategy == "zero3") {
+    paratrain::DataParallel<Big, comm::Mpi, Sharded<torch::optim::Adam, zero::stage3>> s(Big(), c, adam);
+    write(s);
+  } else {
+    REQUIRE(strategy == "zero2");
+    paratrain::DataParallel<Big, comm::Mpi, Sharded<torch::optim::Adam, zero::stage2>> s(Big(), c, adam);
+    write(s);
   }
 }
 
