@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 scripts/deps.sh
 build=${PARATRAIN_SANITIZE_BUILD_DIR:-build-sanitize}
 if [[ ! -f "$build/build.ninja" ]]; then
-  # -O1 -g: line numbers in reports, and a third less compile time than -O2.
+  # -O1 -g, as AddressSanitizer's documentation advises: usable speed, line numbers in reports.
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g" -DPARATRAIN_SANITIZE=ON \
     -DPARATRAIN_BUILD_EXAMPLES=OFF -DPARATRAIN_BUILD_BENCHMARKS=OFF -DPARATRAIN_BUILD_TOOLS=OFF \
     -DPARATRAIN_WITH_NCCL=OFF -DPARATRAIN_WITH_GLOO=OFF >/dev/null
