@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "paratrain/data/batch.hpp"
@@ -141,6 +142,17 @@ std::vector<torch::Tensor> distributed(const Scenario& s, Comm c, Opts opts) {
     if (r.ranks_with_next == 0) break;
   }
   return dp.full_parameters();
+}
+
+// What `f` threw as paratrain::error, or "" when it did not throw.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const paratrain::error& e) {
+    return e.what();
+  }
+  return {};
 }
 
 inline double max_relative_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {

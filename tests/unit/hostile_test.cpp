@@ -36,17 +36,6 @@ struct WidthImpl : torch::nn::Module {
 };
 TORCH_MODULE(Width);
 
-// What `f` threw as paratrain::error, or "" when it did not throw.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const paratrain::error& e) {
-    return e.what();
-  }
-  return {};
-}
-
 bool all_finite(const std::vector<torch::Tensor>& ts) {
   for (const auto& t : ts)
     if (!torch::isfinite(t).all().item<bool>()) return false;

@@ -312,15 +312,7 @@ std::vector<paratrain::Batch> micro_batches(int count, std::int64_t size) {
   return out;
 }
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const paratrain::error& e) {
-    return e.what();
-  }
-  return {};
-}
+using paratrain_test::error_of;
 }  // namespace
 
 // Note [Same micro-batches]: the ranks of one replica must run the same micro-batches.
