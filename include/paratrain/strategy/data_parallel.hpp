@@ -23,9 +23,9 @@
 #include "paratrain/data/batch.hpp"
 #include "paratrain/detail/agree.hpp"
 #include "paratrain/detail/all_reduce_on.hpp"
-#include "paratrain/detail/same_model.hpp"
 #include "paratrain/detail/allocator.hpp"
 #include "paratrain/detail/coalesce.hpp"
+#include "paratrain/detail/same_model.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/observe/timeline.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
@@ -426,9 +426,10 @@ class DataParallel {
   // A rank given a batch it cannot use (detail::batch_problem) must not simply throw: the
   // others would wait for it in the step's collectives. Below ZeRO stage 3 it joins the step
   // without the batch (accumulate() leaves it out and remembers it for the step), and the
-  // step's status all-reduce (GradientBuckets::finish) tells every rank to throw. At stage 3 forward itself gathers units, which a rank without a
-  // forward can only repeat from its last step, so there the ranks agree on their batches
-  // before the step: one scalar all-reduce in every step(), and in join().
+  // step's status all-reduce (GradientBuckets::finish) tells every rank to throw. At stage 3
+  // forward itself gathers units, which a rank without a forward can only repeat from its
+  // last step, so there the ranks agree on their batches before the step: one scalar
+  // all-reduce in every step(), and in join().
 
   /// Note [Unusable batches]: at stage 3, throws on every rank when one has a `problem`.
   void agree_at_stage3(const std::string& problem) {

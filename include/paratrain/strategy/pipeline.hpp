@@ -291,7 +291,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     for (int r = 0; r < replicas_; ++r)
       if (v[5 * r + 4] > 0)
         throw error("Pipeline::step", world_.rank(),
-                    "a rank of pipeline replica " + std::to_string(r) + " was given a micro-batch it cannot use (see its message)");
+                    "a rank of pipeline replica " + std::to_string(r) +
+                        " was given a micro-batch it cannot use (see its message)");
     for (int r = 0; r < replicas_; ++r, v += 5)
       if (v[0] != -v[1] || v[2] != -v[3])
         throw error("Pipeline::step", world_.rank(),
