@@ -3,12 +3,13 @@
 /// The CRC-32 of every stored entry of a zip archive (a torch.save'd .pt file), checked
 /// before LibTorch's unpickler reads it (Note [Zip checksums]).
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "paratrain/detail/crc32c.hpp"
 
 namespace paratrain::checkpoint::detail {
 
@@ -22,23 +23,6 @@ namespace paratrain::checkpoint::detail {
 // compared with its recorded CRC-32. Only what PyTorch writes is read: stored entries, no
 // ZIP64 fields; anything else is reported as "not a paratrain checkpoint file" by the
 // caller, as before. A file crafted with valid checksums can still reach the unpickler.
-
-inline constexpr std::array<std::uint32_t, 256> crc32_table = [] {
-  std::array<std::uint32_t, 256> t{};
-  for (std::uint32_t i = 0; i < 256; ++i) {
-    std::uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
-    t[i] = c;
-  }
-  return t;
-}();
-
-/// Zip's CRC-32 (IEEE 802.3, reflected): crc32 of "123456789" is 0xCBF43926.
-inline std::uint32_t crc32(const char* data, std::size_t n) noexcept {
-  std::uint32_t c = 0xFFFFFFFFu;
-  for (std::size_t i = 0; i < n; ++i) c = crc32_table[(c ^ static_cast<unsigned char>(data[i])) & 0xFF] ^ (c >> 8);
-  return c ^ 0xFFFFFFFFu;
-}
 
 /// Why the zip archive in `bytes` is damaged, or nullopt when each of its stored entries
 /// has the CRC-32 its central directory records (Note [Zip checksums]).
@@ -64,7 +48,7 @@ inline std::optional<std::string> zip_damage(const std::vector<char>& bytes) {
     if (local + 30 > size || u32(local) != 0x04034b50u) return "a local file header is damaged";
     const std::size_t data = local + 30 + u16(local + 26) + u16(local + 28);
     if (data > size || stored > size - data) return "an entry runs past the end of the file (truncated)";
-    if (crc32(bytes.data() + data, stored) != crc) return "an entry fails its CRC-32";
+    if (paratrain::detail::crc32({bytes.data() + data, stored}) != crc) return "an entry fails its CRC-32";
   }
   return std::nullopt;
 }

@@ -1,6 +1,7 @@
 #pragma once
 /// \file
-/// CRC-32C (Castagnoli), as TensorBoard's record framing and checkpoint files use it.
+/// CRC-32C (Castagnoli), as TensorBoard's record framing and checkpoint files use it, and
+/// zip's CRC-32 (IEEE 802.3), which the .pt files inside a checkpoint carry.
 
 #include <array>
 #include <cstddef>
@@ -13,24 +14,34 @@
 
 namespace paratrain::detail {
 
-// The reflected polynomial 0x82F63B78, one table lookup per byte: constexpr, and plenty
-// fast for TensorBoard's few records at a time (crc32c_extend below is for gigabytes).
-inline constexpr std::array<std::uint32_t, 256> crc32c_table = [] {
-  std::array<std::uint32_t, 256> t{};
+// One table lookup per byte: constexpr, and plenty fast for TensorBoard's few records at a
+// time and a checkpoint's small .pt files (crc32c_extend below is for gigabytes).
+using CrcTable = std::array<std::uint32_t, 256>;
+
+/// The byte table of the reflected CRC-32 of polynomial `poly`.
+constexpr CrcTable reflected_crc_table(std::uint32_t poly) noexcept {
+  CrcTable t{};
   for (std::uint32_t i = 0; i < 256; ++i) {
     std::uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ poly : c >> 1;
     t[i] = c;
   }
   return t;
-}();
+}
+inline constexpr CrcTable crc32c_table = reflected_crc_table(0x82F63B78u);
+inline constexpr CrcTable crc32_table = reflected_crc_table(0xEDB88320u);
 
-/// CRC-32C of `data`: crc32c("123456789") == 0xE3069283.
-constexpr std::uint32_t crc32c(std::string_view data) noexcept {
+/// The CRC of `data` by `table`, from and to the usual all-ones complement.
+constexpr std::uint32_t crc_of(const CrcTable& table, std::string_view data) noexcept {
   std::uint32_t c = 0xFFFFFFFFu;
-  for (const char ch : data) c = crc32c_table[(c ^ static_cast<unsigned char>(ch)) & 0xFF] ^ (c >> 8);
+  for (const char ch : data) c = table[(c ^ static_cast<unsigned char>(ch)) & 0xFF] ^ (c >> 8);
   return c ^ 0xFFFFFFFFu;
 }
+
+/// CRC-32C of `data`: crc32c("123456789") == 0xE3069283.
+constexpr std::uint32_t crc32c(std::string_view data) noexcept { return crc_of(crc32c_table, data); }
+/// Zip's CRC-32 of `data`: crc32("123456789") == 0xCBF43926.
+constexpr std::uint32_t crc32(std::string_view data) noexcept { return crc_of(crc32_table, data); }
 
 /// TFRecord's masked CRC: a CRC stored next to the data it covers is itself rotated
 /// and offset, so that the CRC of a string containing CRCs stays well distributed.
@@ -69,5 +80,6 @@ inline std::uint32_t crc32c_extend(std::uint32_t crc, const void* data, std::siz
 }
 
 static_assert(crc32c("123456789") == 0xE3069283u, "CRC-32C check value (RFC 3720, iSCSI)");
+static_assert(crc32("123456789") == 0xCBF43926u, "CRC-32 check value (IEEE 802.3, zip)");
 
 }  // namespace paratrain::detail
