@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/detail/fnv1a.hpp"
 #include "paratrain/detail/gather_strings.hpp"
 #include "paratrain/error.hpp"
 
@@ -50,13 +51,9 @@ inline std::vector<std::string> describe_model(const torch::nn::Module& model) {
 
 /// FNV-1a over the lines, each ended by '\n'; 62 bits, so that its negation fits.
 inline std::int64_t hash_lines(const std::vector<std::string>& lines) {
-  std::uint64_t h = 14695981039346656037ull;
-  const auto mix = [&](unsigned char c) { h = (h ^ c) * 1099511628211ull; };
-  for (const auto& line : lines) {
-    for (unsigned char c : line) mix(c);
-    mix('\n');
-  }
-  return static_cast<std::int64_t>(h >> 2);
+  Fnv1a h;
+  for (const auto& line : lines) h.mix(line).mix('\n');
+  return h.value62();
 }
 
 /// The first difference between two ranks' descriptions, as a sentence.

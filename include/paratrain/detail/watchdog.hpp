@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/detail/fnv1a.hpp"
 #include "paratrain/error.hpp"
 
 namespace paratrain::detail {
@@ -129,8 +130,9 @@ inline OperationRecord record_of(std::string_view op, const at::Tensor& t, int d
 class Ledger {
  public:
   Ledger(std::string name, std::vector<int> members, int rank) : name_(std::move(name)), members_(std::move(members)), rank_(rank) {
-    std::uint64_t h = 1469598103934665603ull;
-    for (int m : members_) h = (h ^ static_cast<std::uint64_t>(m + 1)) * 1099511628211ull;
+    Fnv1a members_hash;
+    for (int m : members_) members_hash.mix(static_cast<std::uint64_t>(m + 1));
+    const auto h = members_hash.value();
     static std::mutex mutex;
     static std::map<std::uint64_t, std::uint64_t> made;
     std::lock_guard lock(mutex);
@@ -146,15 +148,14 @@ class Ledger {
   std::pair<OperationRecord, bool> record(OperationRecord r) {
     std::lock_guard lock(mutex_);
     r.seq = static_cast<std::int64_t>(++count_);
-    for (std::int64_t v : {r.op, r.dtype, r.numel, r.detail})
-      fingerprint_ = (fingerprint_ ^ static_cast<std::uint64_t>(v)) * 1099511628211ull;
+    for (std::int64_t v : {r.op, r.dtype, r.numel, r.detail}) fingerprint_.mix(static_cast<std::uint64_t>(v));
     history_[(count_ - 1) % history_length] = r;
     return {r, count_ % fingerprint_period == 0};
   }
 
   [[nodiscard]] std::uint64_t fingerprint() const {
     std::lock_guard lock(mutex_);
-    return fingerprint_;
+    return fingerprint_.value();
   }
   [[nodiscard]] std::int64_t count() const {
     std::lock_guard lock(mutex_);
@@ -177,7 +178,7 @@ class Ledger {
   std::int64_t id_ = 0;
   mutable std::mutex mutex_;
   std::uint64_t count_ = 0;
-  std::uint64_t fingerprint_ = 1469598103934665603ull;
+  Fnv1a fingerprint_;
   std::array<OperationRecord, history_length> history_{};
 };
 

@@ -25,6 +25,7 @@
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/data/batch.hpp"
+#include "paratrain/detail/fnv1a.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/observe/timeline.hpp"
 #include "paratrain/pipeline/link.hpp"
@@ -279,10 +280,10 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     std::string problem;  // first: Batch::size() itself throws on a scalar input
     for (std::size_t i = 0; i < micro.size() && problem.empty(); ++i)
       if (auto p = detail::batch_problem(micro[i]); !p.empty()) problem = "micro-batch " + std::to_string(i) + ": " + p;
-    std::uint64_t h = 14695981039346656037ull;  // FNV-1a over the sizes
+    detail::Fnv1a sizes;
     if (problem.empty())
-      for (const auto& b : micro) h = (h ^ static_cast<std::uint64_t>(b.size())) * 1099511628211ull;
-    const auto m = static_cast<std::int64_t>(micro.size()), hash = static_cast<std::int64_t>(h >> 2);
+      for (const auto& b : micro) sizes.mix(static_cast<std::uint64_t>(b.size()));
+    const auto m = static_cast<std::int64_t>(micro.size()), hash = sizes.value62();
     auto t = at::full({replicas_, 5}, std::numeric_limits<std::int64_t>::min(), at::kLong);
     t[replica_].copy_(at::tensor({m, -m, hash, -hash, problem.empty() ? 0L : 1L}, at::kLong));
     detail::all_reduce_on(world_, t, device_, reduce_op::max);
