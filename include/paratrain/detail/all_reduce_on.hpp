@@ -18,15 +18,4 @@ void all_reduce_on(Comm& comm, at::Tensor& t, const at::Device& device, reduce_o
   t.copy_(on_device);
 }
 
-/// `comm` as a group (rank, size, all_reduce) for helpers written for one, such as
-/// agree and all_gather_strings: what they reduce goes through `device`.
-template <class Comm>
-struct ReducingOn {
-  Comm& comm;
-  at::Device device;
-  [[nodiscard]] int rank() const { return comm.rank(); }
-  [[nodiscard]] int size() const { return comm.size(); }
-  void all_reduce(at::Tensor& t, reduce_op op) { all_reduce_on(comm, t, device, op); }
-};
-
 }  // namespace paratrain::detail

@@ -63,8 +63,9 @@ struct DataParallelOptions {
   /// (also when sharded); 0: off. StepResult::grad_norm reports the norm before clipping.
   double max_grad_norm = 0;
   /// NaN or Inf in the averaged gradients: apply, skip the step, or stop. Checking (skip,
-  /// stop) reads every gradient once, and adds one scalar all-reduce per step where the
-  /// gradients are sharded (ZeRO 2, 3) or split into pipeline stages.
+  /// stop) reads every gradient once, and needs one 2-element all-reduce per step where the
+  /// gradients are sharded (ZeRO 2, 3) or split into pipeline stages: the one clipping
+  /// makes there, when max_grad_norm is set too.
   NonFinite nonfinite_gradients = NonFinite::apply;
 };
 
@@ -130,10 +131,9 @@ class DataParallel {
   template <class OptimOptions>
     requires optimizer_from<optimizer_type, OptimOptions>
   DataParallel(Model model, Comm comm, ParamGroups groups, OptimOptions defaults, Options options = {})
-      : model_(std::move(model)), comm_(std::move(comm)), options_(options) {
+      : model_(std::move(model)), comm_(std::move(comm)), options_(options), device_(detail::device_of(*model_)) {
     detail::tune_allocator();
-    detail::ReducingOn<Comm> group{comm_, detail::device_of(*model_)};
-    detail::check_same_model(group, *model_, "DataParallel");  // Note [Same model]
+    detail::check_same_model(*this, *model_, "DataParallel");  // Note [Same model]
     detail::broadcast_coalesced(comm_, model_->parameters(), 0);
     detail::broadcast_coalesced(comm_, model_->buffers(), 0);
     const BucketOptions bucketing{options.bucket_cap_bytes, options.first_bucket_cap_bytes, sharded ? comm_.size() : 1};
@@ -286,7 +286,7 @@ class DataParallel {
   /// Reduces `t` in place over the ranks (for metrics), on the model's device, where
   /// the communicator works (comm::Nccl reduces CUDA tensors only).
   void all_reduce(at::Tensor& t, reduce_op op) {
-    detail::all_reduce_on(comm_, t, model_->parameters().front().device(), op);
+    detail::all_reduce_on(comm_, t, device_, op);
   }
 
   /// Makes every replica evaluate alike: copies rank 0's buffers (batch-norm running
@@ -407,11 +407,13 @@ class DataParallel {
                       "does), or keep DataParallelOptions::join on (the default)");
     ++steps_;
     double norm = 0;
-    const bool finite = status.samples <= 0 || options_.nonfinite_gradients == NonFinite::apply ||
-                        grads_->all_finite(norm_elsewhere_);
+    const bool clip = options_.max_grad_norm > 0, check = options_.nonfinite_gradients != NonFinite::apply;
+    typename Grads::Totals totals;
+    if (status.samples > 0 && (clip || check)) totals = grads_->totals(clip, check, norm_elsewhere_);
+    const bool finite = totals.nonfinite == 0;
     const bool skipped = !finite && options_.nonfinite_gradients == NonFinite::skip;
     if (status.samples > 0 && finite) {
-      if (options_.max_grad_norm > 0) norm = grads_->clip_grad_norm(options_.max_grad_norm, norm_elsewhere_);
+      if (clip) norm = grads_->clip_grad_norm(options_.max_grad_norm, totals.squares);
       observe::PhaseTimer step(timeline_, observe::Phase::optimizer);
       if constexpr (sharded) shards_->step(*grads_);
       else optimizer_->step();
@@ -433,10 +435,7 @@ class DataParallel {
 
   /// Note [Unusable batches]: at stage 3, throws on every rank when one has a `problem`.
   void agree_at_stage3(const std::string& problem) {
-    if constexpr (stage == 3) {
-      detail::ReducingOn<Comm> group{comm_, detail::device_of(*model_)};
-      detail::agree(group, "DataParallel::step", problem);
-    }
+    if constexpr (stage == 3) detail::agree(*this, "DataParallel::step", problem);
   }
 
   /// NonFinite::stop: the error every rank throws (all_finite's answer is global).
@@ -453,6 +452,7 @@ class DataParallel {
   Model model_;
   Comm comm_;
   Options options_;
+  at::Device device_;  // the model's, where the communicator reduces (comm::Nccl: CUDA only)
   using Grads = GradientBuckets<Comm, Hook>;
   using Shards = ShardedParameters<Comm, optimizer_type, stage>;
   std::unique_ptr<BucketLayout> layout_;

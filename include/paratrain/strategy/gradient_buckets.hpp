@@ -194,36 +194,41 @@ class GradientBuckets {
     return {s[0], static_cast<int>(s[1])};
   }
 
-  /// Scales the reduced gradients so that their global 2-norm is at most `max_norm`, as
-  /// torch::nn::utils::clip_grad_norm_ does on the whole model; returns the norm before.
-  /// Collective when the gradients are sharded. Call after finish().
-  /// `also`, when set, adds the squared norms of gradients held elsewhere (a pipeline's
-  /// other stages) to the one-element tensor it is given: collective over those ranks.
-  double clip_grad_norm(double max_norm, const std::function<void(at::Tensor&)>& also = {}) {
-    // The squared norms add up where the gradients are: one synchronisation, not one a bucket.
-    std::vector<at::Tensor> norms;
-    for (auto& b : buckets_) norms.push_back(reduced(b).norm());
-    auto total = at::stack(norms).to(at::kDouble).square().sum().reshape({1});
+  /// What Totals adds up over every gradient element.
+  struct Totals {
+    double squares = 0;    ///< the sum of squares: the global 2-norm's square
+    double nonfinite = 0;  ///< the number of NaN and Inf elements
+  };
+
+  /// After finish(): the squares (when `squares`) and the NaN and Inf elements (when
+  /// `nonfinite`) of all reduced gradients, on every rank's shard when sharded, and of the
+  /// gradients `also` accounts for (a pipeline's other stages: it adds theirs to the
+  /// 2-element double tensor it is given). What clipping and the NaN check both need, in
+  /// one synchronisation, not one a bucket or a use. Collective when sharded, and over
+  /// `also`'s ranks.
+  Totals totals(bool squares, bool nonfinite, const std::function<void(at::Tensor&)>& also = {}) {
+    std::vector<at::Tensor> parts;
+    for (auto& b : buckets_) {
+      const auto& g = reduced(b);
+      const auto none = at::zeros({}, g.options().dtype(at::kDouble));
+      parts.push_back(at::stack({squares ? g.norm().to(at::kDouble).square() : none,
+                                 nonfinite ? at::isfinite(g).logical_not().sum().to(at::kDouble) : none}));
+    }
+    auto total = at::stack(parts).sum(0);
     if constexpr (shards) all_reduce_on_device(total);
     if (also) also(total);
-    const double squares = total.template item<double>();
+    const auto t = total.cpu();
+    return {t[0].template item<double>(), t[1].template item<double>()};
+  }
+
+  /// Scales the reduced gradients so that their global 2-norm, whose square is `squares`
+  /// (totals), is at most `max_norm`, as torch::nn::utils::clip_grad_norm_ does on the
+  /// whole model; returns the norm before.
+  double clip_grad_norm(double max_norm, double squares) {
     const double norm = std::sqrt(squares);
     const double coef = std::min(max_norm / (norm + 1e-6), 1.0);
     for (auto& b : buckets_) reduced(b).mul_(coef);
     return norm;
-  }
-
-  /// After finish(): whether every element of the reduced gradients is finite, on every
-  /// rank's shard when sharded, and of the gradients `also` accounts for (a pipeline's
-  /// other stages: it adds their count of NaN and Inf elements to the one-element double
-  /// tensor it is given). Collective when sharded, and over `also`'s ranks.
-  bool all_finite(const std::function<void(at::Tensor&)>& also = {}) {
-    std::vector<at::Tensor> counts;
-    for (auto& b : buckets_) counts.push_back(at::isfinite(reduced(b)).logical_not().sum());
-    auto total = at::stack(counts).sum().to(at::kDouble).reshape({1});
-    if constexpr (shards) all_reduce_on_device(total);
-    if (also) also(total);
-    return total.template item<double>() == 0;
   }
 
   /// After finish(): the name of the first parameter whose reduced gradient holds NaN or
