@@ -5,9 +5,10 @@
 What comes from Conan and what from the system
 ----------------------------------------------
 Conan provides paratrain's headers and range-v3 (ConanCenter's range-v3/0.12.0).
-LibTorch, MPI with Boost.MPI, CUDA with NCCL, and Gloo's headers come from the
+LibTorch, MPI with Boost.MPI, CUDA with NCCL, Gloo's headers and HDF5 come from the
 system: ConanCenter's libtorch is built without distributed support (no c10d), and
-there is no NCCL recipe. The package therefore carries a CMake build module,
+there is no NCCL recipe; HDF5 is found by CMake's FindHDF5 like the rest, so that
+paratrain::hdf5 uses the HDF5 the system's other libraries use. The package therefore carries a CMake build module,
 paratrainConanSystemDeps.cmake, that the config CMakeDeps generates includes: it finds
 LibTorch always, and a component's system dependencies when find_package asks for that
 component, exactly as the `cmake --install` package does (docs/packaging.md):
@@ -18,7 +19,7 @@ component, exactly as the `cmake --install` package does (docs/packaging.md):
 Components and targets
 ----------------------
 paratrain (paratrain::paratrain, the core), mpi (paratrain::mpi), nccl (paratrain::nccl,
-needs mpi), gloo (paratrain::gloo). CMakeDeps makes the package's own target link every
+needs mpi), gloo (paratrain::gloo), hdf5 (paratrain::hdf5). CMakeDeps makes the package's own target link every
 component, so that target is paratrain::all rather than paratrain::paratrain, which
 must stay the core alone.
 
@@ -44,7 +45,7 @@ required_conan_version = ">=2.0.8"  # implements = ["auto_header_only"]
 class ParatrainConan(ConanFile):
     name = "paratrain"
     description = "Header-only C++20 data, sharded and pipeline parallel training for LibTorch"
-    topics = ("deep-learning", "libtorch", "distributed-training", "mpi", "nccl", "header-only")
+    topics = ("deep-learning", "libtorch", "distributed-training", "mpi", "nccl", "hdf5", "header-only")
     package_type = "header-library"
     implements = ["auto_header_only"]
     settings = "os", "arch", "compiler", "build_type"
@@ -94,15 +95,17 @@ class ParatrainConan(ConanFile):
         core.bindirs = []
         core.libdirs = []
         if self.settings.os in ("Linux", "FreeBSD"):
-            core.system_libs = ["pthread"]  # LocalDataParallel runs replicas on std::thread
+            # LocalDataParallel and data::Loader run threads; data::read_idx reads gzip (zlib1g-dev).
+            core.system_libs = ["pthread", "z"]
 
-        # The components' libraries (libmpi, libboost_mpi, libcudart, libnccl) are linked
+        # The components' libraries (libmpi, libboost_mpi, libcudart, libnccl, libhdf5) are linked
         # by the build module through the targets their own CMake packages define, with
         # full paths: a bare `-lnccl` or `-lmpi` here would fail wherever they are not
         # on the linker's default path (/usr/local/cuda/lib, /opt/openmpi/lib, ...).
         for component, requires, define in (("mpi", ["paratrain"], "PARATRAIN_HAS_MPI=1"),
                                              ("nccl", ["mpi"], "PARATRAIN_HAS_NCCL=1"),
-                                             ("gloo", ["paratrain"], "PARATRAIN_HAS_GLOO=1")):
+                                             ("gloo", ["paratrain"], "PARATRAIN_HAS_GLOO=1"),
+                                             ("hdf5", ["paratrain"], "PARATRAIN_HAS_HDF5=1")):
             info = self.cpp_info.components[component]
             info.set_property("cmake_target_name", f"paratrain::{component}")
             info.requires = requires

@@ -1,20 +1,22 @@
 # Install rules: each component's headers and a relocatable CMake package, so that a
-# downstream project can `find_package(paratrain CONFIG [COMPONENTS mpi nccl])` against
+# downstream project can `find_package(paratrain CONFIG [COMPONENTS mpi nccl gloo hdf5])` against
 # `cmake --install`'s prefix. docs/packaging.md.
 #
 # Note [One export set per component]
 # paratrain::paratrain and each component (paratrain::mpi, paratrain::nccl,
-# paratrain::gloo) are exported in sets of their own: paratrainTargets.cmake,
-# paratrainMpiTargets.cmake, ... paratrainConfig.cmake includes a component's file only
-# when that component is asked for, after finding that component's dependencies. One
-# set would name Boost::mpi, MPI::MPI_CXX and CUDA::cudart in every
-# find_package(paratrain), so a machine without CUDA could not use even the core. A
+# paratrain::gloo, paratrain::hdf5) are exported in sets of their own:
+# paratrainTargets.cmake, paratrainMpiTargets.cmake, ... paratrainConfig.cmake includes a
+# component's file only when that component is asked for, after finding that component's
+# dependencies. One set would name Boost::mpi, MPI::MPI_CXX, CUDA::cudart and HDF5's
+# targets in every find_package(paratrain), so a machine without CUDA could not use even
+# the core. A
 # component that was not built has no file, and find_package reports
 # paratrain_<component>_FOUND FALSE with the reason.
 #
 # Nothing in the exported files is an absolute path of the build machine: dependencies
 # are named by their imported targets (torch, range-v3::range-v3, Boost::mpi,
-# MPI::MPI_CXX, CUDA::cudart), found again by the config on the consumer's machine, and
+# MPI::MPI_CXX, CUDA::cudart, and FindHDF5's hdf5::hdf5_cpp and HDF5::HDF5), found again
+# by the config on the consumer's machine, and
 # NCCL and Gloo, which have no CMake package of their own, by paratrain::libnccl and
 # paratrain::libgloo, which the config makes from its own find_library/find_path
 # (cmake/paratrainDependencies.cmake).
@@ -28,7 +30,8 @@ set(PARATRAIN_INSTALL_CMAKEDIR ${CMAKE_INSTALL_DATADIR}/cmake/paratrain CACHE ST
 install(TARGETS paratrain EXPORT paratrainTargets FILE_SET HEADERS)
 install(EXPORT paratrainTargets NAMESPACE paratrain:: DESTINATION ${PARATRAIN_INSTALL_CMAKEDIR})
 # The components this build made; paratrainConfig.cmake.in names the same files.
-foreach(paratrain_pair IN ITEMS mpi:paratrainMpiTargets nccl:paratrainNcclTargets gloo:paratrainGlooTargets)
+foreach(paratrain_pair IN ITEMS mpi:paratrainMpiTargets nccl:paratrainNcclTargets gloo:paratrainGlooTargets
+                               hdf5:paratrainHdf5Targets)
   string(REPLACE ":" ";" paratrain_pair ${paratrain_pair})
   list(GET paratrain_pair 0 paratrain_component)
   list(GET paratrain_pair 1 paratrain_export_set)

@@ -2,9 +2,9 @@
 # lists this file in cmake_build_modules); not part of the `cmake --install` package.
 #
 # Conan provides paratrain's headers and range-v3, and CMakeDeps has already made the
-# targets paratrain::paratrain, paratrain::mpi, paratrain::nccl and paratrain::gloo
-# (and paratrain::all, all of them). LibTorch, MPI/Boost.MPI, CUDA/NCCL and Gloo come
-# from the system (ConanCenter's libtorch has no c10d, and there is no NCCL recipe), and
+# targets paratrain::paratrain, paratrain::mpi, paratrain::nccl, paratrain::gloo and
+# paratrain::hdf5 (and paratrain::all, all of them). LibTorch, MPI/Boost.MPI, CUDA/NCCL,
+# Gloo and HDF5 come from the system (ConanCenter's libtorch has no c10d, and there is no NCCL recipe), and
 # are attached here, found exactly as paratrainConfig.cmake finds them:
 #   - LibTorch always (find_package(paratrain) fails without it);
 #   - a component's dependencies only when find_package(paratrain COMPONENTS ...) asks
@@ -64,9 +64,10 @@ endif()
 set(_paratrain_system_mpi Boost::mpi MPI::MPI_CXX)
 set(_paratrain_system_nccl CUDA::cudart paratrain::libnccl)
 set(_paratrain_system_gloo paratrain::libgloo)
+set(_paratrain_system_hdf5 hdf5::hdf5_cpp HDF5::HDF5)
 set(_paratrain_missing "")
 
-foreach(_paratrain_component IN ITEMS mpi nccl gloo)
+foreach(_paratrain_component IN ITEMS mpi nccl gloo hdf5)
   if(NOT _paratrain_component IN_LIST _paratrain_components)
     if(TARGET paratrain::${_paratrain_component})
       _paratrain_conan_mark_unrequested(${_paratrain_component})
@@ -94,10 +95,11 @@ foreach(_paratrain_component IN ITEMS mpi nccl gloo)
   endif()
 endforeach()
 
-list(REMOVE_ITEM _paratrain_components mpi nccl gloo paratrain)
+list(REMOVE_ITEM _paratrain_components mpi nccl gloo hdf5 paratrain)
 foreach(_paratrain_component IN LISTS _paratrain_components)
   set(paratrain_${_paratrain_component}_FOUND FALSE)
-  set(_paratrain_reason "paratrain has no component '${_paratrain_component}' (its components: mpi, nccl, gloo)")
+  set(_paratrain_reason
+      "paratrain has no component '${_paratrain_component}' (its components: mpi, nccl, gloo, hdf5)")
   if(paratrain_FIND_REQUIRED_${_paratrain_component})
     string(APPEND _paratrain_missing "\n  ${_paratrain_reason}")
   endif()
@@ -115,3 +117,4 @@ unset(_paratrain_reason)
 unset(_paratrain_system_mpi)
 unset(_paratrain_system_nccl)
 unset(_paratrain_system_gloo)
+unset(_paratrain_system_hdf5)

@@ -4,7 +4,7 @@
 # are plain find_dependency() calls in those two files.
 #
 # paratrain_find_component_dependencies(<component> <reason-var>)
-#   Looks for what <component> (mpi, nccl or gloo) needs. Sets <reason-var> to "" when all of
+#   Looks for what <component> (mpi, nccl, gloo or hdf5) needs. Sets <reason-var> to "" when all of
 #   it was found, else to a sentence naming what is missing and how to point CMake at it.
 #   Quiet when the caller's find_package(paratrain ...) was QUIET; never REQUIRED, so
 #   that an optional component that is missing leaves paratrain itself found.
@@ -15,7 +15,8 @@
 #   nccl also defines paratrain::libnccl, an IMPORTED target for the NCCL library found
 #   here, and gloo paratrain::libgloo for Gloo's headers: the installed paratrain::nccl
 #   and paratrain::gloo link them by those names, so the package holds no absolute path
-#   of the machine it was built on.
+#   of the machine it was built on. hdf5 needs no such target: FindHDF5 makes
+#   hdf5::hdf5_cpp and HDF5::HDF5 here as it did in paratrain's own build.
 macro(paratrain_find_component_dependencies _paratrain_component _paratrain_reason)
   set(${_paratrain_reason} "")
   set(_paratrain_quiet "")
@@ -81,8 +82,21 @@ macro(paratrain_find_component_dependencies _paratrain_component _paratrain_reas
     endif()
     unset(_paratrain_torch_definitions)
 
+  elseif("${_paratrain_component}" STREQUAL "hdf5")
+    # HDF5's C++ API and its C library. The CXX component only: C would need the
+    # consumer's project to enable C, and CXX brings the C library too (HDF5::HDF5).
+    if(NOT TARGET hdf5::hdf5_cpp OR NOT TARGET HDF5::HDF5)
+      find_package(HDF5 ${_paratrain_quiet} COMPONENTS CXX)
+    endif()
+    if(NOT TARGET hdf5::hdf5_cpp OR NOT TARGET HDF5::HDF5)
+      string(CONCAT ${_paratrain_reason}
+          "paratrain::hdf5 needs HDF5 with its C++ API (H5Cpp.h, libhdf5_cpp), which was not found "
+          "(Debian: apt-get install libhdf5-dev; else set HDF5_ROOT)")
+    endif()
+
   else()
-    set(${_paratrain_reason} "paratrain has no component '${_paratrain_component}' (its components: mpi, nccl, gloo)")
+    set(${_paratrain_reason}
+        "paratrain has no component '${_paratrain_component}' (its components: mpi, nccl, gloo, hdf5)")
   endif()
   unset(_paratrain_quiet)
 endmacro()

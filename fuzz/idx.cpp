@@ -1,6 +1,6 @@
-// Fuzzes the Fashion-MNIST example's IDX reader (examples/fashion_mnist/idx.hpp), plain and
-// gzipped: whatever the bytes, read_idx returns the tensor the header describes or throws
-// std::runtime_error naming the file, allocates no more than the file holds, and touches
+// Fuzzes the IDX reader (paratrain/data/idx_dataset.hpp), plain and gzipped: whatever the
+// bytes, read_idx returns the tensor the header describes or throws paratrain::error
+// naming the file, allocates no more than the file holds, and touches
 // no memory it does not own. Built with libFuzzer (fuzz/CMakeLists.txt) and replayed by a
 // g++ build in ctest (replay_main.cpp).
 #include <unistd.h>
@@ -12,7 +12,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "fashion_mnist/idx.hpp"
+#include "paratrain/data/idx_dataset.hpp"
 
 namespace {
 
@@ -45,7 +45,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::fclose(out);
   }
   try {
-    const auto t = fashion_mnist::read_idx(file.path);
+    const auto t = paratrain::data::read_idx(file.path);
     // What was read is what the header declared, and no more than the file held.
     if (t.numel() > static_cast<std::int64_t>(size)) std::abort();
   } catch (const std::runtime_error& e) {

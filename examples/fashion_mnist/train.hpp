@@ -10,11 +10,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 
-#include "idx.hpp"
 #include "net.hpp"
 #include "paratrain/paratrain.hpp"
 
@@ -28,6 +29,7 @@ struct Args {
   std::int64_t train_samples = 0;  // 0: all 60000; fewer for a quick smoke run
   std::string checkpoint_dir;      // checkpoints here, and resume from the newest one
   std::int64_t checkpoint_every = 200;  // steps between checkpoints (and one after every epoch)
+  int workers = paratrain::data::LoaderOptions{}.workers;  // threads preparing the next batches
 };
 
 // The options, by CLI11: --help, and values checked (a missing or malformed one is an error
@@ -43,6 +45,8 @@ inline std::optional<int> parse(int argc, char** argv, Args& a) {
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "save checkpoints here, and resume from the newest");
   app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints")
       ->check(CLI::Range(1, 1 << 30))->capture_default_str();
+  app.add_option("--workers", a.workers, "threads per process reading the next batches (0: on the training thread)")
+      ->check(CLI::Range(0, 64))->capture_default_str();
   try {
     app.parse(argc, argv);
     return std::nullopt;
@@ -79,16 +83,24 @@ constexpr bool uses_mpi() {
     return false;
 }
 
+// One split of the IDX files, through the library's reader: uint8 in memory, converted to
+// normalised float batches by the loader's workers.
+inline paratrain::data::IdxDataset load(const std::string& dir, const std::string& prefix) {
+  const auto images = dir + "/" + prefix + "-images-idx3-ubyte.gz";
+  if (!std::filesystem::exists(images))
+    throw std::runtime_error("cannot open " + images + " (is dataset-fashion-mnist installed?)");
+  // Fashion-MNIST's training-set mean and standard deviation.
+  return {images, dir + "/" + prefix + "-labels-idx1-ubyte.gz", {.mean = 0.2860, .std = 0.3530}};
+}
+
 template <paratrain::strategy Strategy>
 int train(const Args& args) {
   torch::set_num_threads(1);  // one process per core; threads within would fight over them
   const auto start = std::chrono::steady_clock::now();
 
-  const auto train_split = load(args.data, "train"), test_split = load(args.data, "t10k");
-  const auto n = args.train_samples > 0 ? std::min(args.train_samples, train_split.images.size(0))
-                                        : train_split.images.size(0);
-  const paratrain::data::TensorDataset train(train_split.images.narrow(0, 0, n), train_split.labels.narrow(0, 0, n));
-  const paratrain::data::TensorDataset test(test_split.images, test_split.labels);
+  const auto all = load(args.data, "train"), test = load(args.data, "t10k");
+  const auto n = args.train_samples > 0 ? std::min(args.train_samples, all.size()) : all.size();
+  const paratrain::data::Subset train(all, torch::arange(n, torch::kLong));
 
   torch::manual_seed(0);
   Strategy strategy(Net(), torch::optim::AdamOptions(args.lr));
@@ -103,6 +115,7 @@ int train(const Args& args) {
                                      {.epochs = args.epochs,
                                       .batch_size = args.batch,
                                       .eval = &test,
+                                      .loader = {.workers = args.workers, .depth = std::max(args.workers, 2)},
                                       .lr_schedule = [&](double epoch) {  // cosine decay to 0
                                         return 0.5 * (1 + std::cos(3.141592653589793 * epoch / args.epochs));
                                       },

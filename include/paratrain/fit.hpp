@@ -16,11 +16,16 @@
 #include <string>
 #include <vector>
 
+#include "paratrain/concepts/dataset.hpp"
+#include "paratrain/concepts/sampler.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/data/batch.hpp"
 #include "paratrain/data/batches.hpp"
+#include "paratrain/data/dataset_ref.hpp"
 #include "paratrain/data/distributed_sampler.hpp"
 #include "paratrain/data/exact_sampler.hpp"
+#include "paratrain/data/loader.hpp"
+#include "paratrain/data/sampler_options.hpp"
 #include "paratrain/detail/progress.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/fit_checkpoints.hpp"
@@ -79,11 +84,14 @@ struct FitOptions {
   int epochs = 1;
   std::int64_t batch_size = 32;  ///< per data-parallel replica, per micro-batch
   int accumulation = 1;          ///< micro-batches per optimizer step (a pipeline's M)
-  bool shuffle = true;           ///< DistributedSampler's shuffle, seed and drop_last
+  bool shuffle = true;           ///< the sampler's shuffle, seed and drop_last (data::SamplerOptions)
   std::uint64_t seed = 0;
   bool drop_last = false;
-  const data::TensorDataset* eval = nullptr;  ///< evaluated after each epoch, exactly sharded
+  /// Any paratrain::dataset (`.eval = &test`), evaluated after each epoch, exactly sharded.
+  data::DatasetRef eval{};
   std::int64_t eval_batch_size = 1000;
+  /// Worker threads reading the next batches while a step computes, training and evaluation.
+  data::LoaderOptions loader{};
   LrScaling lr_scaling{};
   /// A multiplier of the learning rate at a fractional epoch (2.5: half-way through the
   /// third), on top of lr_scaling; e.g. a cosine decay. Empty: constant.
@@ -121,7 +129,8 @@ inline void set_learning_rates(torch::optim::Optimizer& o, const std::vector<dou
 /// Evaluates on this replica's exact shard and reduces: loss, accuracy, sample count.
 /// Ranks without an output (a pipeline's earlier stages) take part and count nothing.
 template <strategy S, loss_function Loss>
-void evaluate(S& s, const data::TensorDataset& set, std::int64_t batch_size, Loss& loss, EpochInfo& info) {
+void evaluate(S& s, const data::DatasetRef& set, std::int64_t batch_size, const data::LoaderOptions& loading,
+              Loss& loss, EpochInfo& info) {
   s.synchronize();  // every rank's replica evaluates alike (batch-norm statistics, ...)
   const auto shard = s.data_shard();
   const data::ExactSampler sampler(set.size(), {.num_replicas = shard.count, .rank = shard.index});
@@ -134,10 +143,12 @@ void evaluate(S& s, const data::TensorDataset& set, std::int64_t batch_size, Los
   auto rounds = at::full({1}, static_cast<double>(chunks.size()), at::kDouble);
   s.all_reduce(rounds, reduce_op::max);
   const auto empty = set.get(at::zeros({0}, at::kLong));
+  const auto mine = chunks.size();
+  data::Loader<data::DatasetRef> loader(set, std::move(chunks), loading);
   // [loss * n, correct, n]: sums, so ranks with fewer samples (or none) count exactly.
   auto sums = at::zeros({3}, at::kDouble);
   for (std::size_t k = 0; k < static_cast<std::size_t>(rounds.template item<double>()); ++k) {
-    const auto batch = k < chunks.size() ? set.get(chunks[k]) : empty;
+    const auto batch = k < mine ? *loader.next() : empty;
     const auto out = s.predict(batch);
     if (!out.defined() || batch.size() == 0) continue;
     const auto target = batch.target.to(out.device());  // a GPU replica answers on its device
@@ -172,34 +183,49 @@ namespace detail {
 // are logged only where there is one, weighted by their samples, so the reduced mean is
 // over real samples; nothing is averaged in as 0.
 
+/// The options fit builds a sampler type with: the strategy's replicas, FitOptions' order.
+template <strategy S>
+data::SamplerOptions sampler_options(S& s, const FitOptions& o) {
+  const auto shard = s.data_shard();
+  return {.num_replicas = shard.count, .rank = shard.index, .shuffle = o.shuffle, .seed = o.seed,
+          .drop_last = o.drop_last};
+}
+
+/// A sampler whose epoch can begin part-way through its order (DistributedSampler,
+/// WeightedSampler): a resumed run then starts where the whole job stopped, at any world
+/// size. Other samplers resume by skipping what this replica visited, at the same number
+/// of replicas (Note [Resuming mid-epoch]).
+template <class T>
+concept resumable_sampler = requires(T& t, const T& ct, std::int64_t n) {
+  t.set_epoch(n, n);
+  { ct.start() } -> std::convertible_to<std::int64_t>;
+};
+
 /// fit, in named steps: the loop over epochs, an epoch's steps, a step, what follows a step.
-template <strategy S, loss_function Loss>
+template <strategy S, dataset D, sampler Sampler, loss_function Loss>
 class Trainer {
   using clock = std::chrono::steady_clock;
 
  public:
-  Trainer(S& s, const data::TensorDataset& train, const FitOptions& options, Loss& loss)
+  Trainer(S& s, const D& train, Sampler sampler, const FitOptions& options, Loss& loss)
       : s_(s),
         train_(train),
         options_(validated(options, s.rank())),
         loss_(loss),
         progress_(options.progress && s.rank() == 0, stdout),
         shard_(s.data_shard()),
-        sampler_(train.size(), {.num_replicas = shard_.count,
-                                .rank = shard_.index,
-                                .shuffle = options.shuffle,
-                                .seed = options.seed,
-                                .drop_last = options.drop_last}),
+        sampler_(std::move(sampler)),
         base_lrs_(base_learning_rates(s.optimizer())),
         observer_(s, options.observe),
         checkpoints_(s, options.checkpoint) {
     const double global_batch = double(options.batch_size) * options.accumulation * shard_.count;
     const auto& scaling = options.lr_scaling;
     target_factor_ = scaling.reference_batch > 0 ? global_batch / double(scaling.reference_batch) : 1.0;
-    start_ = {.dataset_size = train.size(),
+    start_ = {.dataset_size = static_cast<std::int64_t>(train.size()),
               .seed = static_cast<std::int64_t>(options.seed),
               .shuffle = options.shuffle,
-              .drop_last = options.drop_last};
+              .drop_last = options.drop_last,
+              .replicas = shard_.count};
   }
 
   FitResult run() {
@@ -222,7 +248,9 @@ class Trainer {
   /// What one epoch's loop keeps.
   struct Epoch {
     int index = 0;
-    std::vector<at::Tensor> micro;  ///< the epoch's micro-batches of sample indices, not yet trained on
+    std::int64_t begin = 0;         ///< places of the epoch's order visited before a resume, over all replicas
+    std::int64_t visiting = 0;      ///< this replica's indices in what remains of the epoch
+    std::size_t micro = 0;          ///< the micro-batches they make
     std::int64_t done = 0;          ///< steps of the epoch done before a resume
     std::int64_t steps = 0;         ///< steps of the epoch in all
     double samples = 0;             ///< trained on, over all replicas
@@ -240,25 +268,62 @@ class Trainer {
                   "the checkpoint " + checkpoints_.resumed_from()->string() +
                       " was saved with another data set size, seed, shuffle or drop_last, so its place in the sample "
                       "order means nothing here; resume with the options it was saved with");
+    if constexpr (!resumable_sampler<Sampler>) {
+      if (resumed->epoch_step > 0 && resumed->replicas != shard_.count)
+        throw error("fit", s_.rank(),
+                    "the checkpoint " + checkpoints_.resumed_from()->string() + " was saved mid-epoch by " +
+                        (resumed->replicas > 0 ? std::to_string(resumed->replicas) : std::string("another number of")) +
+                        " data-parallel replicas, and this sampler can only resume an epoch where each replica left "
+                        "it, so resume with as many replicas (or from a checkpoint saved at an epoch's end, or with a "
+                        "sampler that has set_epoch(epoch, start), as DistributedSampler does)");
+    }
     start_ = *resumed;
+    start_.replicas = shard_.count;
     base_lrs_ = start_.base_lrs;  // the loaded optimizer holds the scheduled rates of its step
     step_ = start_.step;
     result_.resumed_from = checkpoints_.resumed_from();
   }
 
+  // Note [Resuming mid-epoch]
+  // A checkpoint records how many places of the epoch's order all replicas together had
+  // visited (FitPosition::position: steps x accumulation x batch_size x replicas). A
+  // sampler that can start part-way (set_epoch(epoch, start): DistributedSampler,
+  // WeightedSampler) deals out only what remains, so the next global batches are the
+  // same samples at any number of replicas: the order is the same, and so is the cut
+  // into global batches when the global batch is. Any other sampler gives each replica
+  // its whole share again, and fit skips the first position / replicas indices of it:
+  // position then counts steps x accumulation x batch_size per replica, unclipped, since
+  // shares may differ in length (SequentialSampler's blocks) and each replica took that
+  // many or all of its share. They are the indices that replica visited only when the
+  // number of replicas is the same; resume() checks that it is.
   void train_epoch(int index) {
     const bool resumed = index == start_.epoch;
-    sampler_.set_epoch(index, resumed ? start_.position : 0);
-    const auto indices = sampler_.indices();
-    Epoch e{.index = index, .done = resumed ? start_.epoch_step : 0, .save_at_end = options_.checkpoint.every_epoch};
-    for (auto&& chunk : data::batches(indices, options_.batch_size)) e.micro.push_back(data::to_tensor(chunk));
+    Epoch e{.index = index,
+            .begin = resumed ? start_.position : 0,
+            .done = resumed ? start_.epoch_step : 0,
+            .save_at_end = options_.checkpoint.every_epoch};
+    std::int64_t skip = 0;
+    if constexpr (resumable_sampler<Sampler>) {
+      sampler_.set_epoch(index, e.begin);
+    } else {
+      sampler_.set_epoch(index);
+      skip = e.begin / shard_.count;
+    }
+    std::vector<at::Tensor> micro;
+    {
+      const auto indices = this_epoch(skip);
+      e.visiting = static_cast<std::int64_t>(indices.size());
+      for (auto&& chunk : data::batches(indices, options_.batch_size)) micro.push_back(data::to_tensor(chunk));
+    }
+    e.micro = micro.size();
     const auto per_step = static_cast<std::size_t>(options_.accumulation);
-    e.steps = e.done + static_cast<std::int64_t>((e.micro.size() + per_step - 1) / per_step);
+    e.steps = e.done + static_cast<std::int64_t>((e.micro + per_step - 1) / per_step);
+    data::Loader<D> loader(train_, std::move(micro), options_.loader);
     e.start = clock::now();
     for (std::int64_t k = e.done;; ++k, ++step_) {
       schedule_learning_rate(e, k);
       const auto begin = clock::now();
-      const auto r = k < e.steps ? train_step(e, k) : s_.join(false);
+      const auto r = k < e.steps ? train_step(e, k, loader) : s_.join(false);
       if (after_step(e, k, r, begin, clock::now())) {
         ++step_;  // the next epoch's first step is a new one
         break;
@@ -267,15 +332,26 @@ class Trainer {
     end_epoch(e);
   }
 
-  /// Step k of the epoch: its micro-batches, gathered from the data set, to the strategy.
-  StepResult train_step(const Epoch& e, std::int64_t k) {
+  /// This replica's indices of the epoch, less the first `skip`, whatever range type the
+  /// sampler returns them in.
+  std::vector<std::int64_t> this_epoch(std::int64_t skip) const {
+    std::vector<std::int64_t> out;
+    std::int64_t seen = 0;
+    for (auto&& i : sampler_.indices())
+      if (seen++ >= skip) out.push_back(static_cast<std::int64_t>(i));
+    return out;
+  }
+
+  /// Step k of the epoch: its micro-batches, from the loader (the data phase: what of
+  /// loading the workers did not hide), to the strategy.
+  StepResult train_step(const Epoch& e, std::int64_t k, data::Loader<D>& loader) {
     const auto per_step = static_cast<std::size_t>(options_.accumulation);
     const auto first = static_cast<std::size_t>(k - e.done) * per_step;
-    const auto last = std::min(e.micro.size(), first + per_step);
+    const auto last = std::min(e.micro, first + per_step);
     std::vector<Batch> batches;
     {
       observe::PhaseTimer timer(observer_.timeline(), observe::Phase::data);
-      for (auto m = first; m < last; ++m) batches.push_back(train_.get(e.micro[m]));
+      for (auto m = first; m < last; ++m) batches.push_back(*loader.next());
     }
     auto r = s_.step(std::span<const Batch>(batches), loss_, k + 1 < e.steps);
     if (r.has_loss && !r.skipped) {  // a skipped step's loss is usually NaN too
@@ -306,9 +382,11 @@ class Trainer {
       if (last) {
         e.save_at_end = true;  // after the epoch's evaluation, as the next epoch's start
       } else {
-        const auto visited = std::min<std::int64_t>(
-            sampler_.size(), (k + 1 - e.done) * options_.accumulation * options_.batch_size);
-        checkpoints_.save(position(step_ + 1, e.index, k + 1, sampler_.start() + visited * shard_.count), metrics_);
+        // Indices each replica took in this epoch's steps so far (fewer where its share ran
+        // out, which matters only to a sampler that starts part-way: Note [Resuming mid-epoch]).
+        const auto taken = (k + 1 - e.done) * options_.accumulation * options_.batch_size;
+        const auto visited = resumable_sampler<Sampler> ? std::min<std::int64_t>(e.visiting, taken) : taken;
+        checkpoints_.save(position(step_ + 1, e.index, k + 1, e.begin + visited * shard_.count), metrics_);
       }
     }
     const auto loss_text = [&](double loss) {
@@ -337,8 +415,8 @@ class Trainer {
     info.metrics = metrics_.sync(s_);
     metrics_ = Metrics{};
     info.train_loss = info.metrics.count("loss") ? info.metrics.at("loss") : 0.0;
-    if (options_.eval) evaluate(s_, *options_.eval, options_.eval_batch_size, loss_, info);
-    observer_.epoch(info, step_, options_.eval != nullptr);
+    if (options_.eval) evaluate(s_, options_.eval, options_.eval_batch_size, options_.loader, loss_, info);
+    observer_.epoch(info, step_, bool(options_.eval));
     progress_.line(format("epoch %d/%d: train loss %.4f, %s%.0f samples/s, %.1f s", e.index + 1, options_.epochs,
                           info.train_loss,
                           options_.eval ? format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss,
@@ -377,12 +455,12 @@ class Trainer {
   }
 
   S& s_;
-  const data::TensorDataset& train_;
+  const D& train_;
   const FitOptions& options_;
   Loss& loss_;
   Progress progress_;
   DataShard shard_;
-  data::DistributedSampler sampler_;
+  Sampler sampler_;
   std::vector<double> base_lrs_;
   double target_factor_ = 1;
   observe::Observer<S> observer_;
@@ -397,24 +475,68 @@ class Trainer {
 
 }  // namespace detail
 
-/// Trains `s` on `train` for `options.epochs` epochs: the same loop for every strategy
-/// (Note [One loop for every strategy]).
+/// Trains `s` on `train`, any paratrain::dataset, for `options.epochs` epochs: the same
+/// loop for every strategy (Note [One loop for every strategy]).
 ///
-/// Each data-parallel replica visits its DistributedSampler shard (PyTorch's sharding, so
-/// results match a PyTorch run with the same seed), `options.accumulation` micro-batches
-/// of `options.batch_size` per optimizer step, all given to the strategy's step at once;
-/// replicas that run out of batches join the others. After each epoch the evaluation
-/// set, if any, is sharded exactly (every sample once) and loss and accuracy are reduced
-/// over all ranks.
+/// Each data-parallel replica visits its shard of the training set as the `Sampler` type
+/// deals it, built from the set's size and data::SamplerOptions (the strategy's replicas,
+/// FitOptions' shuffle, seed and drop_last): by default DistributedSampler, PyTorch's
+/// sharding, so results match a PyTorch run with the same seed; data::SequentialSampler
+/// reads each replica's block in order. `options.accumulation` micro-batches of
+/// `options.batch_size` make an optimizer step, all given to the strategy's step at once;
+/// replicas that run out of batches join the others. A data::Loader with
+/// `options.loader.workers` threads reads the next batches while a step computes. After
+/// each epoch the evaluation set, if any, is sharded exactly (every sample once) and loss
+/// and accuracy are reduced over all ranks.
 ///
 /// Collective: every rank calls fit with the same options.
 ///
 /// \code
 ///   auto result = paratrain::fit(strategy, train, {.epochs = 5, .batch_size = 64, .eval = &test});
+///   auto blocks = paratrain::fit<paratrain::data::SequentialSampler>(strategy, train, options);
 /// \endcode
-template <strategy S, loss_function Loss = CrossEntropy>
-FitResult fit(S& s, const data::TensorDataset& train, const FitOptions& options, Loss loss = {}) {
-  return detail::Trainer<S, Loss>(s, train, options, loss).run();
+template <class Sampler = data::DistributedSampler, strategy S, class D, loss_function Loss = CrossEntropy>
+FitResult fit(S& s, const D& train, const FitOptions& options, Loss loss = {}) {
+  static_assert(dataset<D>,
+                "paratrain::fit: the training set is not a paratrain::dataset; give it `std::int64_t size() const` and "
+                "`paratrain::Batch get(const at::Tensor& indices) const`, or hold the data in a data::TensorDataset");
+  static_assert(sampler<Sampler>,
+                "paratrain::fit<Sampler>: Sampler is not a paratrain::sampler; give it `indices() const` (a range of "
+                "integers), `size() const` and `set_epoch(std::int64_t)`");
+  static_assert(std::constructible_from<Sampler, std::int64_t, data::SamplerOptions>,
+                "paratrain::fit<Sampler>: fit builds the sampler as Sampler(dataset_size, data::SamplerOptions); give "
+                "it that constructor, or build the sampler yourself and pass it: fit(strategy, train, sampler, options)");
+  if constexpr (dataset<D> && sampler<Sampler> && std::constructible_from<Sampler, std::int64_t, data::SamplerOptions>)
+    return detail::Trainer<S, D, Sampler, Loss>(s, train, Sampler(static_cast<std::int64_t>(train.size()),
+                                                                  detail::sampler_options(s, options)),
+                                                options, loss)
+        .run();
+  else
+    return {};  // unreachable: the assertions above failed
+}
+
+/// Trains as above, each replica visiting what `sampler` gives it: a sampler built by the
+/// caller, already sharded over the strategy's replicas (`s.data_shard()`), such as a
+/// data::WeightedSampler. fit calls its set_epoch at the start of each epoch. Its indices
+/// must lie in [0, train.size()).
+///
+/// \code
+///   const auto shard = strategy.data_shard();
+///   paratrain::data::WeightedSampler balanced(weights, {.num_replicas = shard.count, .rank = shard.index});
+///   auto result = paratrain::fit(strategy, train, balanced, {.epochs = 5});
+/// \endcode
+template <strategy S, class D, class Sampler, loss_function Loss = CrossEntropy>
+FitResult fit(S& s, const D& train, Sampler order, const FitOptions& options, Loss loss = {}) {
+  static_assert(dataset<D>,
+                "paratrain::fit: the training set is not a paratrain::dataset; give it `std::int64_t size() const` and "
+                "`paratrain::Batch get(const at::Tensor& indices) const`, or hold the data in a data::TensorDataset");
+  static_assert(sampler<Sampler>,
+                "paratrain::fit: the third argument is not a paratrain::sampler; give it `indices() const` (a range "
+                "of integers), `size() const` and `set_epoch(std::int64_t)`");
+  if constexpr (dataset<D> && sampler<Sampler>)
+    return detail::Trainer<S, D, Sampler, Loss>(s, train, std::move(order), options, loss).run();
+  else
+    return {};  // unreachable: the assertions above failed
 }
 
 }  // namespace paratrain

@@ -55,6 +55,9 @@ struct FitPosition {
   std::int64_t seed = 0;
   bool shuffle = true;
   bool drop_last = false;
+  /// The data-parallel replicas that visited `position` (0 in checkpoints from before it
+  /// was recorded): a sampler without set_epoch(epoch, start) resumes only at as many.
+  std::int64_t replicas = 0;
 };
 
 inline checkpoint::Dict to_dict(const FitPosition& p) {
@@ -68,6 +71,7 @@ inline checkpoint::Dict to_dict(const FitPosition& p) {
   d.insert("seed", p.seed);
   d.insert("shuffle", p.shuffle);
   d.insert("drop_last", p.drop_last);
+  d.insert("replicas", p.replicas);
   return d;
 }
 
@@ -94,6 +98,7 @@ inline FitPosition position_from(const std::filesystem::path& path, const checkp
   p.seed = field<std::int64_t>(index, d, "seed");
   p.shuffle = d.at("shuffle").toBool();
   p.drop_last = d.at("drop_last").toBool();
+  if (d.contains("replicas")) p.replicas = field<std::int64_t>(index, d, "replicas");
   return p;
 }
 

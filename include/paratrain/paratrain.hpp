@@ -1,7 +1,7 @@
 #pragma once
 /// \file
-/// Everything paratrain offers; the MPI, NCCL and Gloo parts when their components are
-/// linked (paratrain::mpi, paratrain::nccl, paratrain::gloo).
+/// Everything paratrain offers; the MPI, NCCL, Gloo and HDF5 parts when their components
+/// are linked (paratrain::mpi, paratrain::nccl, paratrain::gloo, paratrain::hdf5).
 
 #include "paratrain/config.hpp"
 
@@ -10,14 +10,23 @@
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
+#include "paratrain/concepts/dataset.hpp"
 #include "paratrain/concepts/module.hpp"
 #include "paratrain/concepts/optimizer.hpp"
 #include "paratrain/concepts/sampler.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/data/batch.hpp"
 #include "paratrain/data/batches.hpp"
+#include "paratrain/data/dataset_ref.hpp"
 #include "paratrain/data/distributed_sampler.hpp"
 #include "paratrain/data/exact_sampler.hpp"
+#include "paratrain/data/idx_dataset.hpp"
+#include "paratrain/data/loader.hpp"
+#include "paratrain/data/npy_dataset.hpp"
+#include "paratrain/data/sampler_options.hpp"
+#include "paratrain/data/sequential_sampler.hpp"
+#include "paratrain/data/subset.hpp"
+#include "paratrain/data/weighted_sampler.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/fit.hpp"
 #include "paratrain/launch.hpp"
@@ -44,4 +53,8 @@
 
 #if PARATRAIN_HAS_GLOO
 #include "paratrain/comm/gloo.hpp"
+#endif
+
+#if PARATRAIN_HAS_HDF5
+#include "paratrain/data/hdf5_dataset.hpp"
 #endif

@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""Write tests/data/sampler_reference.json: what PyTorch's DistributedSampler yields.
+"""Write tests/data/sampler_reference.json: what PyTorch's DistributedSampler yields, and
+what its WeightedRandomSampler yields ("weighted") for paratrain's WeightedSampler.
 
 tests/unit/sampler_test.cpp checks paratrain::data::DistributedSampler against every
 case recorded here, so the C++ sampler is compared with PyTorch and never with itself.
@@ -18,7 +19,7 @@ import json
 import pathlib
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, WeightedRandomSampler
 
 SIZES = [0, 1, 2, 7, 10, 11, 17, 100, 1001]
 REPLICAS = [1, 2, 3, 4, 8]
@@ -68,14 +69,48 @@ def cases():
                     yield record(n, num_replicas, rank, True, 42, 1, drop_last)
 
 
+WEIGHTS = [
+    [1.0, 2.0, 3.0, 4.0],
+    [0.5, 0.0, 0.25, 3.0, 1.0, 0.0, 2.0],
+    [0.1 * (i % 7) + 0.05 for i in range(23)],
+]
+
+
+def record_weighted(weights, num_samples, replacement, seed, epoch):
+    # What WeightedRandomSampler yields in an epoch whose generator was seeded seed + epoch:
+    # paratrain's WeightedSampler with one replica must yield the same.
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    sampler = WeightedRandomSampler(weights, num_samples, replacement=replacement, generator=generator)
+    return {
+        "params": {"weights": weights, "num_samples": num_samples, "replacement": replacement,
+                   "seed": seed, "epoch": epoch},
+        "indices": list(sampler),
+    }
+
+
+def weighted_cases():
+    for w, weights in enumerate(WEIGHTS):
+        positive = sum(1 for x in weights if x > 0)
+        for num_samples in sorted({1, positive, 2 * len(weights)}):
+            for replacement in (True, False):
+                if not replacement and num_samples > positive:
+                    continue
+                for seed, epoch in ((0, 0), (42, 3), (7 + w, 1)):
+                    yield record_weighted(weights, num_samples, replacement, seed, epoch)
+
+
 def main():
     out = pathlib.Path(__file__).with_name("sampler_reference.json")
     all_cases = list(cases())
+    weighted = list(weighted_cases())
     # One case a line keeps the file small and its diffs readable.
     lines = [json.dumps(c, sort_keys=True, separators=(",", ":")) for c in all_cases]
+    weighted_lines = [json.dumps(c, sort_keys=True, separators=(",", ":")) for c in weighted]
     header = json.dumps({"generator": "tests/data/make_sampler_reference.py",
                          "torch": torch.__version__}, sort_keys=True, separators=(",", ":"))
-    text = '{"about":' + header + ',\n"cases":[\n' + ",\n".join(lines) + "\n]}\n"
+    text = ('{"about":' + header + ',\n"cases":[\n' + ",\n".join(lines) + "\n],\n"
+            '"weighted":[\n' + ",\n".join(weighted_lines) + "\n]}\n")
     out.write_text(text)
     print(f"wrote {len(all_cases)} cases to {out}")
 

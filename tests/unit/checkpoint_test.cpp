@@ -18,6 +18,7 @@
 #include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
+#include "paratrain/data/sequential_sampler.hpp"
 #include "paratrain/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
@@ -246,10 +247,10 @@ const paratrain::data::TensorDataset& fit_data() {
   return set;
 }
 
-template <class Strategy>
+template <class Sampler = paratrain::data::DistributedSampler, class Strategy>
 paratrain::FitResult run_fit(Strategy& s, std::int64_t batch, paratrain::CheckpointOptions checkpoint,
                              std::int64_t interrupt_after = -1) {
-  return paratrain::fit(s, fit_data(),
+  return paratrain::fit<Sampler>(s, fit_data(),
                         {.epochs = 3,
                          .batch_size = batch,
                          .lr_schedule = [](double epoch) { return 1.0 / (1.0 + epoch); },
@@ -293,6 +294,42 @@ TEST_CASE_TEMPLATE("fit stopped mid-epoch and resumed ends bitwise where the uni
     // The resumed epoch's loss counts its steps before the interruption too.
     CHECK(got.epochs.back().train_loss == want.epochs.back().train_loss);
   }
+  if (c.rank() == 0) fs::remove_all(dir);
+}
+
+TEST_CASE("fit<SequentialSampler> resumes mid-epoch where each replica stopped, and only at as many replicas") {
+  // SequentialSampler has no set_epoch(epoch, start): fit skips what each replica visited
+  // (Note [Resuming mid-epoch]), which is right only at the same number of replicas.
+  using Sequential = paratrain::data::SequentialSampler;
+  comm::Mpi c;
+  const auto dir = shared_dir(c, "fit-sequential");
+  const auto opts = torch::optim::SGDOptions(0.1).momentum(0.9);
+  using Strategy = paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::SGD>;
+  Strategy whole(make_model({}, c.rank()), c, opts);
+  run_fit<Sequential>(whole, 8, {});
+  {
+    Strategy s(make_model({}, c.rank()), c, opts);
+    // Saves after 7 and 14 steps, mid-epoch at 1-4 ranks (30, 15, 10, 8 steps an epoch).
+    CHECK_THROWS_AS(run_fit<Sequential>(s, 8, {.directory = dir, .every_steps = 7, .async = false}, 17), Interrupt);
+  }
+  c.barrier();
+  Strategy s(other_model(c.rank()), c, opts);
+  const auto got = run_fit<Sequential>(s, 8, {.resume_from = dir / "step-000000014"});
+  CHECK(got.resumed_from.has_value());
+  CHECK(max_relative_difference(s.full_parameters(), whole.full_parameters()) == 0);
+  c.barrier();
+  if (c.rank() == 0 && c.size() > 1) {
+    paratrain::DataParallel<Mlp, comm::SingleDevice, torch::optim::SGD> one(other_model(0), opts);
+    std::string what;
+    try {
+      run_fit<Sequential>(one, 8, {.resume_from = dir / "step-000000014"});
+    } catch (const paratrain::error& e) {
+      what = e.what();
+    }
+    CHECK(what.find("was saved mid-epoch by " + std::to_string(c.size()) + " data-parallel replicas") !=
+          std::string::npos);
+  }
+  c.barrier();
   if (c.rank() == 0) fs::remove_all(dir);
 }
 

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "paratrain/detail/sample_indices.hpp"
 #include "paratrain/error.hpp"
 
 namespace paratrain {
@@ -94,8 +95,10 @@ class TensorDataset {
 
   [[nodiscard]] std::int64_t size() const { return targets_.size(0); }
 
-  /// The samples at `indices` (a 1-D int64 tensor), in that order.
+  /// The samples at `indices` (a 1-D int64 tensor), in that order. Throws paratrain::error
+  /// naming an index outside [0, size()).
   [[nodiscard]] Batch get(const at::Tensor& indices) const {
+    paratrain::detail::check_sample_indices("TensorDataset", indices, size());
     Batch b;
     for (const auto& x : inputs_) b.inputs.push_back(x.index_select(0, indices));
     b.target = targets_.index_select(0, indices);

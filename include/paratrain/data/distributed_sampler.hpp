@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "paratrain/data/sampler_options.hpp"
 #include "paratrain/detail/shard_checks.hpp"
 #include "paratrain/error.hpp"
 
@@ -48,21 +49,8 @@ namespace paratrain::data {
 /// \endcode
 class DistributedSampler {
  public:
-  /// num_replicas and rank have no usable default: a forgotten one would silently give
-  /// every process the same shard, so the sentinels below are rejected instead.
-  struct Options {
-    /// The number of processes sharing the dataset (the world size); at least 1.
-    std::int64_t num_replicas = 0;
-    /// This process's rank, in [0, num_replicas).
-    std::int64_t rank = -1;
-    /// Whether to draw a fresh permutation each epoch, as PyTorch's default does.
-    bool shuffle = true;
-    /// The same on every rank. PyTorch takes `seed + epoch` modulo 2^64 (a negative
-    /// Python seed s is the same as `std::uint64_t(s)` here).
-    std::uint64_t seed = 0;
-    /// Drop the tail so no index repeats, instead of padding so none is lost.
-    bool drop_last = false;
-  };
+  /// The replicas to shard over, shuffle, seed and drop_last (data::SamplerOptions).
+  using Options = SamplerOptions;
 
   /// Throws paratrain::error if dataset_size < 0, num_replicas < 1, or rank lies
   /// outside [0, num_replicas).

@@ -11,7 +11,8 @@ include(CMakeFindDependencyMacro)
 find_dependency(range-v3)
 
 get_filename_component(_paratrain_package "${CMAKE_CURRENT_LIST_DIR}/../../../.." ABSOLUTE)
-foreach(_target IN ITEMS paratrain::paratrain paratrain::mpi paratrain::nccl paratrain::gloo paratrain::all)
+foreach(_target IN ITEMS paratrain::paratrain paratrain::mpi paratrain::nccl paratrain::gloo paratrain::hdf5
+                        paratrain::all)
   if(NOT TARGET ${_target})
     add_library(${_target} INTERFACE IMPORTED)
   endif()
@@ -24,8 +25,10 @@ set_property(TARGET paratrain::nccl APPEND PROPERTY INTERFACE_LINK_LIBRARIES par
 set_property(TARGET paratrain::nccl APPEND PROPERTY INTERFACE_COMPILE_DEFINITIONS PARATRAIN_HAS_NCCL=1)
 set_property(TARGET paratrain::gloo APPEND PROPERTY INTERFACE_LINK_LIBRARIES paratrain::paratrain)
 set_property(TARGET paratrain::gloo APPEND PROPERTY INTERFACE_COMPILE_DEFINITIONS PARATRAIN_HAS_GLOO=1)
+set_property(TARGET paratrain::hdf5 APPEND PROPERTY INTERFACE_LINK_LIBRARIES paratrain::paratrain)
+set_property(TARGET paratrain::hdf5 APPEND PROPERTY INTERFACE_COMPILE_DEFINITIONS PARATRAIN_HAS_HDF5=1)
 set_property(TARGET paratrain::all APPEND PROPERTY INTERFACE_LINK_LIBRARIES
-             paratrain::gloo paratrain::nccl paratrain::mpi paratrain::paratrain)
+             paratrain::hdf5 paratrain::gloo paratrain::nccl paratrain::mpi paratrain::paratrain)
 
 include("${_paratrain_package}/cmake/paratrainConanSystemDeps.cmake")
 unset(_paratrain_package)
