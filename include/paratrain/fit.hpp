@@ -26,6 +26,7 @@
 #include "paratrain/data/exact_sampler.hpp"
 #include "paratrain/data/loader.hpp"
 #include "paratrain/data/sampler_options.hpp"
+#include "paratrain/detail/agree.hpp"
 #include "paratrain/detail/progress.hpp"
 #include "paratrain/error.hpp"
 #include "paratrain/fit_checkpoints.hpp"
@@ -145,10 +146,21 @@ void evaluate(S& s, const data::DatasetRef& set, std::int64_t batch_size, const 
   const auto empty = set.get(at::zeros({0}, at::kLong));
   const auto mine = chunks.size();
   data::Loader<data::DatasetRef> loader(set, std::move(chunks), loading);
-  // [loss * n, correct, n]: sums, so ranks with fewer samples (or none) count exactly.
-  auto sums = at::zeros({3}, at::kDouble);
+  // [loss * n, correct, n, ranks that could not load a batch]: sums, so ranks with fewer
+  // samples (or none) count exactly. A rank that cannot load a batch goes on with empty
+  // ones, so that no rank waits for it in predict's collectives, and says so in the sums.
+  auto sums = at::zeros({4}, at::kDouble);
+  std::string failed;
   for (std::size_t k = 0; k < static_cast<std::size_t>(rounds.template item<double>()); ++k) {
-    const auto batch = k < mine ? *loader.next() : empty;
+    Batch batch = empty;
+    if (k < mine && failed.empty()) {
+      try {
+        batch = *loader.next();
+      } catch (const std::exception& e) {
+        failed = inner_message(e);
+        sums[3] = 1;
+      }
+    }
     const auto out = s.predict(batch);
     if (!out.defined() || batch.size() == 0) continue;
     const auto target = batch.target.to(out.device());  // a GPU replica answers on its device
@@ -159,6 +171,7 @@ void evaluate(S& s, const data::DatasetRef& set, std::int64_t batch_size, const 
     sums[2] += n;
   }
   s.all_reduce(sums, reduce_op::sum);
+  if (sums[3].template item<double>() > 0) raise_everywhere(s, "fit", failed);
   const auto n = sums[2].template item<double>();
   info.eval_samples = static_cast<std::int64_t>(n);
   info.eval_loss = n > 0 ? sums[0].template item<double>() / n : 0;
@@ -191,15 +204,32 @@ data::SamplerOptions sampler_options(S& s, const FitOptions& o) {
           .drop_last = o.drop_last};
 }
 
+/// Why a sampler built by the caller does not fit this rank's replica or the training set,
+/// as far as it says (options() with num_replicas and rank, dataset_size()); "" when it does.
+template <strategy S, class D, class Sampler>
+std::string sampler_mismatch(S& s, const D& train, const Sampler& order) {
+  const auto shard = s.data_shard();
+  if constexpr (requires { order.options().num_replicas; order.options().rank; }) {
+    if (order.options().num_replicas != shard.count || order.options().rank != shard.index)
+      return "the sampler was built for replica " + std::to_string(order.options().rank) + " of " +
+             std::to_string(order.options().num_replicas) + ", but this rank trains replica " +
+             std::to_string(shard.index) + " of " + std::to_string(shard.count) +
+             "; build it with {.num_replicas = s.data_shard().count, .rank = s.data_shard().index}";
+  }
+  if constexpr (requires { order.dataset_size(); }) {
+    if (static_cast<std::int64_t>(order.dataset_size()) != static_cast<std::int64_t>(train.size()))
+      return "the sampler deals out indices of " + std::to_string(order.dataset_size()) +
+             " samples, but the training set holds " + std::to_string(train.size());
+  }
+  return {};
+}
+
 /// A sampler whose epoch can begin part-way through its order (DistributedSampler,
 /// WeightedSampler): a resumed run then starts where the whole job stopped, at any world
 /// size. Other samplers resume by skipping what this replica visited, at the same number
 /// of replicas (Note [Resuming mid-epoch]).
 template <class T>
-concept resumable_sampler = requires(T& t, const T& ct, std::int64_t n) {
-  t.set_epoch(n, n);
-  { ct.start() } -> std::convertible_to<std::int64_t>;
-};
+concept resumable_sampler = requires(T& t, std::int64_t n) { t.set_epoch(n, n); };
 
 /// fit, in named steps: the loop over epochs, an epoch's steps, a step, what follows a step.
 template <strategy S, dataset D, sampler Sampler, loss_function Loss>
@@ -252,7 +282,8 @@ class Trainer {
     std::int64_t visiting = 0;      ///< this replica's indices in what remains of the epoch
     std::size_t micro = 0;          ///< the micro-batches they make
     std::int64_t done = 0;          ///< steps of the epoch done before a resume
-    std::int64_t steps = 0;         ///< steps of the epoch in all
+    std::int64_t steps = 0;         ///< steps of the epoch in all, on this rank
+    std::int64_t longest = 0;       ///< on the rank with the most: the epoch's length for the schedule
     double samples = 0;             ///< trained on, over all replicas
     std::int64_t skipped = 0;       ///< steps skipped for non-finite gradients
     clock::time_point start;
@@ -318,6 +349,12 @@ class Trainer {
     e.micro = micro.size();
     const auto per_step = static_cast<std::size_t>(options_.accumulation);
     e.steps = e.done + static_cast<std::int64_t>((e.micro + per_step - 1) / per_step);
+    // A sampler may give replicas shares of different lengths (SequentialSampler's blocks):
+    // the learning-rate schedule must follow one clock on every rank, the longest epoch's,
+    // or replicas that step together would step with different rates.
+    auto longest = at::full({1}, static_cast<double>(e.steps), at::kDouble);
+    s_.all_reduce(longest, reduce_op::max);
+    e.longest = static_cast<std::int64_t>(longest.item<double>());
     data::Loader<D> loader(train_, std::move(micro), options_.loader);
     e.start = clock::now();
     for (std::int64_t k = e.done;; ++k, ++step_) {
@@ -349,9 +386,26 @@ class Trainer {
     const auto first = static_cast<std::size_t>(k - e.done) * per_step;
     const auto last = std::min(e.micro, first + per_step);
     std::vector<Batch> batches;
+    std::string failed;  // why this rank could not load a micro-batch
     {
       observe::PhaseTimer timer(observer_.timeline(), observe::Phase::data);
-      for (auto m = first; m < last; ++m) batches.push_back(*loader.next());
+      for (auto m = first; m < last; ++m) {
+        try {
+          batches.push_back(*loader.next());
+        } catch (const std::exception& e) {
+          if (failed.empty()) failed = inner_message(e);
+          batches.push_back(paratrain::detail::unusable_batch());
+        }
+      }
+    }
+    if (!failed.empty()) {
+      // The step refuses the unusable batch on every rank (Note [Unusable batches]), so no
+      // rank waits for this one; this rank then says why.
+      try {
+        s_.step(std::span<const Batch>(batches), loss_, k + 1 < e.steps);
+      } catch (const error&) {
+      }
+      throw error("fit", s_.rank(), failed);
     }
     auto r = s_.step(std::span<const Batch>(batches), loss_, k + 1 < e.steps);
     if (r.has_loss && !r.skipped) {  // a skipped step's loss is usually NaN too
@@ -396,12 +450,12 @@ class Trainer {
       const auto m = window_.sync(s_);  // Note [Safe metric reduction]: every rank is here
       const double seconds = std::chrono::duration<double>(clock::now() - e.start).count();
       observer_.log(step_ + 1, e.index, m, info.lr, e.samples / seconds);
-      progress_.step(e.index + 1, options_.epochs, k + 1, e.steps,
+      progress_.step(e.index + 1, options_.epochs, k + 1, e.longest,
                      format("loss %.4f lr %.3g %.0f samples/s", m.count("loss") ? m.at("loss") : 0.0, info.lr,
                             e.samples / seconds),
                      true);
     } else {
-      progress_.step(e.index + 1, options_.epochs, k + 1, e.steps, loss_text(r.loss), false);
+      progress_.step(e.index + 1, options_.epochs, k + 1, e.longest, loss_text(r.loss), false);
     }
     return last;
   }
@@ -437,7 +491,7 @@ class Trainer {
   /// The linear scaling rule's warm-up and the user's schedule, at step k of the epoch.
   void schedule_learning_rate(const Epoch& e, std::int64_t k) {
     if (!scheduled()) return;
-    const double steps = double(std::max<std::int64_t>(e.steps, 1));
+    const double steps = double(std::max<std::int64_t>(e.longest, 1));
     const double warm = options_.lr_scaling.warmup_epochs * steps;
     const double warmed = warm > 0 ? std::min(1.0, double(step_) / warm) : 1.0;
     const double epoch_position = e.index + double(k) / steps;
@@ -533,10 +587,12 @@ FitResult fit(S& s, const D& train, Sampler order, const FitOptions& options, Lo
   static_assert(sampler<Sampler>,
                 "paratrain::fit: the third argument is not a paratrain::sampler; give it `indices() const` (a range "
                 "of integers), `size() const` and `set_epoch(std::int64_t)`");
-  if constexpr (dataset<D> && sampler<Sampler>)
+  if constexpr (dataset<D> && sampler<Sampler>) {
+    detail::agree(s, "fit", detail::sampler_mismatch(s, train, order));
     return detail::Trainer<S, D, Sampler, Loss>(s, train, std::move(order), options, loss).run();
-  else
+  } else {
     return {};  // unreachable: the assertions above failed
+  }
 }
 
 }  // namespace paratrain

@@ -31,6 +31,7 @@
 #include "paratrain/data/weighted_sampler.hpp"
 #include "paratrain/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
 #include "support/doctest.hpp"  // after LibTorch: see there
 #include "support/equivalence.hpp"
 
@@ -180,7 +181,9 @@ TEST_CASE("NpyDataset and MappedArray reject what they cannot read, naming the f
   const data::NpyDataset set({test_data / "npy_x.npy"}, test_data / "npy_y.npy");
   CHECK(error_of([&] { static_cast<void>(set.get(torch::tensor({3, 11}, torch::kLong))); }) ==
         "paratrain: NpyDataset: sample 11 asked for (position 1 of the batch), but the dataset holds 11 samples, 0 to 10");
-  CHECK(error_of([&] { static_cast<void>(set.get(torch::tensor({3}, torch::kInt))); }).find("1-D int64 CPU tensor") != std::string::npos);
+  CHECK(error_of([&] { static_cast<void>(set.get(torch::tensor({3}, torch::kLong).view({1, 1}))); })
+            .find("1-D int64 CPU tensor") != std::string::npos);
+  CHECK(set.get(torch::tensor({3}, torch::kInt)).target[0].item<std::int64_t>() == (3 * 7) % 5);  // as index_select takes
 }
 
 // ---- samplers -----------------------------------------------------------------------
@@ -341,12 +344,16 @@ struct Slow {
   }
 };
 
-/// SGD over `steps` (each the union of the replicas' batch for that step) on one device.
+/// SGD over `steps` (each the union of the replicas' batch for that step) on one device,
+/// step k at learning rate sgd.lr() * rate[k] where `rate` is given.
 template <class Steps>
-Mlp reference(const data::TensorDataset& train, const Steps& steps, const torch::optim::SGDOptions& sgd) {
+Mlp reference(const data::TensorDataset& train, const Steps& steps, const torch::optim::SGDOptions& sgd,
+              const std::vector<double>& rate = {}) {
   auto net = make_net();
   torch::optim::SGD optim(net->parameters(), sgd);
-  for (const auto& step : steps) {
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    const auto& step = steps[k];
+    if (!rate.empty()) optim.param_groups()[0].options().set_lr(sgd.lr() * rate[k]);
     const auto b = train.get(torch::tensor(step, torch::kLong));
     optim.zero_grad();
     torch::nn::functional::cross_entropy(net->forward(b.input()), b.target).backward();
@@ -383,9 +390,12 @@ TEST_CASE_TEMPLATE("fit<SequentialSampler> over a user's slow dataset trains lik
   const auto world = c.size();
   const auto rows = make_data(61);  // 61: the blocks differ in length for 2, 3 and 4 ranks
   const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
+  // A schedule: with blocks of different lengths the ranks must still step at one rate.
+  const auto decay = [](double epoch) { return 1.0 / (1.0 + epoch); };
   paratrain::DataParallel<Mlp, C, torch::optim::SGD> s(make_net(), std::move(c), sgd);
-  paratrain::fit<data::SequentialSampler>(
-      s, Slow{&rows}, {.epochs = 2, .batch_size = 4, .loader = {.workers = 2, .depth = 3}, .progress = false});
+  paratrain::fit<data::SequentialSampler>(s, Slow{&rows},
+                                          {.epochs = 2, .batch_size = 4, .loader = {.workers = 2, .depth = 3},
+                                           .lr_schedule = decay, .progress = false});
   // Rank r's block, from numpy.array_split's rule written out: 61 = q * world + m, the
   // first m blocks one longer.
   std::vector<Indices> shards;
@@ -400,7 +410,80 @@ TEST_CASE_TEMPLATE("fit<SequentialSampler> over a user's slow dataset trains lik
   auto steps = global_steps(shards, 4);
   const auto epoch = steps;
   steps.insert(steps.end(), epoch.begin(), epoch.end());  // both epochs alike: no shuffling
-  check_same(s.model(), reference(rows, steps, sgd));
+  // Step k of epoch e is at e + k / (the epoch's global steps): the longest block's count.
+  std::vector<double> rate;
+  for (int e = 0; e < 2; ++e)
+    for (std::size_t k = 0; k < epoch.size(); ++k) rate.push_back(decay(e + double(k) / double(epoch.size())));
+  check_same(s.model(), reference(rows, steps, sgd, rate));
+}
+
+namespace {
+
+/// Sample `broken` cannot be read (as from a damaged file); the rest are `rows`'.
+struct Damaged {
+  const data::TensorDataset* rows;
+  std::int64_t broken;
+  [[nodiscard]] std::int64_t size() const { return rows->size(); }
+  [[nodiscard]] paratrain::Batch get(const torch::Tensor& indices) const {
+    if ((indices == broken).any().item<bool>())
+      throw std::runtime_error("sample " + std::to_string(broken) + ": bad checksum");
+    return rows->get(indices);
+  }
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("A batch one rank cannot read is an error on every rank, in training and evaluation, not a hang",
+                   Update, torch::optim::SGD, paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>) {
+  comm::Mpi c;
+  const auto world = c.size(), rank = c.rank();
+  const auto rows = make_data(40);
+  // SequentialSampler: sample 3 is in rank 0's block only; batches of 2, so its second batch.
+  paratrain::DataParallel<Mlp, comm::Mpi, Update> s(make_net(), c, torch::optim::SGDOptions(0.1));
+  const auto trained = error_of([&] {
+    paratrain::fit<data::SequentialSampler>(s, Damaged{&rows, 3}, {.epochs = 1, .batch_size = 2, .progress = false});
+  });
+  CAPTURE(trained);
+  if (rank == 0)
+    CHECK(trained == "paratrain: fit on rank 0: Loader: batch 1 of " + std::to_string(((40 + world - 1) / world + 1) / 2) +
+                         " (samples 2, 3): sample 3: sample 3: bad checksum");
+  else  // DDP's step status names how many ranks failed; ZeRO-3's agreement, which one
+    CHECK((trained.find("1 other rank(s) were given a batch they cannot use") != std::string::npos ||
+           trained.find("rank 0 failed: the batch's input 0 is undefined") != std::string::npos));
+  // Evaluation: ExactSampler gives sample 5 to rank 5 % world.
+  paratrain::DataParallel<Mlp, comm::Mpi, Update> t(make_net(), c, torch::optim::SGDOptions(0.1));
+  const Damaged eval{&rows, 5};
+  const auto evaluated = error_of([&] {
+    paratrain::fit(t, rows, {.epochs = 1, .batch_size = 4, .eval = &eval, .eval_batch_size = 3, .progress = false});
+  });
+  CAPTURE(evaluated);
+  const auto owner = 5 % world;
+  CHECK(evaluated.find(rank == owner ? "paratrain: fit on rank " + std::to_string(rank) + ": Loader: batch "
+                                     : "rank " + std::to_string(owner) + " failed: Loader: batch ") != std::string::npos);
+  CHECK(evaluated.find("sample 5: bad checksum") != std::string::npos);
+}
+
+TEST_CASE("A sampler built by the caller for another replica or another dataset is an error on every rank") {
+  comm::Mpi c;
+  const auto world = c.size();
+  const auto rows = make_data(50);
+  paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::SGD> s(make_net(), c, torch::optim::SGDOptions(0.1));
+  // Every rank builds replica 0's sampler: wrong on every rank but rank 0.
+  const auto replica = error_of([&] {
+    paratrain::fit(s, rows, data::WeightedSampler(torch::ones({50}), {.num_replicas = world, .rank = 0}),
+                   {.progress = false});
+  });
+  if (world > 1)
+    CHECK(replica.find("the sampler was built for replica 0 of " + std::to_string(world) +
+                       ", but this rank trains replica 1 of") != std::string::npos);
+  else
+    CHECK(replica.empty());
+  const auto size = error_of([&] {
+    paratrain::fit(s, rows,
+                   data::WeightedSampler(torch::ones({49}), {.num_replicas = world, .rank = c.rank()}),
+                   {.progress = false});
+  });
+  CHECK(size.find("the sampler deals out indices of 49 samples, but the training set holds 50") != std::string::npos);
 }
 
 TEST_CASE("fit with a WeightedSampler built by the caller trains on its draws, and evaluates a NpyDataset") {

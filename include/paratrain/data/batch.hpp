@@ -72,6 +72,17 @@ inline std::string batch_problem(const Batch& b) {
   return {};
 }
 
+/// A batch that every strategy refuses (batch_problem names it), for a rank that could not
+/// load its batch: given to the step in its place, it takes part in the step's agreement on
+/// unusable batches, so every rank throws instead of some waiting for the others in a
+/// collective (Note [Unusable batches]).
+inline Batch unusable_batch() {
+  Batch b;
+  b.inputs.emplace_back();
+  b.target = at::zeros({1});
+  return b;
+}
+
 }  // namespace detail
 
 namespace data {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -17,6 +18,7 @@
 
 #include "paratrain/concepts/dataset.hpp"
 #include "paratrain/data/batch.hpp"
+#include "paratrain/detail/agree.hpp"
 #include "paratrain/error.hpp"
 
 namespace paratrain::data {
@@ -31,8 +33,9 @@ struct LoaderOptions {
   /// Batches ready or in preparation at once, at least `workers`: memory for `depth`
   /// batches buys slack for steps and reads whose times vary.
   int depth = 2;
-  /// Copy each batch into page-locked memory in the worker, so that the copy to a GPU
-  /// can be asynchronous (`non_blocking`). Needs CUDA; leave it off on a CPU.
+  /// Copy each batch into page-locked memory in the worker, for a copy to a GPU that can be
+  /// asynchronous. Needs CUDA; leave it off on a CPU. (The strategies do not copy
+  /// asynchronously yet: docs/data.md.)
   bool pin_memory = false;
 };
 
@@ -78,6 +81,8 @@ class Loader {
     }
   }
 
+  /// Deleted: the workers would read a dataset destroyed at the end of the statement.
+  Loader(const D&& data, std::vector<at::Tensor> indices, LoaderOptions options = {}) = delete;
   Loader(const Loader&) = delete;
   Loader& operator=(const Loader&) = delete;
 
@@ -154,7 +159,7 @@ class Loader {
       return data_.get(ids);
     } catch (const std::exception& e) {
       throw error("Loader", -1, "batch " + std::to_string(k) + " of " + std::to_string(size()) + " (" +
-                                    describe(ids) + "): " + culprit(ids, e.what()));
+                                    describe(ids) + "): " + culprit(ids, paratrain::detail::inner_message(e)));
     }
   }
 
@@ -167,7 +172,7 @@ class Loader {
       try {
         static_cast<void>(data_.get(ids.narrow(0, i, 1)));
       } catch (const std::exception& e) {
-        return "sample " + std::to_string(ids[i].template item<std::int64_t>()) + ": " + e.what();
+        return "sample " + std::to_string(ids[i].template item<std::int64_t>()) + ": " + paratrain::detail::inner_message(e);
       }
     }
     return batch_message;

@@ -55,6 +55,7 @@ class MappedArray {
     std::int64_t sample = static_cast<std::int64_t>(at::elementSize(dtype));
     for (const auto d : sample_shape) {
       if (d < 0) a.fail("a sample's shape cannot have a negative extent");
+      if (d != 0 && sample > a.file_size_ / d) a.fail("a sample of that shape is larger than the file");
       sample *= d;
     }
     const auto bytes = a.file_size_ - offset;

@@ -28,6 +28,9 @@ class Subset {
     paratrain::detail::check_sample_indices("Subset", indices_, static_cast<std::int64_t>(base_.size()));
   }
 
+  /// Deleted: the subset would refer to a dataset destroyed at the end of the statement.
+  Subset(const D&& base, at::Tensor indices) = delete;
+
   [[nodiscard]] std::int64_t size() const { return indices_.size(0); }
   [[nodiscard]] Batch get(const at::Tensor& indices) const {
     paratrain::detail::check_sample_indices("Subset", indices, size());

@@ -52,7 +52,7 @@ class WeightedSampler {
   /// numbers with at least one positive, or without replacement num_samples exceeds the
   /// number of positive weights, or the shard is invalid.
   WeightedSampler(const at::Tensor& weights, Options options)
-      : weights_(weights.defined() ? weights.to(at::kDouble).contiguous() : weights), options_(options) {
+      : weights_(weights.defined() ? weights.to(at::kCPU, at::kDouble).contiguous() : weights), options_(options) {
     const auto fail = [&](const std::string& what) { throw error("WeightedSampler", -1, what); };
     if (!weights_.defined() || weights_.dim() != 1) fail("weights must be a 1-D tensor, one weight per sample");
     detail::check_shard("WeightedSampler", weights_.size(0), options_.num_replicas, options_.rank);

@@ -23,6 +23,13 @@ inline std::string message_of(const std::exception& e) {
   return e.what();
 }
 
+/// message_of without the "paratrain: " that paratrain::error's messages begin with: for
+/// a message wrapped into another paratrain::error.
+inline std::string inner_message(const std::exception& e) {
+  auto m = message_of(e);
+  return m.rfind("paratrain: ", 0) == 0 ? m.substr(11) : m;
+}
+
 /// Collective over `group`, for when some rank is known to have failed (`local_error`
 /// is empty on the others): throws paratrain::error on every rank with the first
 /// failing rank's message.
