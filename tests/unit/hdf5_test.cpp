@@ -230,7 +230,9 @@ TEST_CASE("Hdf5Dataset: every error names the file, the dataset and what is wron
                {"hdf5_chunked.h5: sample 24 asked for (position 2 of the batch)",
                 "datasets 'x', 'code', 'flag', 'labels/y' hold 24 samples, 0 to 23"});
     check_says(error_of([&] { (void)d.get(tensor_of({-1})); }), {"sample -1 asked for (position 0"});
-    check_says(error_of([&] { (void)d.get(tensor_of({1, 2}).to(at::kInt)); }), {"a 1-D int64 CPU tensor"});
+    check_says(error_of([&] { (void)d.get(tensor_of({1, 2}).view({2, 1})); }), {"a 1-D int64 CPU tensor"});
+    // int32 indices read as int64 ones do, as index_select takes both (detail::check_sample_indices).
+    CHECK(d.get(tensor_of({3, 4}).to(at::kInt)).target.equal(d.get(tensor_of({3, 4})).target));
   }
 }
 

@@ -22,9 +22,8 @@ class DatasetRef {
   template <dataset D>
   DatasetRef(const D* d) noexcept  // NOLINT: implicit, as a pointer converts
       : object_(d),
-        size_(d ? +[](const void* o) { return static_cast<std::int64_t>(static_cast<const D*>(o)->size()); }
-                : nullptr),
-        get_(d ? +[](const void* o, const at::Tensor& i) { return static_cast<const D*>(o)->get(i); } : nullptr) {}
+        size_([](const void* o) { return static_cast<std::int64_t>(static_cast<const D*>(o)->size()); }),
+        get_([](const void* o, const at::Tensor& i) { return static_cast<const D*>(o)->get(i); }) {}
 
   /// Whether it refers to a dataset.
   explicit operator bool() const noexcept { return object_ != nullptr; }

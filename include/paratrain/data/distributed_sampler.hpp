@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "paratrain/data/sampler_options.hpp"
+#include "paratrain/detail/deal.hpp"
 #include "paratrain/detail/shard_checks.hpp"
 #include "paratrain/error.hpp"
 
@@ -67,41 +68,25 @@ class DistributedSampler {
   void set_epoch(std::int64_t epoch, std::int64_t start = 0) {
     if (start < 0) throw error("DistributedSampler", static_cast<int>(options_.rank), "start must be >= 0");
     epoch_ = epoch;
-    start_ = start;
-    // PyTorch's formulas, over what remains of the order; in integers, ceil((n - N) / N)
-    // for a ragged n is floor(n / N).
-    const auto rest = std::max<std::int64_t>(dataset_size_ - start_, 0);
-    const auto replicas = options_.num_replicas;
-    num_samples_ = options_.drop_last ? rest / replicas : (rest + replicas - 1) / replicas;
-    total_size_ = start_ + num_samples_ * replicas;
+    deal_ = detail::Deal::of(dataset_size_, start, options_.num_replicas, options_.drop_last);
   }
   [[nodiscard]] std::int64_t epoch() const noexcept { return epoch_; }
   /// The position in the epoch's order where this epoch's indices begin (set_epoch's start).
-  [[nodiscard]] std::int64_t start() const noexcept { return start_; }
+  [[nodiscard]] std::int64_t start() const noexcept { return deal_.start; }
 
   /// This rank's indices for the current epoch: size() of them, each in
   /// [0, dataset_size). Costs O(dataset_size), since every rank draws the whole
   /// permutation and keeps its share.
   [[nodiscard]] std::vector<std::int64_t> indices() const {
     const auto order = epoch_order();
-    std::vector<std::int64_t> mine;
-    mine.reserve(static_cast<std::size_t>(num_samples_));
-    // Note [Padding]: PyTorch pads by appending the order to itself (several times when
-    // the padding is longer than the dataset) and cuts it to total_size, which puts
-    // order[i % n] at position i. Without drop_last total_size >= n; with it
-    // total_size <= n, where i % n == i. An empty dataset has total_size 0, so the
-    // loop never divides by n == 0 (PyTorch yields nothing there too).
-    for (auto i = start_ + options_.rank; i < total_size_; i += options_.num_replicas) {
-      mine.push_back(order[static_cast<std::size_t>(i % dataset_size_)]);
-    }
-    return mine;
+    return deal_.mine(order.data(), dataset_size_, options_.rank, options_.num_replicas);  // Note [Padding]
   }
 
   /// The number of indices each rank gets this epoch (PyTorch's `num_samples`, `len()`).
-  [[nodiscard]] std::int64_t size() const noexcept { return num_samples_; }
+  [[nodiscard]] std::int64_t size() const noexcept { return deal_.per_replica; }
   /// Where the padded or truncated order shared out among ranks ends (PyTorch's
   /// `total_size` when start is 0): start() + size() * num_replicas.
-  [[nodiscard]] std::int64_t total_size() const noexcept { return total_size_; }
+  [[nodiscard]] std::int64_t total_size() const noexcept { return deal_.end; }
   [[nodiscard]] std::int64_t dataset_size() const noexcept { return dataset_size_; }
   [[nodiscard]] const Options& options() const noexcept { return options_; }
 
@@ -131,9 +116,7 @@ class DistributedSampler {
   std::int64_t dataset_size_;
   Options options_;
   std::int64_t epoch_ = 0;
-  std::int64_t start_ = 0;
-  std::int64_t num_samples_ = 0;
-  std::int64_t total_size_ = 0;
+  detail::Deal deal_;
 };
 
 }  // namespace paratrain::data

@@ -21,6 +21,7 @@
 
 #include "paratrain/data/batch.hpp"
 #include "paratrain/detail/hdf5_io.hpp"
+#include "paratrain/detail/sample_indices.hpp"
 #include "paratrain/error.hpp"
 
 namespace paratrain::data {
@@ -128,7 +129,7 @@ class Hdf5Dataset {
   /// The number of samples: dimension 0 of every input and of the target.
   [[nodiscard]] std::int64_t size() const { return open_->arrays.front().sizes[0]; }
 
-  /// The samples at `indices` (a 1-D int64 CPU tensor, each in [0, size()), repeats
+  /// The samples at `indices` (a 1-D int64 or int32 CPU tensor, each in [0, size()), repeats
   /// allowed), in that order: tensors of shape [indices.numel(), sizes[1:]...]. Safe from
   /// several threads at once.
   [[nodiscard]] Batch get(const at::Tensor& indices) const {
@@ -252,30 +253,22 @@ class Hdf5Dataset {
     std::int64_t count;
   };
 
-  /// `indices` checked and cut into runs of consecutive samples, in their order.
+  /// `indices` checked (detail::check_sample_indices) and cut into runs of consecutive
+  /// samples, in their order.
   [[nodiscard]] std::vector<Run> runs_of(const at::Tensor& indices) const {
-    if (!indices.defined() || indices.dim() != 1 || indices.scalar_type() != at::kLong || !indices.device().is_cpu())
-      throw Open::fail(open_->path, "sample indices must be a 1-D int64 CPU tensor (data::to_tensor makes one)");
-    const auto contiguous = indices.contiguous();
-    const auto* p = contiguous.data_ptr<std::int64_t>();
+    std::string names;
+    for (const auto& a : open_->arrays) names += (names.empty() ? "'" : ", '") + a.name + "'";
+    const auto checked = paratrain::detail::check_sample_indices("Hdf5Dataset", indices, size(),
+                                                                 open_->path.string() + ": ", "datasets " + names + " hold");
+    const auto* p = checked.data_ptr<std::int64_t>();
     std::vector<Run> runs;
-    for (std::int64_t k = 0; k < contiguous.numel(); ++k) {
-      if (p[k] < 0 || p[k] >= size()) throw index_error(p[k], k);
+    for (std::int64_t k = 0; k < checked.numel(); ++k) {
       if (!runs.empty() && p[k] == runs.back().first + runs.back().count)
         ++runs.back().count;
       else
         runs.push_back({p[k], k, 1});
     }
     return runs;
-  }
-
-  [[nodiscard]] error index_error(std::int64_t index, std::int64_t position) const {
-    std::string names;
-    for (const auto& a : open_->arrays) names += (names.empty() ? "'" : ", '") + a.name + "'";
-    return Open::fail(open_->path, "sample " + std::to_string(index) + " asked for (position " +
-                                       std::to_string(position) + " of the batch), but datasets " + names + " hold " +
-                                       std::to_string(size()) + " samples" +
-                                       (size() > 0 ? ", 0 to " + std::to_string(size() - 1) : ""));
   }
 
   /// Array `a`'s samples in `runs`: a tensor of `n` rows.

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "paratrain/detail/deal.hpp"
 #include "paratrain/detail/shard_checks.hpp"
 #include "paratrain/error.hpp"
 
@@ -74,28 +75,21 @@ class WeightedSampler {
   void set_epoch(std::int64_t epoch, std::int64_t start = 0) {
     if (start < 0) throw error("WeightedSampler", static_cast<int>(options_.rank), "start must be >= 0");
     epoch_ = epoch;
-    start_ = start;
-    const auto rest = std::max<std::int64_t>(options_.num_samples - start_, 0);
-    num_samples_ = (rest + options_.num_replicas - 1) / options_.num_replicas;
+    deal_ = detail::Deal::of(options_.num_samples, start, options_.num_replicas, /*drop_last=*/false);
   }
   [[nodiscard]] std::int64_t epoch() const noexcept { return epoch_; }
-  [[nodiscard]] std::int64_t start() const noexcept { return start_; }
+  [[nodiscard]] std::int64_t start() const noexcept { return deal_.start; }
 
   [[nodiscard]] std::vector<std::int64_t> indices() const {
-    std::vector<std::int64_t> mine;
     const auto n = options_.num_samples;
-    if (n == 0) return mine;
+    if (n == 0) return {};
     const auto generator = at::make_generator<at::CPUGeneratorImpl>(options_.seed + static_cast<std::uint64_t>(epoch_));
     const auto draws = at::multinomial(weights_, n, options_.replacement, generator);
-    const auto* d = draws.data_ptr<std::int64_t>();
-    mine.reserve(static_cast<std::size_t>(num_samples_));
-    const auto total = start_ + num_samples_ * options_.num_replicas;
-    for (auto i = start_ + options_.rank; i < total; i += options_.num_replicas) mine.push_back(d[i % n]);
-    return mine;
+    return deal_.mine(draws.data_ptr<std::int64_t>(), n, options_.rank, options_.num_replicas);
   }
 
   /// Indices per replica this epoch: ceil((num_samples - start) / num_replicas).
-  [[nodiscard]] std::int64_t size() const noexcept { return num_samples_; }
+  [[nodiscard]] std::int64_t size() const noexcept { return deal_.per_replica; }
   [[nodiscard]] const Options& options() const noexcept { return options_; }
   [[nodiscard]] std::int64_t dataset_size() const { return weights_.size(0); }
 
@@ -103,8 +97,7 @@ class WeightedSampler {
   at::Tensor weights_;
   Options options_;
   std::int64_t epoch_ = 0;
-  std::int64_t start_ = 0;
-  std::int64_t num_samples_ = 0;
+  detail::Deal deal_;
 };
 
 }  // namespace paratrain::data
