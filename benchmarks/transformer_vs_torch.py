@@ -9,20 +9,57 @@ tgt = torch.rand(2048, 20, 512), batch 32 per rank through a DistributedSampler,
 Adam(lr=0.001 * world_size), loss CrossEntropyLoss()(model(src, tgt), tgt) (float
 targets: class probabilities over dim 1). One intra-op thread per rank.
 
+With --data FILE the samples are read from an HDF5 file (datasets "src" and "tgt", as
+transformer_single --write-data writes them) through h5py, one sample per __getitem__, the
+file opened by each process that reads (the usual h5py Dataset); --workers N is the
+DataLoader's num_workers (0: the training process reads each batch when it needs it, as
+PyTorch's default), with its default prefetch_factor (2 batches per worker).
+
+With --recompute every encoder and decoder layer runs under torch.utils.checkpoint
+(use_reentrant=False: the variant PyTorch's DDP supports), as transformer_ddp --recompute
+recomputes them. With --bf16 forward and the loss run under torch.autocast("cpu",
+torch.bfloat16) and DDP sums the gradients in bf16 (its bf16_compress_hook), as
+transformer_ddp --bf16 does. --tgt-len sets the target's length (20).
+
 Trains --steps steps in all and leaves the first --warmup of them out of the timing, as
 transformer_ddp's --steps and --warmup do. Ranks are processes
 started with torch.multiprocessing.spawn, rendezvous by env:// on 127.0.0.1 and a free
-port. Prints one JSON line: ms_per_step is the slowest rank's mean over the timed steps.
+port. Prints one JSON line: ms_per_step is the slowest rank's mean over the timed steps, and
+data_ms_per_step the slowest rank's mean wait for the next batch within them.
 
   OMP_NUM_THREADS=1 /usr/bin/python3 benchmarks/transformer_vs_torch.py --ranks 2 --steps 8 --warmup 2 [--bind]
+      [--data seed.h5] [--workers N]
 """
 import argparse
+import functools
 import json
 import math
 import os
+import resource
 import time
 
 import peer
+
+
+class H5Samples:
+    """torch.utils.data.Dataset over the HDF5 file's src and tgt, read one sample at a time
+    by h5py; each process opens the file on its first read (h5py handles do not cross fork)."""
+
+    def __init__(self, path):
+        import h5py
+        self.path, self.file = path, None
+        with h5py.File(path, "r") as f:
+            self.n = len(f["src"])
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import h5py
+        import torch
+        if self.file is None:
+            self.file = h5py.File(self.path, "r")
+        return torch.from_numpy(self.file["src"][i]), torch.from_numpy(self.file["tgt"][i])
 
 
 def run(rank, args):
@@ -36,27 +73,40 @@ def run(rank, args):
     world = dist.get_world_size()
 
     torch.manual_seed(args.seed)
-    src = torch.rand(args.samples, 1, 512)
-    tgt = torch.rand(args.samples, 20, 512)
-    data = TensorDataset(src, tgt)
+    if args.data:
+        data = H5Samples(args.data)
+    else:
+        src = torch.rand(args.samples, 1, 512)
+        tgt = torch.rand(args.samples, args.tgt_len, 512)
+        data = TensorDataset(src, tgt)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
-    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
     if args.steps > len(loader):
         raise SystemExit(f"--steps {args.steps} is more than an epoch ({len(loader)} steps); raise --samples")
 
-    model = DistributedDataParallel(nn.Transformer(batch_first=True))  # defaults: bucket_cap_mb=25
+    transformer = nn.Transformer(batch_first=True)
+    if args.recompute:
+        from torch.utils.checkpoint import checkpoint
+        for layer in [*transformer.encoder.layers, *transformer.decoder.layers]:
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    model = DistributedDataParallel(transformer)  # defaults: bucket_cap_mb=25
+    if args.bf16:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001 * world)
     criterion = nn.CrossEntropyLoss()
 
-    seconds, losses = [], []
+    seconds, waits, losses = [], [], []
     batches = iter(loader)
     for step in range(args.steps):
         if step == args.warmup:
             dist.barrier()  # the timed steps start together
         start = time.perf_counter()  # the batch's gathering included, as in paratrain's fit
         s, t = next(batches)
+        waits.append(time.perf_counter() - start)
         optimizer.zero_grad()
-        loss = criterion(model(s, t), t)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss = criterion(model(s, t), t)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())  # as paratrain reads the loss every step
@@ -64,10 +114,12 @@ def run(rank, args):
         if rank == 0:
             print(f"step {step + 1}/{args.steps}: {1e3 * seconds[-1]:.1f} ms, loss {losses[-1]:.6f}", flush=True)
 
-    timed = torch.tensor([sum(seconds[args.warmup:])], dtype=torch.float64)
+    timed = torch.tensor([sum(seconds[args.warmup:]), sum(waits[args.warmup:])], dtype=torch.float64)
     dist.all_reduce(timed, op=dist.ReduceOp.MAX)  # the slowest rank
     last = torch.tensor([losses[-1]], dtype=torch.float64)
     dist.all_reduce(last)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)  # KiB
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     measured = len(seconds) - args.warmup
     if rank == 0:
         loss = last.item() / world
@@ -76,7 +128,10 @@ def run(rank, args):
             "batch_per_replica": args.batch, "parameters": sum(p.numel() for p in model.parameters()),
             "steps": len(seconds), "warmup": args.warmup,
             "loss": loss if math.isfinite(loss) else None,
-            "ms_per_step": round(1e3 * timed.item() / measured, 1) if measured > 0 else None,
+            "ms_per_step": round(1e3 * timed[0].item() / measured, 1) if measured > 0 else None,
+            "data_ms_per_step": round(1e3 * timed[1].item() / measured, 3) if measured > 0 else None,
+            "data": "hdf5" if args.data else "memory", "workers": args.workers,
+            "recompute": args.recompute, "bf16": args.bf16, "tgt_len": args.tgt_len, "peak_rss_mib_max": round(peak.item(), 1),
             "threads": torch.get_num_threads(), "bind": args.bind}), flush=True)
     dist.destroy_process_group()
 
@@ -90,6 +145,11 @@ def main():
     p.add_argument("--batch", type=int, default=32, help="per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bind", action="store_true", help="pin rank r to core r")
+    p.add_argument("--data", help="an HDF5 file with datasets src and tgt, read by h5py")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader's num_workers")
+    p.add_argument("--tgt-len", type=int, default=20, help="the target's length")
+    p.add_argument("--recompute", action="store_true", help="torch.utils.checkpoint around every layer")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast, gradients summed in bf16")
     args = p.parse_args()
     peer.spawn(run, args, args.ranks)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs two builds of the transformer example that must train identically (the same samples,
-# initial weights and replicas, dropout 0) and passes only if each passes check_run.sh and
-# their final losses agree to a relative TOLERANCE: e.g. one device against a pipeline, DDP
+# initial weights and replicas; dropout 0 where the two draw its masks differently) and
+# passes only if each passes check_run.sh and their final losses agree to a relative
+# TOLERANCE (0: the same printed number): e.g. one device against a pipeline, DDP
 # against a pipeline of ZeRO-3 stages. float32 arithmetic in another order (stages, micro-
 # batches, the replicas' reduction) differs by ~1e-6 relative after a few steps.
 #

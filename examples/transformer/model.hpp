@@ -6,7 +6,9 @@
 // every build of the example (one device, DDP, ZeRO-3, pipeline) holds the same state
 // under the same names. Each encoder and decoder layer is a paratrain::Unit: ZeRO stage 3
 // gathers one layer's parameters at a time; elsewhere a Unit is the plain layer. The
-// final LayerNorms are outside every unit and stay whole under ZeRO-3.
+// final LayerNorms are outside every unit and stay whole under ZeRO-3. Each layer can
+// recompute its activations in backward instead of keeping them (Config::recompute:
+// paratrain::Recompute, activation checkpointing).
 //
 // Shapes, as the seed's batch_first model: src (N, S, E), tgt (N, T, E), out (N, T, E).
 // LibTorch's layers take (sequence, batch, feature), so each stage transposes at its
@@ -17,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/unit.hpp"
 
 namespace transformer {
@@ -32,6 +35,7 @@ struct Config {
   std::int64_t samples = 2048;  ///< the synthetic data set: src = rand(samples, src_len, d_model)
   std::int64_t src_len = 1;     ///< the seed's torch.rand(2048, 1, 512)
   std::int64_t tgt_len = 20;    ///< the seed's torch.rand(2048, 20, 512)
+  bool recompute = false;       ///< each layer's activations recomputed in backward, not kept
 };
 
 namespace detail {
@@ -46,11 +50,13 @@ inline void xavier(torch::nn::Module& m) {
 
 /// `count` layers from `make`, registered in `owner` as "layers.<i>" (PyTorch's names).
 template <class Layer, class Make>
-std::vector<Layer> layer_stack(torch::nn::Module& owner, torch::nn::ModuleList& list, std::int64_t count, Make make) {
+std::vector<Layer> layer_stack(torch::nn::Module& owner, torch::nn::ModuleList& list, std::int64_t count,
+                               bool recompute, Make make) {
   list = owner.register_module("layers", torch::nn::ModuleList());
   std::vector<Layer> layers;
   for (std::int64_t i = 0; i < count; ++i) {
     Layer layer = make();
+    layer->set_recompute(recompute);
     list->push_back(layer);
     layers.push_back(layer);
   }
@@ -62,10 +68,10 @@ std::vector<Layer> layer_stack(torch::nn::Module& owner, torch::nn::ModuleList& 
 /// (src, tgt) -> (memory, tgt): the encoder stack over src; tgt passes through untouched
 /// (it needs no gradient, so a pipeline sends none back for it).
 struct EncoderImpl : torch::nn::Module {
-  using Layer = paratrain::Unit<torch::nn::TransformerEncoderLayer>;
+  using Layer = paratrain::Unit<paratrain::Recompute<torch::nn::TransformerEncoderLayer>>;
 
   explicit EncoderImpl(const Config& c) {
-    layers = detail::layer_stack<Layer>(*this, layers_list, c.encoder_layers, [&] {
+    layers = detail::layer_stack<Layer>(*this, layers_list, c.encoder_layers, c.recompute, [&] {
       return Layer(torch::nn::TransformerEncoderLayerOptions(c.d_model, c.nhead)
                        .dim_feedforward(c.dim_feedforward)
                        .dropout(c.dropout));
@@ -89,10 +95,10 @@ TORCH_MODULE(Encoder);
 
 /// (memory, tgt) -> out: the decoder stack over tgt, attending to memory.
 struct DecoderImpl : torch::nn::Module {
-  using Layer = paratrain::Unit<torch::nn::TransformerDecoderLayer>;
+  using Layer = paratrain::Unit<paratrain::Recompute<torch::nn::TransformerDecoderLayer>>;
 
   explicit DecoderImpl(const Config& c) {
-    layers = detail::layer_stack<Layer>(*this, layers_list, c.decoder_layers, [&] {
+    layers = detail::layer_stack<Layer>(*this, layers_list, c.decoder_layers, c.recompute, [&] {
       return Layer(torch::nn::TransformerDecoderLayerOptions(c.d_model, c.nhead)
                        .dim_feedforward(c.dim_feedforward)
                        .dropout(c.dropout));

@@ -11,10 +11,16 @@
 //
 //   mpirun -n 2 transformer_ddp --steps 8 --warmup 2
 //   mpirun -n 2 transformer_pipeline --micro-batches 4 --schedule gpipe
+//   transformer_single --write-data seed.h5 && mpirun -n 2 transformer_ddp --data seed.h5 --workers 2
+//
+// The data is the seed's, made in memory, or read from an HDF5 file (--data) by the
+// library's data::Hdf5Dataset through its loader's worker threads (--workers); --write-data
+// writes the in-memory data to such a file (datasets "src" and "tgt", float32).
 //
 // Prints each step's time, the planner's per-rank model-state estimate beside what the
 // strategy holds, and one JSON summary line (printed by the rank that computes replica
 // 0's loss: rank 0, or a pipeline's last stage).
+#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -33,6 +39,13 @@
 
 #include "model.hpp"
 #include "paratrain/paratrain.hpp"
+#if PARATRAIN_HAS_HDF5  // linked to paratrain::hdf5 where it exists (examples/CMakeLists.txt)
+#include <H5Cpp.h>
+
+#include <filesystem>
+
+#include "paratrain/data/hdf5_dataset.hpp"
+#endif
 
 namespace transformer {
 
@@ -78,6 +91,10 @@ struct Args {
   std::int64_t warmup = 1;                         // first steps left out of ms_per_step
   std::string schedule = "1f1b";
   std::string trace;
+  std::string data;        // an HDF5 file with datasets "src" and "tgt"; empty: made in memory
+  std::string write_data;  // write the in-memory data to this HDF5 file, and stop
+  int workers = paratrain::data::LoaderOptions{}.workers;
+  bool bf16 = false;  // forward under bf16 autocast, gradients summed in bf16
   std::uint64_t seed = 0;
 };
 
@@ -94,6 +111,16 @@ constexpr std::string_view usage = R"(usage: transformer_<build> [options]
   --schedule S       pipeline builds: gpipe, 1f1b (default) or zb (ZB-H1)
   --trace FILE       a Chrome trace of every rank's steps
   --seed N           data, initial weights and sample order (0)
+  --data FILE        train on the samples of an HDF5 file (datasets src [N, S, d_model] and
+                     tgt [N, T, d_model], float32) instead of data made in memory; the
+                     file's N, S and T replace --samples, --src-len and --tgt-len
+  --write-data FILE  write the data made in memory to FILE in that form, and stop (one process)
+  --bf16             mixed precision: forward under bf16 autocast, gradients summed across
+                     ranks in bf16; parameters and Adam's state stay fp32
+  --recompute        recompute each layer's activations in backward instead of keeping them
+                     (activation checkpointing: paratrain::Recompute)
+  --workers N        loader threads reading the next batches while a step computes (1; 0:
+                     the training thread reads each batch when it needs it)
 )";
 
 // By hand, as tools/plan does: CLI11 is not among paratrain's dependencies (scripts/deps.sh).
@@ -103,6 +130,10 @@ Args parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string_view k = argv[i];
     if (k == "-h" || k == "--help") throw std::invalid_argument("");
+    if (k == "--recompute" || k == "--bf16") {  // the flags without a value
+      (k == "--bf16" ? a.bf16 : m.recompute) = true;
+      continue;
+    }
     if (i + 1 >= argc) throw std::invalid_argument(std::string(k) + " needs a value");
     const std::string v = argv[++i];
     const auto integer = [&] {
@@ -126,6 +157,9 @@ Args parse(int argc, char** argv) {
     else if (k == "--schedule") a.schedule = v;
     else if (k == "--trace") a.trace = v;
     else if (k == "--seed") a.seed = static_cast<std::uint64_t>(integer());
+    else if (k == "--data") a.data = v;
+    else if (k == "--write-data") a.write_data = v;
+    else if (k == "--workers") a.workers = static_cast<int>(std::min<std::int64_t>(integer(), 64));
     else throw std::invalid_argument("unknown option " + std::string(k));
   }
   if (m.d_model < 1 || m.nhead < 1 || m.d_model % m.nhead != 0)
@@ -136,6 +170,12 @@ Args parse(int argc, char** argv) {
     throw std::invalid_argument("--micro-batches is for the pipeline builds; this one takes the whole batch at once");
   if (!pipelined && a.schedule != "1f1b")
     throw std::invalid_argument("--schedule is for the pipeline builds");
+  if (!a.data.empty() && !a.write_data.empty()) throw std::invalid_argument("--data and --write-data exclude each other");
+#if !PARATRAIN_HAS_HDF5
+  if (!a.data.empty() || !a.write_data.empty())
+    throw std::invalid_argument("--data and --write-data need HDF5: this build has no paratrain::hdf5 (apt-get install "
+                                "libhdf5-dev, then configure again)");
+#endif
   return a;
 }
 
@@ -169,6 +209,8 @@ Decoder make_decoder(const Args& a) {
 template <class S = Strategy>
 std::unique_ptr<S> make_strategy(const Args& a, std::int64_t& parameters) {
   const auto adam = torch::optim::AdamOptions(0.001);  // scaled by the replicas once they are known
+  paratrain::DataParallelOptions options;
+  if (a.bf16) options.precision = {.autocast = torch::kBFloat16, .reduce = torch::kBFloat16};
   if constexpr (pipelined) {
     typename S::model_type stages(
         [&] {
@@ -183,13 +225,72 @@ std::unique_ptr<S> make_strategy(const Args& a, std::int64_t& parameters) {
         });
     stages.named({"encoder", "decoder"});  // the whole model's names: Note [Stage names]
     return std::make_unique<S>(std::move(stages), adam,
-                               paratrain::PipelineOptions{.schedule = schedule_kind(a.schedule)});
+                               paratrain::PipelineOptions{.schedule = schedule_kind(a.schedule), .data_parallel = options});
   } else {
     Transformer model(make_encoder(a), make_decoder(a));
     parameters = count(*model);
-    return std::make_unique<S>(model, adam);
+    return std::make_unique<S>(model, adam, options);
   }
 }
+
+/// The seed's data: src = rand(samples, src_len, d_model), tgt = rand(samples, tgt_len,
+/// d_model), from `seed`, the same on every rank (and as the seed's torch.rand makes them).
+std::pair<torch::Tensor, torch::Tensor> synthetic(const Config& c, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  auto src = torch::rand({c.samples, c.src_len, c.d_model});
+  auto tgt = torch::rand({c.samples, c.tgt_len, c.d_model});
+  return {src, tgt};
+}
+
+/// The seed's batches from `rows` (input src, target tgt): inputs (src, tgt) and target
+/// tgt, each read once.
+struct SeedBatches {
+  paratrain::data::DatasetRef rows;
+  [[nodiscard]] std::int64_t size() const { return rows.size(); }
+  [[nodiscard]] paratrain::Batch get(const torch::Tensor& indices) const {
+    auto b = rows.get(indices);
+    auto src = std::move(b.inputs.at(0));
+    return paratrain::Batch({std::move(src), b.target}, b.target);
+  }
+};
+
+#if PARATRAIN_HAS_HDF5
+/// Writes src and tgt to `path` as float32 datasets "src" and "tgt", through a temporary
+/// file renamed into place: a run stopped part-way leaves no truncated file under the name.
+void write_hdf5(const std::string& path, const torch::Tensor& src, const torch::Tensor& tgt) {
+  const std::string part = path + ".part";
+  try {
+    H5::Exception::dontPrint();  // the message goes into the exception below instead
+    H5::H5File file(part, H5F_ACC_TRUNC);
+    for (const auto& [name, t] : {std::pair{"src", src}, std::pair{"tgt", tgt}}) {
+      const auto c = t.contiguous();
+      std::vector<hsize_t> dims(c.sizes().begin(), c.sizes().end());
+      const H5::DataSpace space(static_cast<int>(dims.size()), dims.data());
+      file.createDataSet(name, H5::PredType::NATIVE_FLOAT, space).write(c.data_ptr<float>(), H5::PredType::NATIVE_FLOAT);
+    }
+    file.close();
+    std::filesystem::rename(part, path);
+  } catch (const H5::Exception& e) {
+    std::filesystem::remove(part);
+    throw std::runtime_error("cannot write " + path + ": " + e.getDetailMsg());
+  }
+}
+
+/// The seed's data read from `path`; sets the configuration's samples, src_len and tgt_len
+/// from the file, which must match its d_model.
+paratrain::data::Hdf5Dataset open_hdf5(const std::string& path, Config& c) {
+  paratrain::data::Hdf5Dataset file(path, {"src"}, "tgt");
+  const auto& src = file.inputs()[0];
+  const auto& tgt = file.target();
+  for (const auto* a : {&src, &tgt})
+    if (a->sizes.size() != 3 || a->sizes[2] != c.d_model || a->dtype != torch::kFloat)
+      throw std::runtime_error(path + ": dataset " + a->name + " must be float32 [samples, length, " +
+                               std::to_string(c.d_model) + "] (d_model " + std::to_string(c.d_model) + "), not " +
+                               std::string(c10::toString(a->dtype)) + " " + c10::str(c10::IntArrayRef(a->sizes)));
+  c.samples = file.size(), c.src_len = src.sizes[1], c.tgt_len = tgt.sizes[1];
+  return file;
+}
+#endif
 
 std::string json_number(double x, const char* format = "%.6g") {
   if (!std::isfinite(x)) return "null";
@@ -214,6 +315,19 @@ int run(int argc, char** argv) {
   }
   // An error on any rank: one "paratrain: ..." line, and the whole job ends.
   return paratrain::guarded([&]() -> int {
+#if PARATRAIN_HAS_HDF5
+  if (!a.write_data.empty()) {
+    if (paratrain::detect_placement().world_size > 1)
+      throw std::runtime_error("--write-data writes one file: run it as one process, without mpirun");
+    const auto [src, tgt] = synthetic(a.model, a.seed);
+    write_hdf5(a.write_data, src, tgt);
+    std::printf("wrote %s: src %s, tgt %s, float32\n", a.write_data.c_str(), c10::str(src.sizes()).c_str(),
+                c10::str(tgt.sizes()).c_str());
+    return 0;
+  }
+  std::optional<paratrain::data::Hdf5Dataset> file;
+  if (!a.data.empty()) file.emplace(open_hdf5(a.data, a.model));
+#endif
   const auto& cfg = a.model;
 
   std::int64_t parameters = 0;
@@ -227,10 +341,6 @@ int run(int argc, char** argv) {
   // The seed's Adam(lr=0.001 * world_size): one replica per process there, so replicas here.
   for (auto& g : s.optimizer().param_groups()) g.options().set_lr(0.001 * shard.count);
 
-  // The seed's data, the same on every rank: src = rand(N, 1, 512), tgt = rand(N, 20, 512).
-  torch::manual_seed(a.seed);
-  auto src = torch::rand({cfg.samples, cfg.src_len, cfg.d_model});
-  auto tgt = torch::rand({cfg.samples, cfg.tgt_len, cfg.d_model});
   const std::int64_t per_step = a.batch * shard.count;
   std::int64_t n = cfg.samples;
   if (a.steps > 0) {  // one epoch of exactly `steps` steps: its first steps x batch x replicas samples
@@ -241,9 +351,20 @@ int run(int argc, char** argv) {
                      (long long)a.steps, (long long)n);
       return 2;
     }
-    src = src.narrow(0, 0, n), tgt = tgt.narrow(0, 0, n);
   }
-  const paratrain::data::TensorDataset data({src, tgt}, tgt);
+  // The first n samples, from memory or from the file.
+  std::optional<paratrain::data::TensorDataset> memory;
+  paratrain::data::DatasetRef rows;
+#if PARATRAIN_HAS_HDF5
+  std::optional<paratrain::data::Subset<paratrain::data::Hdf5Dataset>> first_n;
+  if (file) rows = &first_n.emplace(*file, torch::arange(n));
+#endif
+  if (!rows) {
+    const auto [src, tgt] = synthetic(cfg, a.seed);
+    rows = &memory.emplace(src.narrow(0, 0, n), tgt.narrow(0, 0, n));
+  }
+  // Dropout's draws from here on: the same whether the data was made or read.
+  torch::manual_seed(a.seed + 3);
   // DistributedSampler pads the replicas' shards to equal sizes.
   const std::int64_t steps = ((n + shard.count - 1) / shard.count + a.batch - 1) / a.batch;
 
@@ -255,42 +376,51 @@ int run(int argc, char** argv) {
                 shard.count, (long long)a.batch);
     if constexpr (pipelined)
       std::printf(" in %lld micro-batches, schedule %s", (long long)a.micro_batches, a.schedule.c_str());
-    std::printf(", %lld steps, Adam lr %g\n", (long long)steps, 0.001 * shard.count);
+    std::printf(", %lld steps, Adam lr %g, data from %s, %d loader worker(s)\n", (long long)steps, 0.001 * shard.count,
+                a.data.empty() ? "memory" : a.data.c_str(), a.workers);
     std::fflush(stdout);
   }
 
-  std::vector<double> seconds, losses;
+  std::vector<double> seconds, waits, losses;
   bool first_has_loss = false, last_has_loss = false;
   const auto result = paratrain::fit(
-      s, data,
+      s, SeedBatches{rows},
       {.epochs = 1,
        .batch_size = a.batch / a.micro_batches,
        .accumulation = static_cast<int>(a.micro_batches),
        .seed = a.seed,
+       .loader = {.workers = a.workers, .depth = std::max(2, a.workers)},
        .log_every = 1 << 30,  // the per-step lines below instead
        .progress = false,
        .on_step =
            [&](const paratrain::StepInfo& i) {
              seconds.push_back(i.seconds);
+             waits.push_back(i.data_seconds);
              losses.push_back(i.loss);
              if (losses.size() == 1) first_has_loss = i.has_loss;
              last_has_loss = i.has_loss;
              if (reporter) {
-               std::printf("step %lld/%lld: %.1f ms, loss %.6f\n", (long long)i.step + 1, (long long)steps,
-                           1e3 * i.seconds, i.loss);
+               std::printf("step %lld/%lld: %.1f ms (data %.2f ms), loss %.6f\n", (long long)i.step + 1,
+                           (long long)steps, 1e3 * i.seconds, 1e3 * i.data_seconds, i.loss);
                std::fflush(stdout);
              }
            },
        .observe = {.trace_file = a.trace}},
       paratrain::CrossEntropy{});  // float targets: class probabilities over dim 1, as the seed's
 
-  // Step time: the slowest rank's mean over the steps after the warm-up.
+  // Step time and the wait for data in it: the slowest rank's means over the steps after
+  // the warm-up.
   const auto measured = static_cast<std::int64_t>(seconds.size()) - a.warmup;
-  double mine = 0;
-  for (std::int64_t k = a.warmup; k < static_cast<std::int64_t>(seconds.size()); ++k) mine += seconds[k];
-  auto timing = torch::full({1}, mine, torch::kDouble);
+  auto timing = torch::zeros({2}, torch::kDouble);
+  for (std::int64_t k = a.warmup; k < static_cast<std::int64_t>(seconds.size()); ++k) {
+    timing[0] += seconds[k];
+    timing[1] += waits[k];
+  }
   s.all_reduce(timing, paratrain::reduce_op::max);
-  const double ms_per_step = measured > 0 ? 1e3 * timing[0].item<double>() / double(measured) : std::nan("");
+  const auto per_step_ms = [&](int i) {
+    return measured > 0 ? 1e3 * timing[i].item<double>() / double(measured) : std::nan("");
+  };
+  const double ms_per_step = per_step_ms(0), data_ms_per_step = per_step_ms(1);
 
   // The first and the last step's losses, averaged over the replicas (only their last
   // stages have one); a NaN stays NaN.
@@ -303,25 +433,37 @@ int run(int argc, char** argv) {
   };
   const double first_loss = mean(0), loss = mean(2);
 
+  // The most memory any rank's process held at once (its peak resident set), in MiB.
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto peak = torch::full({1}, double(usage.ru_maxrss) / 1024.0, torch::kDouble);  // ru_maxrss: KiB
+  s.all_reduce(peak, paratrain::reduce_op::max);
+  const double peak_rss_mib = peak[0].item<double>();
+
   // Model state per rank: what paratrain::plan predicts for this rank's part of the model
   // (its whole model, or its pipeline stage) and this strategy, beside what it holds now.
+  // Also the bytes of gradients each rank sends per step, planned and measured.
   namespace plan = paratrain::plan;
-  const auto planned = plan::per_rank({.parameters = double(parameters),
-                                       .optimizer_bytes = plan::optimizer_bytes("adam"),
-                                       .ranks = shard.count},
-                                      Strategy::stage == 3 ? plan::stage::stage3 : plan::stage::ddp);
+  const auto stage = Strategy::stage == 3 ? plan::stage::stage3 : plan::stage::ddp;
+  const plan::Model part{.parameters = double(parameters),
+                         .optimizer_bytes = plan::optimizer_bytes("adam"),
+                         .ranks = shard.count,
+                         .autocast_bytes = a.bf16 ? 2.0 : 0.0,
+                         .reduce_bytes = a.bf16 ? 2.0 : 0.0};
+  const auto planned = plan::per_rank(part, stage);
   const auto held = s.model_state_bytes();
-  auto table = torch::zeros({world, 7}, torch::kDouble);
+  auto table = torch::zeros({world, 9}, torch::kDouble);
   table[rank].copy_(torch::tensor({double(parameters), planned.parameters, planned.gradients,
                                    planned.optimizer_state, double(held.parameters), double(held.gradients),
-                                   double(held.optimizer_state)},
+                                   double(held.optimizer_state), plan::gradient_traffic(part, stage),
+                                   double(s.gradient_bytes_sent())},
                                   torch::kDouble));
   s.all_reduce(table, paratrain::reduce_op::sum);
 
   if (reporter) {
     const auto mib = [](double b) { return b / (1 << 20); };
     std::int64_t total_parameters = 0;
-    double planned_max = 0, held_max = 0;
+    double planned_max = 0, held_max = 0, traffic_planned = 0, traffic_sent = 0;
     std::printf("model state per rank, MiB (planned by paratrain::plan, %s, N_d = %d | held after training):\n",
                 std::string(plan::to_string(Strategy::stage == 3 ? plan::stage::stage3 : plan::stage::ddp)).c_str(),
                 shard.count);
@@ -331,24 +473,35 @@ int run(int argc, char** argv) {
       if (r < pipeline_ranks) total_parameters += static_cast<std::int64_t>(v(0));  // replica 0's parts
       planned_max = std::max(planned_max, v(1) + v(2) + v(3));
       held_max = std::max(held_max, v(4) + v(5) + v(6));
+      traffic_planned = std::max(traffic_planned, v(7));
+      traffic_sent = std::max(traffic_sent, v(8));
       std::printf("  rank %d: %lld parameters; planned params %.1f + grads %.1f + Adam %.1f = %.1f | held %.1f + "
                   "%.1f + %.1f = %.1f\n",
                   r, (long long)v(0), mib(v(1)), mib(v(2)), mib(v(3)), mib(v(1) + v(2) + v(3)), mib(v(4)),
                   mib(v(5)), mib(v(6)), mib(v(4) + v(5) + v(6)));
     }
+    if (a.bf16)  // this (the reporting) rank's
+      std::printf("  and from forward to backward autocast's bf16 copies of the weights: planned %.1f on rank %d\n",
+                  mib(planned.autocast_copies), rank);
+    std::printf("gradients sent per step and rank, MiB: planned %.1f, sent %.1f (the most of any rank)\n",
+                mib(traffic_planned), mib(traffic_sent));
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::printf(
         "{\"example\": \"transformer\", \"strategy\": \"%s\", \"world_size\": %d, \"replicas\": %d, "
         "\"pipeline_ranks\": %d, \"schedule\": %s, \"micro_batches\": %lld, \"batch_per_replica\": %lld, "
         "\"parameters\": %lld, \"steps\": %lld, \"warmup\": %lld, \"loss\": %s, \"first_loss\": %s, "
-        "\"train_loss\": %s, \"ms_per_step\": %s, \"samples_per_second\": %s, \"planned_bytes_per_rank_max\": %.0f, "
-        "\"held_bytes_per_rank_max\": %.0f, \"wall_seconds\": %.2f}\n",
+        "\"train_loss\": %s, \"ms_per_step\": %s, \"data_ms_per_step\": %s, \"data\": \"%s\", \"workers\": %d, "
+        "\"samples_per_second\": %s, \"planned_bytes_per_rank_max\": %.0f, \"held_bytes_per_rank_max\": %.0f, "
+        "\"recompute\": %s, \"bf16\": %s, \"tgt_len\": %lld, \"peak_rss_mib_max\": %.1f, "
+        "\"gradient_bytes_planned\": %.0f, \"gradient_bytes_sent\": %.0f, \"wall_seconds\": %.2f}\n",
         strategy_name(), world, shard.count, pipeline_ranks, pipelined ? ("\"" + a.schedule + "\"").c_str() : "null",
         (long long)a.micro_batches, (long long)a.batch, (long long)total_parameters, (long long)seconds.size(),
         (long long)a.warmup, json_number(loss).c_str(), json_number(first_loss).c_str(),
         json_number(result.epochs.empty() ? std::nan("") : result.epochs.back().train_loss).c_str(),
-        json_number(ms_per_step, "%.1f").c_str(), json_number(result.samples_per_second, "%.2f").c_str(), planned_max,
-        held_max, wall);
+        json_number(ms_per_step, "%.1f").c_str(), json_number(data_ms_per_step, "%.3f").c_str(),
+        a.data.empty() ? "memory" : "hdf5", a.workers, json_number(result.samples_per_second, "%.2f").c_str(), planned_max,
+        held_max, cfg.recompute ? "true" : "false", a.bf16 ? "true" : "false", (long long)cfg.tgt_len, peak_rss_mib,
+        traffic_planned, traffic_sent, wall);
     std::fflush(stdout);
   }
   return std::isfinite(loss) ? 0 : 1;  // a run whose loss is not a number failed

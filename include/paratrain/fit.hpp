@@ -52,6 +52,9 @@ struct StepInfo {
   double lr = 0;                 ///< of the first parameter group
   double global_samples = 0;     ///< the step's effective batch
   double seconds = 0;            ///< this step's wall time on this rank
+  /// Of `seconds`, the time this rank waited for the step's batches: what of reading and
+  /// collating them the loader's workers did not hide (the trace's "data" phase).
+  double data_seconds = 0;
   Metrics* metrics = nullptr;    ///< log your own values here; fit reduces them safely
   bool has_loss = true;          ///< false where this rank computes no loss (a pipeline's earlier stages, a skipped step)
 };
@@ -360,8 +363,9 @@ class Trainer {
     for (std::int64_t k = e.done;; ++k, ++step_) {
       schedule_learning_rate(e, k);
       const auto begin = clock::now();
-      const auto r = k < e.steps ? train_step(e, k, loader) : s_.join(false);
-      if (after_step(e, k, r, begin, clock::now())) {
+      double data_seconds = 0;
+      const auto r = k < e.steps ? train_step(e, k, loader, data_seconds) : s_.join(false);
+      if (after_step(e, k, r, begin, clock::now(), data_seconds)) {
         ++step_;  // the next epoch's first step is a new one
         break;
       }
@@ -381,7 +385,7 @@ class Trainer {
 
   /// Step k of the epoch: its micro-batches, from the loader (the data phase: what of
   /// loading the workers did not hide), to the strategy.
-  StepResult train_step(const Epoch& e, std::int64_t k, data::Loader<D>& loader) {
+  StepResult train_step(const Epoch& e, std::int64_t k, data::Loader<D>& loader, double& data_seconds) {
     const auto per_step = static_cast<std::size_t>(options_.accumulation);
     const auto first = static_cast<std::size_t>(k - e.done) * per_step;
     const auto last = std::min(e.micro, first + per_step);
@@ -389,6 +393,7 @@ class Trainer {
     std::string failed;  // why this rank could not load a micro-batch
     {
       observe::PhaseTimer timer(observer_.timeline(), observe::Phase::data);
+      const auto begin = clock::now();
       for (auto m = first; m < last; ++m) {
         try {
           batches.push_back(*loader.next());
@@ -397,6 +402,7 @@ class Trainer {
           batches.push_back(paratrain::detail::unusable_batch());
         }
       }
+      data_seconds = std::chrono::duration<double>(clock::now() - begin).count();
     }
     if (!failed.empty()) {
       // The step refuses the unusable batch on every rank (Note [Unusable batches]), so no
@@ -416,7 +422,8 @@ class Trainer {
   }
 
   /// Reports the step, saves a checkpoint when one is due, logs; true after the epoch's last step.
-  bool after_step(Epoch& e, std::int64_t k, const StepResult& r, clock::time_point begin, clock::time_point end) {
+  bool after_step(Epoch& e, std::int64_t k, const StepResult& r, clock::time_point begin, clock::time_point end,
+                  double data_seconds) {
     e.samples += r.global_samples;
     e.skipped += r.skipped ? 1 : 0;
     const bool has_loss = r.has_loss && !r.skipped;  // a skipped step's loss is usually NaN
@@ -426,6 +433,7 @@ class Trainer {
                         .lr = s_.optimizer().param_groups().front().options().get_lr(),
                         .global_samples = r.global_samples,
                         .seconds = std::chrono::duration<double>(end - begin).count(),
+                        .data_seconds = data_seconds,
                         .metrics = &metrics_,
                         .has_loss = has_loss};
     observer_.step(step_, begin, end, info.loss, has_loss ? r.samples : 0);

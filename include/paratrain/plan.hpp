@@ -34,6 +34,14 @@ namespace paratrain::plan {
 // numbers. Activations are not sharded by ZeRO-DP: every rank holds its own, as estimated.
 // Not counted: temporary communication buffers (DDP's buckets, ZeRO's all-gather
 // prefetch), the allocator's fragmentation, the CUDA context.
+//
+// Under autocast (paratrain::Precision::autocast, Note [Mixed precision]) parameters,
+// gradients and optimizer state stay fp32, and each rank also holds autocast's
+// low-precision copies of the weights from forward to backward: Model::autocast_bytes
+// per parameter (2 for bf16), for the whole model at every stage (at stage 3 the copies
+// outlive the gathered units), unless units recompute their activations. The gradients
+// a rank hands to the step's collectives (gradient_traffic) are Model::reduce_bytes per
+// parameter: 2 where Precision::reduce is bf16.
 
 /// The four ways of placing model state, in the paper's order (ZeRO Fig. 1).
 ///
@@ -98,6 +106,12 @@ struct Model {
   std::int64_t ranks = 1;       ///< N_d, the data-parallel degree
   double activation_bytes = 0;  ///< per rank, the user's estimate; never sharded by ZeRO-DP
   std::int64_t buckets = 0;     ///< flat buffers each padded to a multiple of N_d; 0: no bound
+  /// Autocast's copies of the weights, bytes per parameter: 2 under bf16 or fp16
+  /// autocast (Precision::autocast), 0 without. Never sharded.
+  double autocast_bytes = 0;
+  /// Bytes per gradient element summed across ranks: 2 with Precision::reduce = bf16;
+  /// 0: grad_bytes.
+  double reduce_bytes = 0;
 };
 
 /// Bytes of each kind one rank holds under one stage.
@@ -111,9 +125,10 @@ struct Memory {
   double optimizer_state = 0;
   double activations = 0;
   double padding = 0;
+  double autocast_copies = 0;  ///< Model::autocast_bytes × Ψ, at every stage
 
   [[nodiscard]] constexpr double total() const noexcept {
-    return parameters + gradients + optimizer_state + activations + padding;
+    return parameters + gradients + optimizer_state + activations + padding + autocast_copies;
   }
 };
 
@@ -135,6 +150,8 @@ inline void validate(const Model& m) {
   require_non_negative(m.optimizer_bytes, "optimizer_bytes",
                        "K, e.g. plan::optimizer_bytes(\"adam\") = 8, or 12 for mixed-precision Adam");
   require_non_negative(m.activation_bytes, "activation_bytes", "an estimate in bytes, or 0 to leave activations out");
+  require_non_negative(m.autocast_bytes, "autocast_bytes", "2 under bf16 or fp16 autocast, 0 without");
+  require_non_negative(m.reduce_bytes, "reduce_bytes", "2 where gradients are summed in bf16, 0 for grad_bytes");
   if (m.ranks < 1)
     throw error(operation, -1,
                 "Model::ranks is " + std::to_string(m.ranks) +
@@ -159,7 +176,7 @@ inline void validate(const Model& m) {
   const bool grads_sharded = s == stage::stage2 || s == stage::stage3;
   const bool state_sharded = s != stage::ddp;
 
-  Memory out{.strategy = s, .activations = m.activation_bytes};
+  Memory out{.strategy = s, .activations = m.activation_bytes, .autocast_copies = m.autocast_bytes * psi};
   out.parameters = params_sharded ? m.param_bytes * psi / n : m.param_bytes * psi;
   out.gradients = grads_sharded ? m.grad_bytes * psi / n : m.grad_bytes * psi;
   out.optimizer_state = state_sharded ? m.optimizer_bytes * psi / n : m.optimizer_bytes * psi;
@@ -173,6 +190,18 @@ inline void validate(const Model& m) {
                   m.grad_bytes * (grads_sharded ? shard : whole) + m.optimizer_bytes * shard;
   }
   return out;
+}
+
+/// The bytes of gradients each rank hands to one step's collectives under stage `s`
+/// (DDP and stage 1 all-reduce them, stages 2 and 3 reduce-scatter them): Ψ elements of
+/// Model::reduce_bytes (grad_bytes where 0), plus at most (N_d − 1) elements of padding
+/// per bucket at the ZeRO stages (Model::buckets). DataParallel::
+/// gradient_bytes_sent() measures it.
+[[nodiscard]] inline double gradient_traffic(const Model& m, stage s) {
+  detail::validate(m);
+  const double bytes = m.reduce_bytes > 0 ? m.reduce_bytes : m.grad_bytes;
+  const bool padded = s != stage::ddp;  // the ZeRO stages pad each bucket to a multiple of N_d
+  return bytes * (m.parameters + (padded ? static_cast<double>(m.ranks - 1) * static_cast<double>(m.buckets) : 0.0));
 }
 
 /// `per_rank(m, s)` for every stage, in the order of `stages`.
@@ -275,6 +304,9 @@ inline std::string significant(double x, int digits = 3) {
           << " bytes";
     s << '\n';
   }
+  if (m.autocast_bytes > 0)
+    s << "\ntotals include autocast's copies of the weights at every stage: " << gb(rows[0].autocast_copies)
+      << " GB (" << m.autocast_bytes << " bytes/parameter)\n";
   return s.str();
 }
 

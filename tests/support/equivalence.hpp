@@ -11,6 +11,8 @@
 
 #include "paratrain/data/batch.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/precision.hpp"
+#include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/unit.hpp"
 #include "support/doctest.hpp"
 
@@ -41,9 +43,37 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-inline Mlp make_model(Features f, int rank) {
+// A dense layer, tanh after it or not: a block for paratrain::Recompute.
+struct DenseImpl : torch::nn::Module {
+  DenseImpl(std::int64_t in, std::int64_t out, bool tanh) : tanh(tanh) {
+    linear = register_module("linear", torch::nn::Linear(in, out));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = linear(x);
+    return tanh ? torch::tanh(y) : y;
+  }
+  bool tanh;
+  torch::nn::Linear linear{nullptr};
+};
+TORCH_MODULE(Dense);
+
+// Mlp's function and parameters (the same shapes, drawn in the same order from the same
+// seed), each layer a ZeRO-3 unit whose activations are recomputed in backward.
+struct RecomputedMlpImpl : torch::nn::Module {
+  using Layer = paratrain::Unit<paratrain::Recompute<Dense>>;
+  RecomputedMlpImpl(Features, int) {
+    fc1 = register_module("fc1", Layer(8, 16, true));
+    fc2 = register_module("fc2", Layer(16, 4, false));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(fc1(x)); }
+  Layer fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(RecomputedMlp);
+
+template <class Model = Mlp>
+Model make_model(Features f, int rank) {
   torch::manual_seed(1234 + rank);
-  return Mlp(f, rank);
+  return Model(f, rank);
 }
 
 inline torch::Tensor loss_fn(const torch::Tensor& out, const torch::Tensor& target) { return F::cross_entropy(out, target); }
@@ -84,8 +114,8 @@ inline std::int64_t stride_of(const Scenario& s) { return s.batch + (s.varied_ba
 
 // The optimizer's parameter groups for `model`, built the same way for the reference
 // and for the strategy: `weights` options for weights, weight decay 0 for biases.
-template <class Opts>
-paratrain::ParamGroups groups_of(const Scenario& s, const Mlp& model, const Opts& weights) {
+template <class Opts, class Model>
+paratrain::ParamGroups groups_of(const Scenario& s, const Model& model, const Opts& weights) {
   if (s.groups == Groups::one) return {torch::optim::OptimizerParamGroup(model->parameters())};
   std::vector<torch::Tensor> w, b;
   for (const auto& p : model->named_parameters()) (p.key().ends_with("bias") ? b : w).push_back(p.value());
@@ -109,7 +139,13 @@ std::vector<torch::Tensor> reference(const Scenario& s, int world, Opts opts) {
         ys.push_back(b.target);
       }
     optim.zero_grad();
-    loss_fn(model->forward(torch::cat(xs)), torch::cat(ys)).backward();
+    torch::Tensor loss;
+    {
+      // The same precision policy as the strategy's (Note [Mixed precision]), here by hand.
+      const paratrain::detail::AutocastScope autocast(s.options.precision.autocast, torch::kCPU);
+      loss = loss_fn(model->forward(torch::cat(xs)), torch::cat(ys));
+    }
+    loss.backward();
     if (s.options.max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), s.options.max_grad_norm);
     optim.step();
   }
@@ -117,13 +153,14 @@ std::vector<torch::Tensor> reference(const Scenario& s, int world, Opts opts) {
 }
 
 // `Update` is DataParallel's third argument: an optimizer (DDP) or Sharded<Optimizer, Stage>.
-template <class Comm, class Update, class Opts>
+// `Model`: Mlp, or one computing the same function from the same parameters.
+template <class Comm, class Update, class Opts, class Model = Mlp>
 std::vector<torch::Tensor> distributed(const Scenario& s, Comm c, Opts opts) {
   const Data data;
   const int world = c.size(), rank = c.rank();
-  auto model = make_model(s.features, rank);
+  auto model = make_model<Model>(s.features, rank);
   auto groups = groups_of(s, model, opts);
-  paratrain::DataParallel<Mlp, Comm, Update> dp(model, std::move(c), std::move(groups), opts, s.options);
+  paratrain::DataParallel<Model, Comm, Update> dp(model, std::move(c), std::move(groups), opts, s.options);
   const int mine = batches_of(s, rank);
   const auto batch = batch_of(s, rank);
   for (int k = 0;; ++k) {

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <optional>
 #include <span>
 #include <tuple>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "paratrain/fit.hpp"
 #include "paratrain/pipeline/schedule.hpp"
 #include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"
 #include "support/doctest.hpp"
@@ -66,6 +68,49 @@ struct HeadImpl : torch::nn::Module {
 };
 TORCH_MODULE(Head);
 
+// Mid and Head computed by one block each, whose activations are recomputed in backward
+// (paratrain::Recompute, a ZeRO-3 unit): the same functions, and the same parameters
+// drawn in the same order (fc, then gate) from the same seed.
+struct MidBlockImpl : torch::nn::Module {
+  MidBlockImpl() {
+    fc = register_module("fc", torch::nn::Linear(width, width));
+    gate = register_module("gate", torch::nn::Linear(width, width));
+  }
+  Tensor forward(Tensor h, Tensor z) {
+    auto a = torch::tanh(gate(z));
+    return torch::tanh(fc(h * a)) + a;
+  }
+  torch::nn::Linear fc{nullptr}, gate{nullptr};
+};
+TORCH_MODULE(MidBlock);
+
+struct RecomputedMidImpl : torch::nn::Module {
+  RecomputedMidImpl() { block = register_module("block", paratrain::Unit<paratrain::Recompute<MidBlock>>()); }
+  std::tuple<Tensor, Tensor> forward(Tensor h, Tensor z) { return {block(h, z), z}; }
+  paratrain::Unit<paratrain::Recompute<MidBlock>> block{nullptr};
+};
+TORCH_MODULE(RecomputedMid);
+
+struct HeadBlockImpl : torch::nn::Module {
+  HeadBlockImpl() {
+    fc = register_module("fc", torch::nn::Linear(width, classes));
+    gate = register_module("gate", torch::nn::Linear(width, width));
+  }
+  Tensor forward(Tensor h, Tensor z) {
+    auto a = torch::tanh(gate(z));
+    return fc(h * a + a);
+  }
+  torch::nn::Linear fc{nullptr}, gate{nullptr};
+};
+TORCH_MODULE(HeadBlock);
+
+struct RecomputedHeadImpl : torch::nn::Module {
+  RecomputedHeadImpl() { block = register_module("block", paratrain::Unit<paratrain::Recompute<HeadBlock>>()); }
+  Tensor forward(Tensor h, Tensor z) { return block(h, z); }
+  paratrain::Unit<paratrain::Recompute<HeadBlock>> block{nullptr};
+};
+TORCH_MODULE(RecomputedHead);
+
 // Entry, S-2 Mids, Head.
 template <std::size_t S, class = std::make_index_sequence<S - 2>>
 struct Chain;
@@ -116,7 +161,8 @@ struct Trained {
 template <class... Stage>
 struct Reference {
 template <class Optim, class Options>
-static Trained run(int replicas, int micro, int steps, Options options, double clip = 0) {
+static Trained run(int replicas, int micro, int steps, Options options, double clip = 0,
+                   std::optional<at::ScalarType> autocast = {}) {
   auto stages = [&]<std::size_t... I>(std::index_sequence<I...>) {
     return std::tuple<Stage...>{make_stage<Stage>(I)...};
   }(std::index_sequence_for<Stage...>{});
@@ -134,6 +180,7 @@ static Trained run(int replicas, int micro, int steps, Options options, double c
         rows[static_cast<std::size_t>(r)] += b.size();
       }
     sgd.zero_grad();
+    std::optional<paratrain::detail::AutocastScope> autocasting(std::in_place, autocast, torch::kCPU);
     auto out = std::apply(
         [&](auto& first, auto&... rest) {
           auto acts = first->forward(torch::cat(xs), torch::cat(zs));
@@ -151,6 +198,7 @@ static Trained run(int replicas, int micro, int steps, Options options, double c
         stages);
     const auto y = torch::cat(ys);
     auto& losses = trained.loss.emplace_back();
+    const auto whole = torch::nn::functional::cross_entropy(out, y);  // as the pipeline: under autocast
     {
       torch::NoGradGuard no_grad;
       std::int64_t begin = 0;
@@ -160,7 +208,8 @@ static Trained run(int replicas, int micro, int steps, Options options, double c
         begin += n;
       }
     }
-    torch::nn::functional::cross_entropy(out, y).backward();
+    autocasting.reset();
+    whole.backward();
     if (clip > 0) torch::nn::utils::clip_grad_norm_(params, clip);
     sgd.step();
   }
@@ -169,8 +218,12 @@ static Trained run(int replicas, int micro, int steps, Options options, double c
 }
 };
 
-template <class Comm, class Update, class P>
-void check_pipeline(Comm world, PipelineOptions options, int micro, int steps = 20) {
+// `Ref`: the pipeline whose stages the reference chains, where P's compute the same
+// functions from the same parameters in another way (recomputing activations).
+// `tolerance`: of the parameters, relative; the losses agree to 1e-9 relative, or to
+// `tolerance` where that is looser (mixed precision).
+template <class Comm, class Update, class P, class Ref = P>
+void check_pipeline(Comm world, PipelineOptions options, int micro, int steps = 20, double tolerance = 1e-5) {
   const double clip = options.data_parallel.max_grad_norm;
   using Strategy = paratrain::DataParallel<P, Comm, Update>;
   Strategy s(seeded(static_cast<P*>(nullptr)), std::move(world), sgd_options(), options);
@@ -180,8 +233,9 @@ void check_pipeline(Comm world, PipelineOptions options, int micro, int steps = 
   CAPTURE(micro);
   CAPTURE(s.schedule_for(micro).name);
   const auto want = [&]<class... Stage>(Pipeline<Stage...>*) {
-    return Reference<Stage...>::template run<torch::optim::SGD>(R, micro, steps, sgd_options(), clip);
-  }(static_cast<P*>(nullptr));
+    return Reference<Stage...>::template run<torch::optim::SGD>(R, micro, steps, sgd_options(), clip,
+                                                                 options.data_parallel.precision.autocast);
+  }(static_cast<Ref*>(nullptr));
   int peak = 0;
   for (int t = 0; t < steps; ++t) {
     std::vector<paratrain::Batch> mine;
@@ -191,13 +245,13 @@ void check_pipeline(Comm world, PipelineOptions options, int micro, int steps = 
     CHECK(r.has_loss == s.owns(static_cast<int>(P::size) - 1));
     if (r.has_loss)
       CHECK(r.loss == doctest::Approx(want.loss[static_cast<std::size_t>(t)][static_cast<std::size_t>(s.replica())])
-                          .epsilon(1e-9));
+                          .epsilon(std::max(1e-9, tolerance)));
     peak = std::max(peak, s.last_step_stats().peak_stashed);
   }
   std::vector<Tensor> expected;
   for (int i = 0; i < static_cast<int>(P::size); ++i)
     if (s.owns(i)) expected.insert(expected.end(), want.params[i].begin(), want.params[i].end());
-  CHECK(max_relative_difference(s.full_parameters(), expected) <= 1e-5);
+  CHECK(max_relative_difference(s.full_parameters(), expected) <= tolerance);
   // 1F1B and ZB-H1 keep at most K micro-batches' activations (rank r: K - r); GPipe all M.
   const auto kind = options.schedule;
   if (kind == pipeline::Kind::one_f_one_b) CHECK(peak <= std::min(K - s.pipeline_rank(), micro));

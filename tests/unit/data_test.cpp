@@ -9,6 +9,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -415,6 +416,42 @@ TEST_CASE_TEMPLATE("fit<SequentialSampler> over a user's slow dataset trains lik
   for (int e = 0; e < 2; ++e)
     for (std::size_t k = 0; k < epoch.size(); ++k) rate.push_back(decay(e + double(k) / double(epoch.size())));
   check_same(s.model(), reference(rows, steps, sgd, rate));
+}
+
+/// Each get() takes 20 ms, as a read from a slow disk.
+struct Sleepy {
+  const data::TensorDataset* rows;
+  [[nodiscard]] std::int64_t size() const { return rows->size(); }
+  [[nodiscard]] paratrain::Batch get(const torch::Tensor& indices) const {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return rows->get(indices);
+  }
+};
+
+TEST_CASE("StepInfo::data_seconds is the step's wait for its batches: all of the read without workers, "
+          "little of it where the worker had time to read ahead") {
+  const auto rows = make_data(64);
+  const auto wait_per_step = [&](int workers) {
+    paratrain::DataParallel<Mlp, comm::SingleDevice, torch::optim::SGD> s(make_net(), comm::SingleDevice{},
+                                                                        torch::optim::SGDOptions(0.01));
+    std::vector<double> waits;
+    paratrain::fit(s, Sleepy{&rows},
+                   {.epochs = 1, .batch_size = 8, .loader = {.workers = workers},
+                    .progress = false, .on_step = [&](const paratrain::StepInfo& i) {
+                      CHECK(i.data_seconds <= i.seconds);
+                      waits.push_back(i.data_seconds);
+                      // Time the worker has, between two steps, to read the next batch.
+                      std::this_thread::sleep_for(std::chrono::milliseconds(60));
+                    }});
+    REQUIRE(waits.size() == 8);
+    return waits;
+  };
+  for (const double w : wait_per_step(0)) CHECK(w >= 0.02);  // every read on the training thread
+  auto ahead = wait_per_step(1);
+  CHECK(ahead.front() >= 0.015);  // the worker started just before the first step asked
+  // Steps 2..8: read during the 60 ms the previous step left, so the wait is a hand-over.
+  std::sort(ahead.begin() + 1, ahead.end());
+  CHECK(ahead[4] < 0.01);  // the median of steps 2..8
 }
 
 namespace {

@@ -135,6 +135,25 @@ TEST_CASE("plan: fp32 Adam in LibTorch") {
   CHECK(plan::per_rank(m, plan::stage::stage3).total() == 2e9);
 }
 
+TEST_CASE("plan: bf16 autocast adds its weight copies at every stage; bf16 reduction halves the gradient bytes") {
+  // fp32 Adam as above, under bf16 autocast: 2 bytes of copies per parameter, never sharded.
+  plan::Model m{.parameters = 1e9, .optimizer_bytes = plan::optimizer_bytes("adam"), .ranks = 8};
+  auto mixed = m;
+  mixed.autocast_bytes = 2;
+  for (const auto s : plan::stages) {
+    CHECK(plan::per_rank(mixed, s).autocast_copies == 2e9);
+    CHECK(plan::per_rank(mixed, s).total() == plan::per_rank(m, s).total() + 2e9);
+  }
+  // Gradients sent per step: Ψ elements of grad_bytes, or of reduce_bytes; the ZeRO stages
+  // pad each of 3 buckets by at most N - 1 = 7 elements.
+  m.buckets = 3;
+  CHECK(plan::gradient_traffic(m, plan::stage::ddp) == 4e9);
+  CHECK(plan::gradient_traffic(m, plan::stage::stage2) == 4 * (1e9 + 21));
+  m.reduce_bytes = 2;
+  CHECK(plan::gradient_traffic(m, plan::stage::ddp) == 2e9);
+  CHECK(plan::gradient_traffic(m, plan::stage::stage3) == 2 * (1e9 + 21));
+}
+
 TEST_CASE("plan: the padding bound holds for real shards, and is reached") {
   // Shards computed element by element: a bucket of E elements is padded to
   // ceil(E / N) * N; a rank holding it whole holds all of that, a shard holder ceil(E / N).

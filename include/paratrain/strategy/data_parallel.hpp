@@ -30,6 +30,7 @@
 #include "paratrain/observe/timeline.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
+#include "paratrain/strategy/precision.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/sharded_parameters.hpp"
 #include "paratrain/strategy/state_slices.hpp"
@@ -67,6 +68,9 @@ struct DataParallelOptions {
   /// gradients are sharded (ZeRO 2, 3) or split into pipeline stages: the one clipping
   /// makes there, when max_grad_norm is set too.
   NonFinite nonfinite_gradients = NonFinite::apply;
+  /// Mixed precision: forward under autocast (bf16), gradients summed in bf16; the
+  /// parameters and the optimizer's state stay fp32. Note [Mixed precision].
+  Precision precision{};
 };
 
 /// Data parallelism across the ranks of `Comm`: every rank holds a replica of `Model`,
@@ -133,13 +137,15 @@ class DataParallel {
   DataParallel(Model model, Comm comm, ParamGroups groups, OptimOptions defaults, Options options = {})
       : model_(std::move(model)), comm_(std::move(comm)), options_(options), device_(detail::device_of(*model_)) {
     detail::tune_allocator();
+    detail::check_precision(options.precision, device_, "DataParallel", comm_.rank());
     detail::check_same_model(*this, *model_, "DataParallel");  // Note [Same model]
     detail::broadcast_coalesced(comm_, model_->parameters(), 0);
     detail::broadcast_coalesced(comm_, model_->buffers(), 0);
     const BucketOptions bucketing{options.bucket_cap_bytes, options.first_bucket_cap_bytes, sharded ? comm_.size() : 1};
     if constexpr (!sharded) {
       layout_ = std::make_unique<BucketLayout>(*model_, bucketing, [](auto&, auto&) { return -1; }, comm_.rank());
-      grads_ = std::make_unique<Grads>(*layout_, comm_, options.find_unused_parameters);
+      grads_ = std::make_unique<Grads>(*layout_, comm_, options.find_unused_parameters, nullptr,
+                                       Hook{options.precision.reduce});
       optimizer_ = std::make_unique<optimizer_type>(std::move(groups), std::move(defaults));
     } else {
       // Units matter at stage 3 only (Note [Units]); below, every parameter is resident.
@@ -157,7 +163,8 @@ class DataParallel {
           comm_.rank());
       shards_ = std::make_unique<Shards>(*layout_, comm_, groups, std::move(defaults), units.units);
       grads_ = std::make_unique<Grads>(*layout_, comm_, options.find_unused_parameters,
-                                       [s = shards_.get()](std::size_t b) { s->on_gradients_complete(b); });
+                                       [s = shards_.get()](std::size_t b) { s->on_gradients_complete(b); },
+                                       Hook{options.precision.reduce});
     }
   }
 
@@ -263,9 +270,11 @@ class DataParallel {
     return end_step(samples, 0.0, has_next, /*joined=*/samples == 0);
   }
 
-  /// The model's output for the batch's inputs, in evaluation mode and without gradients.
+  /// The model's output for the batch's inputs, in evaluation mode and without gradients
+  /// (under autocast with Precision::autocast, as training's forward: then often bf16).
   at::Tensor predict(const Batch& batch) {
     static_assert(explain_model<Model>());
+    const detail::AutocastScope autocast(options_.precision.autocast, device_);
     return detail::predict(model_, batch.inputs);
   }
   /// The output of a one-input model for `input`, in evaluation mode and without gradients.
@@ -313,6 +322,10 @@ class DataParallel {
   [[nodiscard]] std::vector<std::string> bucket_names(std::size_t i) const { return layout_->names(i); }
   /// Seconds the last step waited for communication after backward (not overlapped).
   [[nodiscard]] double exposed_communication_seconds() const noexcept { return grads_->exposed_seconds(); }
+  /// Bytes of gradients this rank handed to the last step's collectives: the padded
+  /// buckets, in the type they were summed in (half of fp32's with Precision::reduce =
+  /// at::kBFloat16). paratrain::plan::gradient_traffic predicts it.
+  [[nodiscard]] std::int64_t gradient_bytes_sent() const noexcept { return grads_->sent_bytes(); }
   /// Bytes this rank holds for parameters, gradients and optimizer state between steps:
   /// what paratrain::plan predicts (docs/sharding.md).
   [[nodiscard]] ModelStateBytes model_state_bytes() const {
@@ -373,7 +386,11 @@ class DataParallel {
     static_assert(explain_model<Model>());
     model_->train();
     observe::PhaseTimer forward(timeline_, observe::Phase::forward);
-    at::Tensor l = loss(detail::forward(model_, batch.inputs), batch.target);
+    at::Tensor l;
+    {
+      const detail::AutocastScope autocast(options_.precision.autocast, device_);  // Note [Mixed precision]
+      l = loss(detail::forward(model_, batch.inputs), batch.target);
+    }
     forward.stop();
     observe::PhaseTimer backward(timeline_, observe::Phase::backward);
     // Note [Exact averaging]: the gradient of the sum over this rank's samples.

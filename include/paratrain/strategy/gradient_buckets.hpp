@@ -6,9 +6,11 @@
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
+#include <c10/core/ScalarType.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -43,19 +45,59 @@ namespace paratrain {
 /// | `AllReduceGradients`     | the whole summed bucket (`grad`)  | DDP, ZeRO stage 1    |
 /// | `ReduceScatterGradients` | its shard of the sum (`shard`)    | ZeRO stages 2 and 3  |
 ///
-/// A compressing hook would sum a compressed copy and decompress in its request.
+/// Both sum in the gradients' own type, or in a narrower one (`dtype`, from
+/// Precision::reduce: Note [Mixed precision]), casting the bucket and widening the sum
+/// back when it completes.
 template <class H, class Comm>
 concept bucket_hook = requires(H& h, Comm& c, at::Tensor& grad, at::Tensor& shard) {
   { h.launch(c, grad, shard) } -> request;
   { H::shards_gradients } -> std::convertible_to<bool>;
 };
 
+/// A collective's request whose result, taken in another type than its destination's,
+/// is copied into the destination when it completes (and the buffers then dropped).
+template <request R>
+class WidenOnCompletion {
+ public:
+  explicit WidenOnCompletion(R inner) : inner_(std::move(inner)) {}
+  WidenOnCompletion(R inner, at::Tensor result, at::Tensor destination, at::Tensor input)
+      : inner_(std::move(inner)), result_(std::move(result)), destination_(std::move(destination)),
+        input_(std::move(input)) {}
+
+  void wait() {
+    if (done_) return;
+    inner_.wait();
+    finish();
+  }
+  bool test() {
+    if (done_) return true;
+    if (!inner_.test()) return false;
+    finish();
+    return true;
+  }
+
+ private:
+  void finish() {
+    if (destination_.defined()) destination_.copy_(result_);
+    result_ = destination_ = input_ = at::Tensor();
+    done_ = true;
+  }
+  R inner_;
+  at::Tensor result_, destination_, input_;
+  bool done_ = false;
+};
+
 /// Every rank keeps the whole summed gradient.
 struct AllReduceGradients {
   static constexpr bool shards_gradients = false;
+  std::optional<at::ScalarType> dtype;  ///< to sum in; empty: the gradients' own
   template <async_communicator Comm>
   auto launch(Comm& c, at::Tensor& grad, at::Tensor& /*shard*/) {
-    return c.iall_reduce(grad, reduce_op::sum);
+    using R = WidenOnCompletion<decltype(c.iall_reduce(grad, reduce_op::sum))>;
+    if (!dtype || *dtype == grad.scalar_type()) return R(c.iall_reduce(grad, reduce_op::sum));
+    auto narrow = grad.to(*dtype);
+    auto r = c.iall_reduce(narrow, reduce_op::sum);
+    return R(std::move(r), narrow, grad, at::Tensor());
   }
 };
 
@@ -63,9 +105,15 @@ struct AllReduceGradients {
 /// bucket exists only from its first gradient until its reduce-scatter completes.
 struct ReduceScatterGradients {
   static constexpr bool shards_gradients = true;
+  std::optional<at::ScalarType> dtype;  ///< to sum in; empty: the gradients' own
   template <async_sharding_communicator Comm>
   auto launch(Comm& c, at::Tensor& grad, at::Tensor& shard) {
-    return c.ireduce_scatter(grad, shard, reduce_op::sum);
+    using R = WidenOnCompletion<decltype(c.ireduce_scatter(grad, shard, reduce_op::sum))>;
+    if (!dtype || *dtype == grad.scalar_type()) return R(c.ireduce_scatter(grad, shard, reduce_op::sum));
+    auto narrow = grad.to(*dtype);
+    auto part = at::empty(shard.sizes(), shard.options().dtype(*dtype));
+    auto r = c.ireduce_scatter(narrow, part, reduce_op::sum);
+    return R(std::move(r), part, shard, narrow);
   }
 };
 
@@ -88,11 +136,12 @@ class GradientBuckets {
   /// `layout` must outlive this object; `on_complete(b)` is called when every gradient of
   /// bucket b is ready in a backward (accumulating or not): ZeRO-3 frees parameters then.
   GradientBuckets(const BucketLayout& layout, Comm& comm, bool find_unused_parameters,
-                  std::function<void(std::size_t)> on_complete = {})
+                  std::function<void(std::size_t)> on_complete = {}, Hook hook = {})
       : layout_(&layout),
         comm_(&comm),
         find_unused_(find_unused_parameters),
         on_complete_(std::move(on_complete)),
+        hook_(std::move(hook)),
         params_(layout.params().size()),
         buckets_(layout.buckets().size()) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
@@ -134,6 +183,7 @@ class GradientBuckets {
   /// accumulation) the hooks only let gradients accumulate.
   void prepare(bool sync) {
     sync_ = sync;
+    if (sync) sent_bytes_ = 0;
     next_launch_ = 0;
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       buckets_[b].pending = static_cast<int>(layout_->buckets()[b].params.size());
@@ -270,6 +320,10 @@ class GradientBuckets {
   /// at the cost of one pointer test. Note [Zero-cost timeline].
   void set_timeline(observe::StepTimeline* timeline) noexcept { timeline_ = timeline; }
 
+  /// Bytes of gradients this rank handed to the step's collectives (the padded buckets,
+  /// in the type they are summed in), since the last prepare(true): the last step's.
+  [[nodiscard]] std::int64_t sent_bytes() const noexcept { return sent_bytes_; }
+
  private:
   using Request = decltype(std::declval<Hook&>().launch(std::declval<Comm&>(), std::declval<at::Tensor&>(),
                                                          std::declval<at::Tensor&>()));
@@ -329,6 +383,8 @@ class GradientBuckets {
       auto& bucket = buckets_[next_launch_];
       if (timeline_) timeline_->launched(next_launch_);
       bucket.request.emplace(hook_.launch(*comm_, bucket.grad, bucket.shard));
+      sent_bytes_ += bucket.grad.numel() * static_cast<std::int64_t>(c10::elementSize(
+                                               hook_.dtype ? *hook_.dtype : bucket.grad.scalar_type()));
       ++next_launch_;
       if (shards && next_launch_ < buckets_.size()) allocate(next_launch_);  // one bucket ahead
     }
@@ -369,6 +425,7 @@ class GradientBuckets {
   std::size_t next_launch_ = 0;
   bool sync_ = true;
   double exposed_seconds_ = 0;
+  std::int64_t sent_bytes_ = 0;
   observe::StepTimeline* timeline_ = nullptr;
 };
 

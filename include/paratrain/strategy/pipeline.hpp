@@ -159,7 +159,11 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     for (int s = p_; s < S; s += K_) {
       auto in = s == 0 ? detail::to_device(batch.inputs, device_)
                        : receive(pipeline::detail::Message::evaluation, s, 0).first;
-      auto y = forward(s, std::move(in));
+      Tensors y;
+      {
+        const detail::AutocastScope autocast(options_.data_parallel.precision.autocast, device_);
+        y = forward(s, std::move(in));
+      }
       if (s == S - 1) out = y.front();
       else deliver(pipeline::detail::Message::evaluation, s + 1, 0, y, std::vector<bool>(y.size(), false));
     }
@@ -232,6 +236,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
 
   /// Bytes this rank holds for its stages' parameters, gradients and optimizer state.
   [[nodiscard]] ModelStateBytes model_state_bytes() const { return inner_->model_state_bytes(); }
+  /// Bytes of gradients this rank handed to the last step's collectives among its stages'
+  /// replicas (DataParallel::gradient_bytes_sent).
+  [[nodiscard]] std::int64_t gradient_bytes_sent() const noexcept { return inner_->gradient_bytes_sent(); }
 
   /// fit's trace (Note [Zero-cost timeline]): each stage pass as a forward or backward span,
   /// the replicas' reductions and the optimizer step through the stages' DataParallel.
@@ -400,6 +407,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     }
     const auto begin = clock::now();
     observe::PhaseTimer timer(timeline_, observe::Phase::forward);
+    // Note [Mixed precision]: the stage's forward, and the loss, under autocast.
+    std::optional<detail::AutocastScope> autocast(std::in_place, options_.data_parallel.precision.autocast, device_);
     const auto outputs = forward(a.stage, inputs);
     Flags needs;
     if (a.stage == S - 1) {
@@ -413,6 +422,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
         if (y.requires_grad()) st.roots.push_back(y);
       }
     }
+    autocast.reset();
     timer.stop();
     record(a, begin);
     if (a.stage != S - 1) deliver(pipeline::detail::Message::activation, a.stage + 1, a.micro, outputs, needs);

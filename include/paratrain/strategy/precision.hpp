@@ -1,0 +1,121 @@
+#pragma once
+/// \file
+/// paratrain::Precision — mixed precision: forward under autocast, fp32 parameters and
+/// optimizer state, gradients optionally summed across ranks in a narrower type.
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "paratrain/error.hpp"
+
+namespace paratrain {
+
+// Note [Mixed precision]
+// The parameters, their gradients and the optimizer's state stay in fp32 (the "master
+// weights"); only the computation narrows. Forward and the loss run under LibTorch's
+// autocast, as PyTorch's `torch.autocast(device, dtype)` runs them: matrix products and
+// convolutions in bf16 (or fp16 on CUDA), reductions and losses in fp32, each weight cast
+// once per forward and the cast kept for backward. Backward runs outside the region, as in
+// PyTorch, and its gradients arrive in fp32 (each cast's backward widens them). So one
+// policy serves DataParallel, every ZeRO stage and every pipeline schedule unchanged.
+//
+// `reduce` narrows what crosses the wire: each bucket of summed-over-samples gradients is
+// cast to it, summed across ranks in it (comm::Mpi widens each pair to float, adds and
+// rounds: Note [16-bit reductions]) and widened back into the fp32 bucket when the sum
+// completes. Half the bytes of fp32, for one rounding of each partial sum and of the
+// total (relative error at most 2^-8 each for bf16); ZeRO 2 and 3 reduce-scatter the
+// same way. This is FSDP's MixedPrecision(param_dtype, reduce_dtype) without param_dtype:
+// ZeRO-3 gathers fp32 parameters, and autocast casts them as it would unsharded ones.
+//
+// Memory: autocast's bf16 copies of the weights, 2 bytes per parameter, live from forward
+// to backward (autograd keeps them for the products' backward), under ZeRO-3 too, where
+// they outlive the gathered fp32 units; recomputed units (Unit<Recompute<Layer>>) make
+// theirs one unit at a time. plan::Model::autocast_bytes counts them.
+
+/// Which types a strategy computes and communicates in (DataParallelOptions::precision,
+/// and through it PipelineOptions::data_parallel): Note [Mixed precision].
+///
+/// \code
+/// paratrain::DataParallelOptions o{.precision = {.autocast = at::kBFloat16, .reduce = at::kBFloat16}};
+/// \endcode
+struct Precision {
+  /// Forward and the loss under autocast to this type: at::kBFloat16 (CPU or CUDA) or
+  /// at::kHalf (CUDA). Empty: everything in the parameters' type.
+  std::optional<at::ScalarType> autocast;
+  /// The type gradients are summed in across ranks: at::kBFloat16 halves the bytes of
+  /// fp32 gradients. Empty: the gradients' own type.
+  std::optional<at::ScalarType> reduce;
+};
+
+namespace detail {
+
+/// Throws paratrain::error, the same on every rank, for a type autocast or the reduction
+/// cannot use on `device`.
+inline void check_precision(const Precision& p, const c10::Device& device, std::string_view owner, int rank) {
+  if (p.autocast) {
+    const auto t = *p.autocast;
+    if (t != at::kBFloat16 && t != at::kHalf)
+      throw error(owner, rank,
+                  std::string("Precision::autocast is ") + c10::toString(t) +
+                      "; autocast computes in at::kBFloat16 (CPU or CUDA) or at::kHalf (CUDA)");
+    if (t == at::kHalf && !device.is_cuda())
+      throw error(owner, rank,
+                  "Precision::autocast is Half, which LibTorch's CPU autocast does not support; use at::kBFloat16 on a "
+                  "CPU");
+  }
+  if (p.reduce && !c10::isFloatingType(*p.reduce))
+    throw error(owner, rank,
+                std::string("Precision::reduce is ") + c10::toString(*p.reduce) +
+                    "; gradients are summed in a floating type: at::kBFloat16, at::kHalf or at::kFloat");
+}
+
+/// Forward under autocast to `dtype` on `device`'s kind, for its lifetime, as
+/// `with torch.autocast(...)` is: the state before is restored after, and the cache of
+/// cast weights is dropped when the outermost region ends. Nothing without a dtype.
+class AutocastScope {
+ public:
+  AutocastScope(std::optional<at::ScalarType> dtype, const c10::Device& device) : active_(dtype.has_value()) {
+    if (!active_) return;
+    cuda_ = device.is_cuda();
+    if (cuda_) {
+      was_enabled_ = at::autocast::is_enabled();
+      was_dtype_ = at::autocast::get_autocast_gpu_dtype();
+      at::autocast::set_enabled(true);
+      at::autocast::set_autocast_gpu_dtype(*dtype);
+    } else {
+      was_enabled_ = at::autocast::is_cpu_enabled();
+      was_dtype_ = at::autocast::get_autocast_cpu_dtype();
+      at::autocast::set_cpu_enabled(true);
+      at::autocast::set_autocast_cpu_dtype(*dtype);
+    }
+    at::autocast::increment_nesting();
+  }
+  ~AutocastScope() {
+    if (!active_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    if (cuda_) {
+      at::autocast::set_enabled(was_enabled_);
+      at::autocast::set_autocast_gpu_dtype(was_dtype_);
+    } else {
+      at::autocast::set_cpu_enabled(was_enabled_);
+      at::autocast::set_autocast_cpu_dtype(was_dtype_);
+    }
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  bool active_ = false;
+  bool cuda_ = false;
+  bool was_enabled_ = false;
+  at::ScalarType was_dtype_ = at::kBFloat16;
+};
+
+}  // namespace detail
+}  // namespace paratrain

@@ -1,0 +1,169 @@
+// Mixed precision (paratrain::Precision, Note [Mixed precision]) against single-device
+// LibTorch under the same autocast policy: DDP and every ZeRO stage, with gradients
+// summed in fp32 or bf16, and every pipeline schedule; that autocast really computes in
+// bf16; the bytes of gradients on the wire (halved by bf16) against paratrain::plan.
+//
+// Tolerance. bf16 keeps 8 significant bits: ε = 2^-8 ≈ 0.0039 is the spacing of bf16
+// numbers in [1, 2), and rounding to bf16 errs by at most ε/2 relative. Under one autocast
+// policy the strategy and the reference compute every sample's forward alike; they differ
+// where each rounds a sum over other samples: the weight gradient of each product (one
+// rank's or micro-batch's partial sum rounded to bf16, against the whole batch's), and
+// with Precision::reduce each partial and each pairwise sum across ranks (log2(4) = 2
+// levels at 4 ranks). Each rounding is at most ε/2 of what it rounds, and a partial is at
+// most the sum of the magnitudes, so a gradient element errs by a few ε/2 of the largest
+// gradient: here at most 2 (partial, then sum) + 2 (reduction levels) = 4 roundings, 2ε.
+// An SGD step turns that into the same relative error of the parameters' change. The
+// tests take 3 steps and allow 4ε = 0.0156 of the largest change, leaving a factor 2 for
+// the later steps' gradients being taken at parameters that already differ; the fp32
+// equivalence tests of the other files hold to 1e-5.
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "paratrain/comm/mpi.hpp"
+#include "paratrain/plan.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/strategy/precision.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "paratrain/strategy/unit.hpp"
+#include "support/doctest.hpp"  // after LibTorch: see there
+#include "support/equivalence.hpp"
+#include "support/pipeline_equivalence.hpp"
+
+namespace {
+
+namespace comm = paratrain::comm;
+namespace zero = paratrain::zero;
+using paratrain::Precision;
+using paratrain_test::Scenario;
+using SGD = torch::optim::SGD;
+
+constexpr double bf16_epsilon = 0.00390625;  // 2^-8
+constexpr double tolerance = 4 * bf16_epsilon;
+
+// Mlp's layers and function (support/equivalence.hpp), noting the type its first layer's
+// output was computed in.
+struct TapImpl : torch::nn::Module {
+  TapImpl(paratrain_test::Features, int) {
+    fc1 = register_module("fc1", paratrain::Unit<torch::nn::Linear>(8, 16));
+    fc2 = register_module("fc2", paratrain::Unit<torch::nn::Linear>(16, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = fc1(x);
+    seen = h.scalar_type();
+    return fc2(torch::tanh(h));
+  }
+  paratrain::Unit<torch::nn::Linear> fc1{nullptr}, fc2{nullptr};
+  at::ScalarType seen = at::kFloat;
+};
+TORCH_MODULE(Tap);
+
+// The largest difference of the parameters' changes from `start`, relative to the
+// largest change the reference made.
+double change_difference(const std::vector<torch::Tensor>& got, const std::vector<torch::Tensor>& want,
+                         const std::vector<torch::Tensor>& start) {
+  REQUIRE(got.size() == want.size());
+  double worst = 0, largest = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, (got[i] - want[i]).abs().max().item<double>());
+    largest = std::max(largest, (want[i] - start[i]).abs().max().item<double>());
+  }
+  return worst / largest;
+}
+
+template <class Update>
+void check_update(const Precision& precision) {
+  const int world = comm::Mpi().size();
+  const auto opts = torch::optim::SGDOptions(0.1);
+  Scenario s{.steps = 3, .batch = 4, .varied_batch = true};  // rank r: 4 + r samples a step
+  s.options.precision = precision;
+  const auto start = paratrain_test::make_model<Tap>({}, 0)->parameters();
+  const auto want = paratrain_test::reference<SGD>(s, world, opts);  // Mlp, the same parameters
+  const auto got = paratrain_test::distributed<comm::Mpi, Update, torch::optim::SGDOptions, Tap>(s, comm::Mpi(), opts);
+  const double d = change_difference(got, want, start);
+  CAPTURE(d);
+  CHECK(d <= tolerance);
+}
+
+}  // namespace
+
+TEST_CASE("bf16 autocast under DDP and every ZeRO stage trains as one device under the same policy") {
+  for (const auto reduce : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kBFloat16}}) {
+    const Precision p{.autocast = at::kBFloat16, .reduce = reduce};
+    CAPTURE(reduce.has_value());
+    check_update<SGD>(p);
+    check_update<paratrain::Sharded<SGD, zero::stage1>>(p);
+    check_update<paratrain::Sharded<SGD, zero::stage2>>(p);
+    check_update<paratrain::Sharded<SGD, zero::stage3>>(p);
+  }
+}
+
+TEST_CASE("autocast computes in bf16, the parameters stay fp32, and bf16 gradients halve the bytes plan predicts") {
+  comm::Mpi c;
+  const int world = c.size(), rank = c.rank();
+  const paratrain_test::Data data;
+  const auto batch = data.of(world, rank, 0, 4 + rank, 8);
+  const auto run = [&]<class Update>(Update*, const Precision& p) {
+    auto model = paratrain_test::make_model<Tap>({}, rank);
+    paratrain::DataParallel<Tap, comm::Mpi, Update> dp(model, comm::Mpi(), torch::optim::SGDOptions(0.1),
+                                                       {.precision = p});
+    dp.step(batch, paratrain_test::loss_fn);
+    CHECK((model->seen == (p.autocast ? at::kBFloat16 : at::kFloat)));
+    for (const auto& q : model->parameters()) CHECK((q.scalar_type() == at::kFloat));
+    if (p.autocast) CHECK((dp.predict(batch).scalar_type() == at::kBFloat16));
+    return dp.gradient_bytes_sent();
+  };
+  // Mlp's 8·16 + 16 + 16·4 + 4 = 212 parameters, in 1 bucket.
+  namespace plan = paratrain::plan;
+  const plan::Model m{.parameters = 212, .ranks = world, .buckets = 1};
+  const plan::Model units{.parameters = 212, .ranks = world, .buckets = 2};  // at most a bucket per unit
+  auto bf16 = m;
+  bf16.reduce_bytes = 2;
+  const auto ddp = run((SGD*)nullptr, {.autocast = at::kBFloat16});
+  CHECK(ddp == plan::gradient_traffic(m, plan::stage::ddp));  // 848: DDP's buckets are not padded
+  CHECK(run((SGD*)nullptr, {.autocast = at::kBFloat16, .reduce = at::kBFloat16}) * 2 == ddp);
+  CHECK(run((SGD*)nullptr, {.reduce = at::kBFloat16}) == plan::gradient_traffic(bf16, plan::stage::ddp));
+  using Z3 = paratrain::Sharded<SGD, zero::stage3>;
+  const auto z3 = run((Z3*)nullptr, {});
+  const auto z3_bf16 = run((Z3*)nullptr, {.autocast = at::kBFloat16, .reduce = at::kBFloat16});
+  CHECK(z3_bf16 * 2 == z3);
+  // ZeRO pads each bucket to a multiple of the ranks: at most plan's bound.
+  CHECK(z3 >= plan::gradient_traffic({.parameters = 212, .ranks = world}, plan::stage::stage3));
+  CHECK(z3 <= plan::gradient_traffic(units, plan::stage::stage3));
+}
+
+TEST_CASE("a type autocast or the reduction cannot use is an error naming the fix") {
+  const auto error_of = [](const Precision& p) {
+    return paratrain_test::error_of([&] {
+      paratrain::DataParallel<paratrain_test::Mlp, comm::Mpi, SGD> dp(paratrain_test::make_model({}, 0), comm::Mpi(),
+                                                                      torch::optim::SGDOptions(0.1), {.precision = p});
+    });
+  };
+  CHECK(error_of({.autocast = at::kHalf}).find("use at::kBFloat16 on a CPU") != std::string::npos);
+  CHECK(error_of({.autocast = at::kFloat}).find("autocast computes in at::kBFloat16") != std::string::npos);
+  CHECK(error_of({.reduce = at::kInt}).find("summed in a floating type") != std::string::npos);
+}
+
+TEST_CASE("bf16 autocast under every pipeline schedule trains as one device under the same policy") {
+  using namespace paratrain_test::pipe;
+  const int world = comm::Mpi().size();
+  // The harness compares the parameters relative to themselves (a looser test than the
+  // change's, above) and every step's per-replica loss, both to 4ε.
+  const auto check = [&]<class P>(P*, pipeline::Kind kind, int v = 1) {
+    PipelineOptions o{.schedule = kind, .virtual_stages = v};
+    o.data_parallel.precision = {.autocast = at::kBFloat16, .reduce = at::kBFloat16};
+    for (const int micro : {1, 4})
+      paratrain_test::pipe::check_pipeline<comm::Mpi, SGD, P>(comm::Mpi(), o, micro, 3, tolerance);
+  };
+  if (world % 2 == 0) {
+    for (const auto kind : {pipeline::Kind::gpipe, pipeline::Kind::one_f_one_b, pipeline::Kind::zero_bubble_h1})
+      check((ChainOf<2>*)nullptr, kind);
+    check((ChainOf<4>*)nullptr, pipeline::Kind::interleaved_1f1b, 2);
+  }
+  if (world == 3)
+    for (const auto kind : {pipeline::Kind::gpipe, pipeline::Kind::one_f_one_b, pipeline::Kind::zero_bubble_h1})
+      check((ChainOf<3>*)nullptr, kind);
+  if (world == 1) check((ChainOf<2>*)nullptr, pipeline::Kind::interleaved_1f1b, 2);  // both stages on one rank
+}
