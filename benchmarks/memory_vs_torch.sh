@@ -4,7 +4,8 @@
 # around every encoder and decoder layer), with --bf16 (forward under bf16 autocast,
 # gradients summed in bf16) and with both, beside the seed's PyTorch DDP program doing the
 # same (torch.utils.checkpoint(use_reentrant=False) around the same layers;
-# torch.autocast("cpu", torch.bfloat16) and DDP's bf16_compress_hook), 2 ranks each, batch
+# torch.autocast("cpu", torch.bfloat16); its DDP sums gradients in fp32, since PyTorch
+# 1.13's bf16_compress_hook needs NCCL and this machine has gloo), 2 ranks each, batch
 # 32 per rank, Adam; at the seed's target length (20) and at a longer one (100, where
 # activations weigh more). Prints each run's step time, its peak memory (the largest
 # resident set of any rank's process, which includes the model state, ~700 MiB, and the

@@ -18,8 +18,9 @@ PyTorch's default), with its default prefetch_factor (2 batches per worker).
 With --recompute every encoder and decoder layer runs under torch.utils.checkpoint
 (use_reentrant=False: the variant PyTorch's DDP supports), as transformer_ddp --recompute
 recomputes them. With --bf16 forward and the loss run under torch.autocast("cpu",
-torch.bfloat16) and DDP sums the gradients in bf16 (its bf16_compress_hook), as
-transformer_ddp --bf16 does. --tgt-len sets the target's length (20).
+torch.bfloat16), as transformer_ddp --bf16 runs them; DDP still sums the gradients in fp32:
+PyTorch 1.13's bf16_compress_hook refuses anything but NCCL ("BF16 all reduce communication
+hook required CUDA 11+ and NCCL 2.10+"), and this machine's DDP runs over gloo. --tgt-len sets the target's length (20).
 
 Trains --steps steps in all and leaves the first --warmup of them out of the timing, as
 transformer_ddp's --steps and --warmup do. Ranks are processes
@@ -90,9 +91,6 @@ def run(rank, args):
         for layer in [*transformer.encoder.layers, *transformer.decoder.layers]:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     model = DistributedDataParallel(transformer)  # defaults: bucket_cap_mb=25
-    if args.bf16:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001 * world)
     criterion = nn.CrossEntropyLoss()
 
@@ -149,7 +147,7 @@ def main():
     p.add_argument("--workers", type=int, default=0, help="DataLoader's num_workers")
     p.add_argument("--tgt-len", type=int, default=20, help="the target's length")
     p.add_argument("--recompute", action="store_true", help="torch.utils.checkpoint around every layer")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast, gradients summed in bf16")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (gradients still summed in fp32: gloo)")
     args = p.parse_args()
     peer.spawn(run, args, args.ranks)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | transformer | io | fashion_mnist
+# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | transformer | io | memory | fashion_mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${PARATRAIN_BUILD_DIR:-build}
@@ -36,11 +36,15 @@ case "${1:-}" in
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target transformer_ddp transformer_single >&2
     benchmarks/io_vs_torch.sh "${@:2}" ;;
+  memory)
+    PARATRAIN_WITH_PEER=1 scripts/deps.sh
+    scripts/build.sh --target transformer_ddp >&2
+    benchmarks/memory_vs_torch.sh "${@:2}" ;;
   fashion_mnist)
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target fashion_mnist_ddp >&2
     benchmarks/fashion_mnist_vs_torch.sh ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | transformer | io | fashion_mnist" >&2
+    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | transformer | io | memory | fashion_mnist" >&2
     exit 2 ;;
 esac

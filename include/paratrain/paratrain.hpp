@@ -39,6 +39,7 @@
 #include "paratrain/strategy/gradient_buckets.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
 #include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/strategy/precision.hpp"
 #include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/sharded_parameters.hpp"

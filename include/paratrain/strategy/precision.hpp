@@ -20,7 +20,7 @@ namespace paratrain {
 // The parameters, their gradients and the optimizer's state stay in fp32 (the "master
 // weights"); only the computation narrows. Forward and the loss run under LibTorch's
 // autocast, as PyTorch's `torch.autocast(device, dtype)` runs them: matrix products and
-// convolutions in bf16 (or fp16 on CUDA), reductions and losses in fp32, each weight cast
+// convolutions in bf16, reductions and losses in fp32, each weight cast
 // once per forward and the cast kept for backward. Backward runs outside the region, as in
 // PyTorch, and its gradients arrive in fp32 (each cast's backward widens them). So one
 // policy serves DataParallel, every ZeRO stage and every pipeline schedule unchanged.
@@ -45,8 +45,9 @@ namespace paratrain {
 /// paratrain::DataParallelOptions o{.precision = {.autocast = at::kBFloat16, .reduce = at::kBFloat16}};
 /// \endcode
 struct Precision {
-  /// Forward and the loss under autocast to this type: at::kBFloat16 (CPU or CUDA) or
-  /// at::kHalf (CUDA). Empty: everything in the parameters' type.
+  /// Forward and the loss under autocast to this type: at::kBFloat16 (CPU or CUDA; fp16
+  /// would need loss scaling, which is not there yet). Empty: everything in the
+  /// parameters' type.
   std::optional<at::ScalarType> autocast;
   /// The type gradients are summed in across ranks: at::kBFloat16 halves the bytes of
   /// fp32 gradients. Empty: the gradients' own type.
@@ -60,14 +61,15 @@ namespace detail {
 inline void check_precision(const Precision& p, const c10::Device& device, std::string_view owner, int rank) {
   if (p.autocast) {
     const auto t = *p.autocast;
-    if (t != at::kBFloat16 && t != at::kHalf)
+    if (t == at::kHalf)
       throw error(owner, rank,
-                  std::string("Precision::autocast is ") + c10::toString(t) +
-                      "; autocast computes in at::kBFloat16 (CPU or CUDA) or at::kHalf (CUDA)");
-    if (t == at::kHalf && !device.is_cuda())
+                  std::string("Precision::autocast is Half: fp16 gradients underflow without loss scaling, which "
+                              "paratrain does not do yet") +
+                      (device.is_cuda() ? "" : " (nor does LibTorch's CPU autocast take Half)") +
+                      "; use at::kBFloat16, whose range is fp32's");
+    if (t != at::kBFloat16)
       throw error(owner, rank,
-                  "Precision::autocast is Half, which LibTorch's CPU autocast does not support; use at::kBFloat16 on a "
-                  "CPU");
+                  std::string("Precision::autocast is ") + c10::toString(t) + "; autocast computes in at::kBFloat16");
   }
   if (p.reduce && !c10::isFloatingType(*p.reduce))
     throw error(owner, rank,
