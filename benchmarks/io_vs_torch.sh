@@ -29,22 +29,11 @@ warmup=${2:-2}
 rounds=${3:-1}
 build=${PARATRAIN_BUILD_DIR:-build}
 python=/usr/bin/python3
-for target in transformer_ddp transformer_single; do
-  if [[ ! -x $build/examples/$target ]]; then
-    echo "$build/examples/$target is missing; build it: cmake --build $build --target $target" >&2
-    exit 1
-  fi
-done
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-export MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647
-
+. benchmarks/side_by_side.sh  # require_built, same_environment, run_clean, machine_line
+require_built "$build" transformer_ddp transformer_single
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-
-. benchmarks/side_by_side.sh  # busy_ticks, wait_quiet, run_clean, machine_line
-
-command="$({ env | grep -E '^(GLIBC_TUNABLES|MALLOC_[A-Z_]+|OMPI_MCA_[A-Za-z0-9_]+)=' || true; } | sort | tr '\n' ' ')$0 $steps $warmup $rounds"
-echo "Command: $command" >&2
+same_environment "$0" "$steps" "$warmup" "$rounds"
 "$build/examples/transformer_single" --write-data "$tmp/seed.h5" >&2
 
 export RUN_CLEAN_TRIES=3

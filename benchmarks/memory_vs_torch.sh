@@ -27,20 +27,11 @@ warmup=${2:-2}
 build=${PARATRAIN_BUILD_DIR:-build}
 bench=$build/examples/transformer_ddp
 python=/usr/bin/python3
-if [[ ! -x $bench ]]; then
-  echo "$bench is missing; build it: cmake --build $build --target transformer_ddp" >&2
-  exit 1
-fi
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-export MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647
-
+. benchmarks/side_by_side.sh  # require_built, same_environment, run_clean, machine_line
+require_built "$build" transformer_ddp
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-
-. benchmarks/side_by_side.sh  # busy_ticks, wait_quiet, run_clean, machine_line
-
-command="$({ env | grep -E '^(GLIBC_TUNABLES|MALLOC_[A-Z_]+|OMPI_MCA_[A-Za-z0-9_]+)=' || true; } | sort | tr '\n' ' ')$0 $steps $warmup"
-echo "Command: $command" >&2
+same_environment "$0" "$steps" "$warmup"
 export RUN_CLEAN_TRIES=3
 # target length, samples (enough for the steps at 2 x 32 a step)
 for config in "20 2048" "100 512"; do

@@ -1,6 +1,28 @@
 # Sourced by the *_vs_torch.sh drivers: running a side on a quiet machine, and saying what
 # machine it was. Needs $tmp (a scratch directory) and $python (the peer's interpreter).
 
+# require_built BUILD_DIR TARGET...: stops, naming the build command, unless each example is built.
+require_built() {
+  local build=$1 target
+  shift
+  for target in "$@"; do
+    if [[ ! -x $build/examples/$target ]]; then
+      echo "$build/examples/$target is missing; build it: cmake --build $build --target $target" >&2
+      exit 1
+    fi
+  done
+}
+
+# same_environment "$0" ARGS...: both sides' settings (one thread per rank; glibc's
+# allocator as paratrain sets it, Note [Allocator], stated for PyTorch too), and in
+# $command the driver's command line with what in the environment changes the numbers.
+same_environment() {
+  export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+  export MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647
+  command="$({ env | grep -E '^(GLIBC_TUNABLES|MALLOC_[A-Z_]+|OMPI_MCA_[A-Za-z0-9_]+)=' || true; } | sort | tr '\n' ' ')$*"
+  echo "Command: $command" >&2
+}
+
 busy_ticks() {  # CPU time spent by everything on the machine, in clock ticks
   local _ user nice system idle iowait irq softirq steal
   read -r _ user nice system idle iowait irq softirq steal _ </proc/stat

@@ -26,21 +26,11 @@ rounds=${3:-1}
 build=${PARATRAIN_BUILD_DIR:-build}
 bench=$build/examples/transformer_ddp
 python=/usr/bin/python3
-if [[ ! -x $bench ]]; then
-  echo "$bench is missing; build it: cmake --build $build --target transformer_ddp" >&2
-  exit 1
-fi
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-export MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647
-
+. benchmarks/side_by_side.sh  # require_built, same_environment, run_clean, machine_line
+require_built "$build" transformer_ddp
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-
-. benchmarks/side_by_side.sh  # busy_ticks, wait_quiet, run_clean, machine_line
-
-# The exact command, with the environment that changes the numbers (allocator, MPI tuning).
-command="$({ env | grep -E '^(GLIBC_TUNABLES|MALLOC_[A-Z_]+|OMPI_MCA_[A-Za-z0-9_]+)=' || true; } | sort | tr '\n' ' ')$0 $steps $warmup $rounds"
-echo "Command: $command" >&2
+same_environment "$0" "$steps" "$warmup" "$rounds"  # sets $command
 export RUN_CLEAN_TRIES=3
 for ((round = 1; round <= rounds; ++round)); do
   echo "-- round $round of $rounds" >&2
