@@ -144,6 +144,7 @@ TEST_CASE("a type autocast or the reduction cannot use is an error naming the fi
   CHECK(error_of({.autocast = at::kHalf}).find("without loss scaling") != std::string::npos);
   CHECK(error_of({.autocast = at::kFloat}).find("autocast computes in at::kBFloat16") != std::string::npos);
   CHECK(error_of({.reduce = at::kInt}).find("summed in a floating type") != std::string::npos);
+  CHECK(error_of({.reduce = at::kHalf}).find("with fp32's range") != std::string::npos);
 }
 
 TEST_CASE("bf16 autocast under every pipeline schedule trains as one device under the same policy") {

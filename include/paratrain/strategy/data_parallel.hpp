@@ -145,7 +145,7 @@ class DataParallel {
     if constexpr (!sharded) {
       layout_ = std::make_unique<BucketLayout>(*model_, bucketing, [](auto&, auto&) { return -1; }, comm_.rank());
       grads_ = std::make_unique<Grads>(*layout_, comm_, options.find_unused_parameters, nullptr,
-                                       Hook{options.precision.reduce});
+                                       options.precision.reduce);
       optimizer_ = std::make_unique<optimizer_type>(std::move(groups), std::move(defaults));
     } else {
       // Units matter at stage 3 only (Note [Units]); below, every parameter is resident.
@@ -164,7 +164,7 @@ class DataParallel {
       shards_ = std::make_unique<Shards>(*layout_, comm_, groups, std::move(defaults), units.units);
       grads_ = std::make_unique<Grads>(*layout_, comm_, options.find_unused_parameters,
                                        [s = shards_.get()](std::size_t b) { s->on_gradients_complete(b); },
-                                       Hook{options.precision.reduce});
+                                       options.precision.reduce);
     }
   }
 

@@ -45,14 +45,16 @@ namespace paratrain {
 /// | `AllReduceGradients`     | the whole summed bucket (`grad`)  | DDP, ZeRO stage 1    |
 /// | `ReduceScatterGradients` | its shard of the sum (`shard`)    | ZeRO stages 2 and 3  |
 ///
-/// Both sum in the gradients' own type, or in a narrower one (`dtype`, from
-/// Precision::reduce: Note [Mixed precision]), casting the bucket and widening the sum
-/// back when it completes.
+/// A hook sums the buffers it is given in their type; where gradients are summed in a
+/// narrower one (Precision::reduce, Note [Mixed precision]), GradientBuckets hands it a
+/// narrowed copy of the bucket and widens the sum back when it completes.
 template <class H, class Comm>
 concept bucket_hook = requires(H& h, Comm& c, at::Tensor& grad, at::Tensor& shard) {
   { h.launch(c, grad, shard) } -> request;
   { H::shards_gradients } -> std::convertible_to<bool>;
 };
+
+namespace detail {
 
 /// A collective's request whose result, taken in another type than its destination's,
 /// is copied into the destination when it completes (and the buffers then dropped).
@@ -87,17 +89,14 @@ class WidenOnCompletion {
   bool done_ = false;
 };
 
+}  // namespace detail
+
 /// Every rank keeps the whole summed gradient.
 struct AllReduceGradients {
   static constexpr bool shards_gradients = false;
-  std::optional<at::ScalarType> dtype;  ///< to sum in; empty: the gradients' own
   template <async_communicator Comm>
   auto launch(Comm& c, at::Tensor& grad, at::Tensor& /*shard*/) {
-    using R = WidenOnCompletion<decltype(c.iall_reduce(grad, reduce_op::sum))>;
-    if (!dtype || *dtype == grad.scalar_type()) return R(c.iall_reduce(grad, reduce_op::sum));
-    auto narrow = grad.to(*dtype);
-    auto r = c.iall_reduce(narrow, reduce_op::sum);
-    return R(std::move(r), narrow, grad, at::Tensor());
+    return c.iall_reduce(grad, reduce_op::sum);
   }
 };
 
@@ -105,15 +104,9 @@ struct AllReduceGradients {
 /// bucket exists only from its first gradient until its reduce-scatter completes.
 struct ReduceScatterGradients {
   static constexpr bool shards_gradients = true;
-  std::optional<at::ScalarType> dtype;  ///< to sum in; empty: the gradients' own
   template <async_sharding_communicator Comm>
   auto launch(Comm& c, at::Tensor& grad, at::Tensor& shard) {
-    using R = WidenOnCompletion<decltype(c.ireduce_scatter(grad, shard, reduce_op::sum))>;
-    if (!dtype || *dtype == grad.scalar_type()) return R(c.ireduce_scatter(grad, shard, reduce_op::sum));
-    auto narrow = grad.to(*dtype);
-    auto part = at::empty(shard.sizes(), shard.options().dtype(*dtype));
-    auto r = c.ireduce_scatter(narrow, part, reduce_op::sum);
-    return R(std::move(r), part, shard, narrow);
+    return c.ireduce_scatter(grad, shard, reduce_op::sum);
   }
 };
 
@@ -135,13 +128,15 @@ class GradientBuckets {
 
   /// `layout` must outlive this object; `on_complete(b)` is called when every gradient of
   /// bucket b is ready in a backward (accumulating or not): ZeRO-3 frees parameters then.
+  /// `reduce_dtype`: the type buckets are summed in (Precision::reduce); empty: their own.
   GradientBuckets(const BucketLayout& layout, Comm& comm, bool find_unused_parameters,
-                  std::function<void(std::size_t)> on_complete = {}, Hook hook = {})
+                  std::function<void(std::size_t)> on_complete = {},
+                  std::optional<at::ScalarType> reduce_dtype = std::nullopt)
       : layout_(&layout),
         comm_(&comm),
         find_unused_(find_unused_parameters),
         on_complete_(std::move(on_complete)),
-        hook_(std::move(hook)),
+        reduce_dtype_(reduce_dtype),
         params_(layout.params().size()),
         buckets_(layout.buckets().size()) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
@@ -325,8 +320,8 @@ class GradientBuckets {
   [[nodiscard]] std::int64_t sent_bytes() const noexcept { return sent_bytes_; }
 
  private:
-  using Request = decltype(std::declval<Hook&>().launch(std::declval<Comm&>(), std::declval<at::Tensor&>(),
-                                                         std::declval<at::Tensor&>()));
+  using Request = detail::WidenOnCompletion<decltype(std::declval<Hook&>().launch(
+      std::declval<Comm&>(), std::declval<at::Tensor&>(), std::declval<at::Tensor&>()))>;
   struct Param {
     bool ready = false;  // in this backward
     bool used = false;   // a gradient arrived since zero_grad()
@@ -382,9 +377,7 @@ class GradientBuckets {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
       auto& bucket = buckets_[next_launch_];
       if (timeline_) timeline_->launched(next_launch_);
-      bucket.request.emplace(hook_.launch(*comm_, bucket.grad, bucket.shard));
-      sent_bytes_ += bucket.grad.numel() * static_cast<std::int64_t>(c10::elementSize(
-                                               hook_.dtype ? *hook_.dtype : bucket.grad.scalar_type()));
+      launch(bucket);
       ++next_launch_;
       if (shards && next_launch_ < buckets_.size()) allocate(next_launch_);  // one bucket ahead
     }
@@ -395,6 +388,24 @@ class GradientBuckets {
         if (!r->test()) break;
         if (timeline_) timeline_->completed(k);
       }
+  }
+
+  // The bucket's sum through the hook, in reduce_dtype_ where that is narrower: Note
+  // [Mixed precision]. The hook then sums a narrowed copy (and, sharded, into a narrowed
+  // shard), and the request widens the result into the bucket (or its shard).
+  void launch(Bucket& bucket) {
+    const auto own = bucket.grad.scalar_type();
+    const auto wire = reduce_dtype_.value_or(own);
+    sent_bytes_ += bucket.grad.numel() * static_cast<std::int64_t>(c10::elementSize(wire));
+    if (wire == own) {
+      bucket.request.emplace(hook_.launch(*comm_, bucket.grad, bucket.shard));
+      return;
+    }
+    auto grad = bucket.grad.to(wire);
+    auto shard = shards ? at::empty(bucket.shard.sizes(), bucket.shard.options().dtype(wire)) : at::Tensor();
+    auto r = hook_.launch(*comm_, grad, shard);
+    if constexpr (shards) bucket.request.emplace(std::move(r), shard, bucket.shard, grad);
+    else bucket.request.emplace(std::move(r), grad, bucket.grad, at::Tensor());
   }
 
   // The gradient of parameter i as a view into its bucket. If something replaced .grad
@@ -418,6 +429,7 @@ class GradientBuckets {
   Comm* comm_;
   bool find_unused_;
   std::function<void(std::size_t)> on_complete_;
+  std::optional<at::ScalarType> reduce_dtype_;
   Hook hook_;
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;

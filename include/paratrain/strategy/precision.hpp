@@ -50,7 +50,8 @@ struct Precision {
   /// parameters' type.
   std::optional<at::ScalarType> autocast;
   /// The type gradients are summed in across ranks: at::kBFloat16 halves the bytes of
-  /// fp32 gradients. Empty: the gradients' own type.
+  /// fp32 gradients (fp16 is refused: sums over samples overflow it). Empty: the
+  /// gradients' own type.
   std::optional<at::ScalarType> reduce;
 };
 
@@ -71,10 +72,13 @@ inline void check_precision(const Precision& p, const c10::Device& device, std::
       throw error(owner, rank,
                   std::string("Precision::autocast is ") + c10::toString(t) + "; autocast computes in at::kBFloat16");
   }
-  if (p.reduce && !c10::isFloatingType(*p.reduce))
+  // Not fp16: the buckets hold sums over samples (Note [Exact averaging]), which overflow
+  // fp16's 65504 where bf16, with fp32's range, does not.
+  if (p.reduce && *p.reduce != at::kBFloat16 && *p.reduce != at::kFloat)
     throw error(owner, rank,
                 std::string("Precision::reduce is ") + c10::toString(*p.reduce) +
-                    "; gradients are summed in a floating type: at::kBFloat16, at::kHalf or at::kFloat");
+                    "; gradients are summed in a floating type with fp32's range: at::kBFloat16 (half the bytes) or "
+                    "at::kFloat");
 }
 
 /// Forward under autocast to `dtype` on `device`'s kind, for its lifetime, as
