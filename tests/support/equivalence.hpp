@@ -3,15 +3,16 @@
 // MLP, synthetic data split into per-rank batches, plain-LibTorch single-device training
 // on the union of the ranks' batches (the independent reference), and the same training
 // through paratrain::DataParallel over any communicator and update policy.
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "paratrain/data/batch.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
-#include "paratrain/strategy/precision.hpp"
 #include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/unit.hpp"
 #include "support/doctest.hpp"
@@ -75,6 +76,29 @@ Model make_model(Features f, int rank) {
   torch::manual_seed(1234 + rank);
   return Model(f, rank);
 }
+
+// Autocast on the CPU as `with torch.autocast("cpu", dtype)` sets it, written out with
+// LibTorch's own calls: the references' precision policy, independent of paratrain's
+// AutocastScope. Nothing without a dtype.
+class CpuAutocast {
+ public:
+  explicit CpuAutocast(std::optional<at::ScalarType> dtype) : on_(dtype.has_value()) {
+    if (!on_) return;
+    at::autocast::set_cpu_enabled(true);
+    at::autocast::set_autocast_cpu_dtype(*dtype);
+    at::autocast::increment_nesting();
+  }
+  ~CpuAutocast() {
+    if (!on_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_cpu_enabled(false);
+  }
+  CpuAutocast(const CpuAutocast&) = delete;
+  CpuAutocast& operator=(const CpuAutocast&) = delete;
+
+ private:
+  bool on_;
+};
 
 inline torch::Tensor loss_fn(const torch::Tensor& out, const torch::Tensor& target) { return F::cross_entropy(out, target); }
 
@@ -142,7 +166,7 @@ std::vector<torch::Tensor> reference(const Scenario& s, int world, Opts opts) {
     torch::Tensor loss;
     {
       // The same precision policy as the strategy's (Note [Mixed precision]), here by hand.
-      const paratrain::detail::AutocastScope autocast(s.options.precision.autocast, torch::kCPU);
+      const CpuAutocast autocast(s.options.precision.autocast);
       loss = loss_fn(model->forward(torch::cat(xs)), torch::cat(ys));
     }
     loss.backward();

@@ -39,17 +39,28 @@ struct EntryImpl : torch::nn::Module {
 };
 TORCH_MODULE(Entry);
 
-// (h, z) -> (h', z). `a` comes from parameters and an input that needs no gradient, and
-// is used twice on the path to `h`: ZB-H1's weight half must count its gradient once.
+// Mid's and Head's functions of h, with their layers fc and gate; also computed by the
+// recomputed blocks below. `a` comes from parameters and an input that needs no gradient,
+// and is used twice on the path to the output: ZB-H1's weight half must count its
+// gradient once.
+template <class Layer>
+Tensor mid_of(Layer& fc, Layer& gate, const Tensor& h, const Tensor& z) {
+  auto a = torch::tanh(gate(z));
+  return torch::tanh(fc(h * a)) + a;
+}
+template <class Layer>
+Tensor head_of(Layer& fc, Layer& gate, const Tensor& h, const Tensor& z) {
+  auto a = torch::tanh(gate(z));
+  return fc(h * a + a);
+}
+
+// (h, z) -> (h', z).
 struct MidImpl : torch::nn::Module {
   MidImpl() {
     fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(width, width));
     gate = register_module("gate", paratrain::Unit<torch::nn::Linear>(width, width));
   }
-  std::tuple<Tensor, Tensor> forward(Tensor h, Tensor z) {
-    auto a = torch::tanh(gate(z));
-    return {torch::tanh(fc(h * a)) + a, z};
-  }
+  std::tuple<Tensor, Tensor> forward(Tensor h, Tensor z) { return {mid_of(fc, gate, h, z), z}; }
   paratrain::Unit<torch::nn::Linear> fc{nullptr}, gate{nullptr};
 };
 TORCH_MODULE(Mid);
@@ -60,10 +71,7 @@ struct HeadImpl : torch::nn::Module {
     fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(width, classes));
     gate = register_module("gate", paratrain::Unit<torch::nn::Linear>(width, width));
   }
-  Tensor forward(Tensor h, Tensor z) {
-    auto a = torch::tanh(gate(z));
-    return fc(h * a + a);
-  }
+  Tensor forward(Tensor h, Tensor z) { return head_of(fc, gate, h, z); }
   paratrain::Unit<torch::nn::Linear> fc{nullptr}, gate{nullptr};
 };
 TORCH_MODULE(Head);
@@ -76,10 +84,7 @@ struct MidBlockImpl : torch::nn::Module {
     fc = register_module("fc", torch::nn::Linear(width, width));
     gate = register_module("gate", torch::nn::Linear(width, width));
   }
-  Tensor forward(Tensor h, Tensor z) {
-    auto a = torch::tanh(gate(z));
-    return torch::tanh(fc(h * a)) + a;
-  }
+  Tensor forward(Tensor h, Tensor z) { return mid_of(fc, gate, h, z); }
   torch::nn::Linear fc{nullptr}, gate{nullptr};
 };
 TORCH_MODULE(MidBlock);
@@ -96,10 +101,7 @@ struct HeadBlockImpl : torch::nn::Module {
     fc = register_module("fc", torch::nn::Linear(width, classes));
     gate = register_module("gate", torch::nn::Linear(width, width));
   }
-  Tensor forward(Tensor h, Tensor z) {
-    auto a = torch::tanh(gate(z));
-    return fc(h * a + a);
-  }
+  Tensor forward(Tensor h, Tensor z) { return head_of(fc, gate, h, z); }
   torch::nn::Linear fc{nullptr}, gate{nullptr};
 };
 TORCH_MODULE(HeadBlock);
@@ -180,7 +182,7 @@ static Trained run(int replicas, int micro, int steps, Options options, double c
         rows[static_cast<std::size_t>(r)] += b.size();
       }
     sgd.zero_grad();
-    std::optional<paratrain::detail::AutocastScope> autocasting(std::in_place, autocast, torch::kCPU);
+    std::optional<CpuAutocast> autocasting(std::in_place, autocast);
     auto out = std::apply(
         [&](auto& first, auto&... rest) {
           auto acts = first->forward(torch::cat(xs), torch::cat(zs));
