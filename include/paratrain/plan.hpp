@@ -264,7 +264,8 @@ inline std::string significant(double x, int digits = 3) {
 }  // namespace detail
 
 /// A table of `per_rank(m)`: one row per stage, sizes in GB (1e9 bytes, as ZeRO's
-/// tables), each to three significant digits, and the total also in MiB (2^20 bytes).
+/// tables), each to three significant digits, and the total also in MiB (2^20 bytes);
+/// then each stage's `gradient_traffic(m, s)`.
 ///
 /// \code
 ///   std::cout << plan::format_table({.parameters = 7.5e9, .param_bytes = 2, .grad_bytes = 2,
@@ -307,6 +308,11 @@ inline std::string significant(double x, int digits = 3) {
   if (m.autocast_bytes > 0)
     s << "\ntotals include autocast's copies of the weights at every stage: " << gb(rows[0].autocast_copies)
       << " GB (" << m.autocast_bytes << " bytes/parameter)\n";
+  s << "\ngradients each rank sends per step (" << (m.reduce_bytes > 0 ? m.reduce_bytes : m.grad_bytes)
+    << " bytes/element" << (m.buckets > 0 ? ", padding included" : "") << "):";
+  for (const stage st : stages)
+    s << (st == stage::ddp ? " " : ", ") << to_string(st) << ' ' << gb(gradient_traffic(m, st)) << " GB";
+  s << '\n';
   return s.str();
 }
 

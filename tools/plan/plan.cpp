@@ -1,8 +1,9 @@
 // paratrain_plan: per-rank memory of model state under DDP and ZeRO stages 1-3.
 //
 //   paratrain_plan --params 7.5e9 --optimizer adam --precision mixed --ranks 64 [--activations 2GiB]
+//   paratrain_plan --params 44.1M --ranks 2 --autocast bf16 --reduce bf16
 //
-// Arguments are parsed by hand: there are six of them, and CLI11 is not among paratrain's
+// Arguments are parsed by hand: there are eleven of them, and CLI11 is not among paratrain's
 // dependencies (scripts/deps.sh). docs/plan.md.
 
 #include <paratrain/plan.hpp>
@@ -35,6 +36,10 @@ stages 1-3 (Rajbhandari et al. 2019), in GB (1e9 bytes) and MiB.
                          fp32 master copy in K: mixed Adam has K = 12)
   --activations SIZE     activation estimate per rank: 2GiB, 512MiB, 3.5GB, 1e9 (bytes)
   --buckets N            flat buffers, each padded to a multiple of N_d: adds the padding bound
+  --autocast T           bf16: paratrain's Precision::autocast, fp32 parameters plus bf16
+                         copies of the weights from forward to backward; none (default)
+  --reduce T             bf16 or fp32: the type gradients are summed in across ranks
+                         (Precision::reduce); default: B_g
   --optimizer-bytes K    K in bytes per parameter, instead of --optimizer's
   --param-bytes B        B_p, instead of --precision's
   --grad-bytes B         B_g, instead of --precision's
@@ -96,6 +101,22 @@ std::int64_t whole(std::string_view flag, std::string_view text) {
   return value;
 }
 
+// Precision::autocast's copies of the weights, bytes per parameter.
+double autocast_copy_bytes(std::string_view text) {
+  if (text == "bf16") return 2;
+  if (text == "none") return 0;
+  throw usage_error("--autocast is bf16 or none, not \"" + std::string(text) +
+                    "\" (paratrain autocasts to bf16 only: fp16 would need loss scaling)");
+}
+
+// Precision::reduce: bytes per gradient element summed across ranks.
+double reduced_bytes(std::string_view text) {
+  if (text == "bf16") return 2;
+  if (text == "fp32") return 4;
+  throw usage_error("--reduce is bf16 or fp32, not \"" + std::string(text) +
+                    "\" (fp16 sums over samples overflow)");
+}
+
 plan::Model parse(int argc, char** argv) {
   std::optional<double> params;
   std::optional<std::int64_t> ranks;
@@ -104,6 +125,7 @@ plan::Model parse(int argc, char** argv) {
   plan::Precision precision = plan::fp32;
   double activations = 0;
   std::int64_t buckets = 0;
+  double autocast_bytes = 0, reduce_bytes = 0;
 
   for (int i = 1; i < argc; ++i) {
     std::string_view flag = argv[i], value;
@@ -128,6 +150,8 @@ plan::Model parse(int argc, char** argv) {
       else throw usage_error("--precision is fp32 or mixed, not \"" + std::string(value) + "\"");
     } else if (flag == "--activations") activations = bytes("--activations", value);
     else if (flag == "--buckets") buckets = whole("--buckets", value);
+    else if (flag == "--autocast") autocast_bytes = autocast_copy_bytes(value);
+    else if (flag == "--reduce") reduce_bytes = reduced_bytes(value);
     else if (flag == "--optimizer-bytes") optimizer_bytes = per_parameter("--optimizer-bytes", value);
     else if (flag == "--param-bytes") param_bytes = per_parameter("--param-bytes", value);
     else if (flag == "--grad-bytes") grad_bytes = per_parameter("--grad-bytes", value);
@@ -135,14 +159,22 @@ plan::Model parse(int argc, char** argv) {
   }
   if (!params) throw usage_error("--params is required (the parameter count, e.g. --params 7.5e9)");
   if (!ranks) throw usage_error("--ranks is required (the data-parallel degree, e.g. --ranks 64)");
+  // paratrain's autocast keeps fp32 parameters and adds 2-byte copies; parameters held in
+  // 2 bytes already (ZeRO's mixed precision) are not copied.
+  const double b_p = param_bytes.value_or(precision.param_bytes);
+  if (autocast_bytes > 0 && b_p <= 2)
+    throw usage_error("--autocast adds bf16 copies of fp32 parameters, and these are 2 bytes already (--precision "
+                      "mixed or --param-bytes): leave out --autocast, or keep fp32 parameters");
 
   return {.parameters = *params,
-          .param_bytes = param_bytes.value_or(precision.param_bytes),
+          .param_bytes = b_p,
           .grad_bytes = grad_bytes.value_or(precision.grad_bytes),
           .optimizer_bytes = optimizer_bytes ? *optimizer_bytes : plan::optimizer_bytes(optimizer, precision),
           .ranks = *ranks,
           .activation_bytes = activations,
-          .buckets = buckets};
+          .buckets = buckets,
+          .autocast_bytes = autocast_bytes,
+          .reduce_bytes = reduce_bytes};
 }
 
 }  // namespace
