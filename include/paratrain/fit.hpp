@@ -391,19 +391,19 @@ class Trainer {
     const auto last = std::min(e.micro, first + per_step);
     std::vector<Batch> batches;
     std::string failed;  // why this rank could not load a micro-batch
-    {
-      observe::PhaseTimer timer(observer_.timeline(), observe::Phase::data);
-      const auto begin = clock::now();
-      for (auto m = first; m < last; ++m) {
-        try {
-          batches.push_back(*loader.next());
-        } catch (const std::exception& e) {
-          if (failed.empty()) failed = inner_message(e);
-          batches.push_back(paratrain::detail::unusable_batch());
-        }
+    const auto begin = clock::now();
+    for (auto m = first; m < last; ++m) {
+      try {
+        batches.push_back(*loader.next());
+      } catch (const std::exception& e) {
+        if (failed.empty()) failed = inner_message(e);
+        batches.push_back(paratrain::detail::unusable_batch());
       }
-      data_seconds = std::chrono::duration<double>(clock::now() - begin).count();
     }
+    const auto end = clock::now();
+    // One interval for both: StepInfo::data_seconds and the trace's data phase.
+    data_seconds = std::chrono::duration<double>(end - begin).count();
+    if (auto* timeline = observer_.timeline()) timeline->add(observe::Phase::data, begin, end);
     if (!failed.empty()) {
       // The step refuses the unusable batch on every rank (Note [Unusable batches]), so no
       // rank waits for this one; this rank then says why.
