@@ -335,12 +335,14 @@ data::TensorDataset make_data(std::int64_t n) {
   return {torch::randn({n, 8}), torch::randint(0, 4, {n}, torch::kLong)};
 }
 
-/// A user's own dataset: the rows of a TensorDataset, read slowly, as from a file.
+/// A user's own dataset: the rows of a TensorDataset, each get() taking `delay`, as a read
+/// from a file.
 struct Slow {
   const data::TensorDataset* rows;
+  std::chrono::microseconds delay{200};
   [[nodiscard]] std::int64_t size() const { return rows->size(); }
   [[nodiscard]] paratrain::Batch get(const torch::Tensor& indices) const {
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    std::this_thread::sleep_for(delay);
     return rows->get(indices);
   }
 };
@@ -418,16 +420,6 @@ TEST_CASE_TEMPLATE("fit<SequentialSampler> over a user's slow dataset trains lik
   check_same(s.model(), reference(rows, steps, sgd, rate));
 }
 
-/// Each get() takes 20 ms, as a read from a slow disk.
-struct Sleepy {
-  const data::TensorDataset* rows;
-  [[nodiscard]] std::int64_t size() const { return rows->size(); }
-  [[nodiscard]] paratrain::Batch get(const torch::Tensor& indices) const {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    return rows->get(indices);
-  }
-};
-
 TEST_CASE("StepInfo::data_seconds is the step's wait for its batches: all of the read without workers, "
           "little of it where the worker had time to read ahead") {
   const auto rows = make_data(64);
@@ -435,7 +427,7 @@ TEST_CASE("StepInfo::data_seconds is the step's wait for its batches: all of the
     paratrain::DataParallel<Mlp, comm::SingleDevice, torch::optim::SGD> s(make_net(), comm::SingleDevice{},
                                                                         torch::optim::SGDOptions(0.01));
     std::vector<double> waits;
-    paratrain::fit(s, Sleepy{&rows},
+    paratrain::fit(s, Slow{&rows, std::chrono::milliseconds(20)},
                    {.epochs = 1, .batch_size = 8, .loader = {.workers = workers},
                     .progress = false, .on_step = [&](const paratrain::StepInfo& i) {
                       CHECK(i.data_seconds <= i.seconds);
