@@ -44,10 +44,8 @@ done
 
 # The table: medians over rounds; efficiency = steps/s at 2 ranks / steps/s at 1 rank
 # (the batch per rank is fixed, so 2 ranks take twice the samples per step).
-jq -rs '
+jq -rs -L benchmarks 'include "table";
   def median: sort | .[length / 2 | floor];
-  def f(d): (. * pow(10; d) | round | tostring) as $s | ("0" * (d + 1 - ($s | length)) + $s)  # d decimals
-    | if d == 0 then . else .[:length - d] + "." + .[length - d:] end;
   group_by([.implementation, .ranks]) | map({
     implementation: .[0].implementation, ranks: .[0].ranks, runs: length,
     sps: (map(.steps_per_s) | median), no_comm: (map(.no_comm_steps_per_s) | median),

@@ -51,10 +51,7 @@ for ((round = 1; round <= rounds; ++round)); do
   done
 done
 
-jq -rs '
-  def f(d): (. * pow(10; d) | round | tostring) as $s | ("0" * (d + 1 - ($s | length)) + $s)
-    | if d == 0 then . else .[:length - d] + "." + .[length - d:] end;
-  def side: if .implementation == "pytorch" then "pytorch" else "paratrain" end;
+jq -rs -L benchmarks 'include "table";
   def best(s; d; w): map(select(side == s and .data == d and .workers == w)) | min_by(.ms_per_step);
   . as $all
   | "| workers | data | paratrain ms/step | data wait ms/step | wait share | file adds | PyTorch ms/step | data wait ms/step | wait share | file adds | data wait torch/paratrain |",

@@ -48,10 +48,7 @@ for config in "20 2048" "100 512"; do
   done
 done
 
-jq -rs '
-  def f(d): (. * pow(10; d) | round | tostring) as $s | ("0" * (d + 1 - ($s | length)) + $s)
-    | if d == 0 then . else .[:length - d] + "." + .[length - d:] end;
-  def side: if .implementation == "pytorch" then "pytorch" else "paratrain" end;
+jq -rs -L benchmarks 'include "table";
   def run(s; t; r; b): map(select(side == s and .tgt_len == t and .recompute == r and .bf16 == b)) | .[0];
   def name(r; b): (if b then "bf16" else "fp32" end) + (if r then ", recomputed" else "" end);
   def pct(x): (if x >= 0 then "+" else "" end) + (100 * x | f(1)) + "%";

@@ -38,9 +38,7 @@ for ((round = 1; round <= rounds; ++round)); do
   run_clean "$python" benchmarks/transformer_vs_torch.py --ranks 2 --steps "$steps" --warmup "$warmup" --bind
 done
 
-jq -rs '
-  def f(d): (. * pow(10; d) | round | tostring) as $s | ("0" * (d + 1 - ($s | length)) + $s)  # d decimals
-    | if d == 0 then . else .[:length - d] + "." + .[length - d:] end;
+jq -rs -L benchmarks 'include "table";
   (map(select(.implementation == "pytorch")) | min_by(.ms_per_step)) as $torch
   | (map(select(.example == "transformer")) | min_by(.ms_per_step)) as $ours
   | "| implementation | ranks | batch/rank | parameters | timed steps | ms/step | others'"'"' CPU | ratio torch/paratrain |",
