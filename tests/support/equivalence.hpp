@@ -84,14 +84,23 @@ class CpuAutocast {
  public:
   explicit CpuAutocast(std::optional<at::ScalarType> dtype) : on_(dtype.has_value()) {
     if (!on_) return;
+#if TORCH_VERSION_MAJOR >= 2
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, *dtype);
+#else
     at::autocast::set_cpu_enabled(true);
     at::autocast::set_autocast_cpu_dtype(*dtype);
+#endif
     at::autocast::increment_nesting();
   }
   ~CpuAutocast() {
     if (!on_) return;
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+#if TORCH_VERSION_MAJOR >= 2
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+#else
     at::autocast::set_cpu_enabled(false);
+#endif
   }
   CpuAutocast(const CpuAutocast&) = delete;
   CpuAutocast& operator=(const CpuAutocast&) = delete;

@@ -25,6 +25,7 @@
 #include "paratrain/checkpoint/format.hpp"
 #include "paratrain/checkpoint/optimizer_state.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
+#include "paratrain/detail/torch_compat.hpp"
 #include "paratrain/error.hpp"
 
 namespace paratrain::checkpoint {
@@ -79,6 +80,14 @@ inline std::optional<fs::path> latest(const fs::path& directory) {
 
 namespace detail {
 
+// Note [LibTorch versions]: the optimizer's state map changed its key type in 2.x.
+using paratrain::detail::optimizer_state_key;
+using paratrain::detail::OptimizerStateKey;
+static_assert(std::is_same_v<std::remove_cvref_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type,
+                             OptimizerStateKey>,
+              "paratrain: this LibTorch keys torch::optim::Optimizer::state() by another type than "
+              "detail/torch_compat.hpp expects; update OptimizerStateKey there (Note [LibTorch versions])");
+
 /// One chunk this rank writes: elements [begin, begin + data.numel()) of `key`.
 struct Entry {
   std::string key;
@@ -87,7 +96,6 @@ struct Entry {
   at::Tensor data;  // flat, contiguous, on the CPU
 };
 
-inline std::string state_key(const at::Tensor& t) { return c10::guts::to_string(t.unsafeGetTensorImpl()); }
 
 template <class S>
 using optimizer_t = std::remove_cvref_t<decltype(std::declval<S&>().optimizer())>;
@@ -120,7 +128,7 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
   for (const auto& sl : layout.model) add(detail::model_key(sl.name), sl.replicated, sl.writer, sl.tensor, sl.shape, sl.begin);
   auto& state = s.optimizer().state();
   for (const auto& sl : layout.optimized) {
-    const auto it = state.find(state_key(sl.tensor));
+    const auto it = state.find(optimizer_state_key(sl.tensor));
     if (it == state.end()) continue;
     const auto t = Schema::get(static_cast<const typename Schema::state_type&>(*it->second));
     for (const auto& [field, tensor] : t.tensors)

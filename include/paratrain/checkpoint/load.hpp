@@ -47,8 +47,8 @@ namespace detail {
 // rank's strategy as it was.
 struct Staged {
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (destination, what goes there)
-  std::vector<std::pair<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>> states;
-  std::vector<std::string> cleared;  // optimizer state keys of this rank's optimized slices
+  std::vector<std::pair<OptimizerStateKey, std::unique_ptr<torch::optim::OptimizerParamState>>> states;
+  std::vector<OptimizerStateKey> cleared;  // optimizer state keys of this rank's optimized slices
   std::vector<Dict> group_options;
   at::Tensor rng;
 };
@@ -109,7 +109,7 @@ void stage_optimizer(Optim& optimizer, const CheckpointLayout& layout, const Con
   }
   for (const auto& sl : layout.optimized) {
     if (sl.tensor.numel() == 0) continue;
-    staged.cleared.push_back(state_key(sl.tensor));
+    staged.cleared.push_back(optimizer_state_key(sl.tensor));
     ParamStateTensors t;
     for (const char* field : Schema::fields) {
       const auto key = optim_key(sl.name, field);
@@ -124,7 +124,7 @@ void stage_optimizer(Optim& optimizer, const CheckpointLayout& layout, const Con
     }
     const auto step_key = optim_key(sl.name, "step");
     if (const auto* record = c.find(step_key)) t.step = reader.read(step_key, *record, 0, 1).item<std::int64_t>();
-    if (!t.tensors.empty() || t.step) staged.states.emplace_back(state_key(sl.tensor), Schema::make(t));
+    if (!t.tensors.empty() || t.step) staged.states.emplace_back(optimizer_state_key(sl.tensor), Schema::make(t));
   }
 }
 

@@ -113,20 +113,25 @@ decltype(auto) forward_with(M& model, const std::vector<at::Tensor>& inputs, std
   return model->forward(inputs[I]...);
 }
 
+/// Sets `out` to M's forward of the first K + 1 inputs where there are K + 1 and forward takes
+/// that many, trying K = First, First + 1, ... below N. A recursion rather than a fold over a
+/// lambda: g++ 14 fails on the fold (an internal compiler error in tsubst).
+template <std::size_t First, std::size_t N, class M, class Result>
+void forward_first_fitting(M& model, const std::vector<at::Tensor>& inputs, std::optional<Result>& out) {
+  if constexpr (First < N) {
+    if constexpr (forward_takes<M, std::make_index_sequence<First + 1>>)
+      if (!out && inputs.size() == First + 1) out = forward_with(model, inputs, std::make_index_sequence<First + 1>{});
+    forward_first_fitting<First + 1, N>(model, inputs, out);
+  }
+}
+
 /// Calls M's forward with `inputs` as its first arguments, in order (the rest defaulted).
 template <class M>
 auto forward(M& model, const std::vector<at::Tensor>& inputs) {
   constexpr auto n = forward_arity<M>();
   using Result = std::remove_cvref_t<decltype(forward_with(model, inputs, std::make_index_sequence<n>{}))>;
   std::optional<Result> out;
-  [&]<std::size_t... K>(std::index_sequence<K...>) {
-    (
-        [&] {
-          if constexpr (forward_takes<M, std::make_index_sequence<K + 1>>)
-            if (!out && inputs.size() == K + 1) out = forward_with(model, inputs, std::make_index_sequence<K + 1>{});
-        }(),
-        ...);
-  }(std::make_index_sequence<n>{});
+  forward_first_fitting<0, n>(model, inputs, out);
   if (!out)
     throw error("forward", -1,
                 "the model's forward takes " + std::to_string(n) + " tensor(s) and cannot be called with the batch's " +

@@ -12,6 +12,7 @@
 #include <string>
 #include <utility>
 
+#include "paratrain/detail/torch_compat.hpp"
 #include "paratrain/error.hpp"
 
 namespace paratrain {
@@ -88,37 +89,25 @@ class AutocastScope {
  public:
   AutocastScope(std::optional<at::ScalarType> dtype, const c10::Device& device) : active_(dtype.has_value()) {
     if (!active_) return;
-    cuda_ = device.is_cuda();
-    if (cuda_) {
-      was_enabled_ = at::autocast::is_enabled();
-      was_dtype_ = at::autocast::get_autocast_gpu_dtype();
-      at::autocast::set_enabled(true);
-      at::autocast::set_autocast_gpu_dtype(*dtype);
-    } else {
-      was_enabled_ = at::autocast::is_cpu_enabled();
-      was_dtype_ = at::autocast::get_autocast_cpu_dtype();
-      at::autocast::set_cpu_enabled(true);
-      at::autocast::set_autocast_cpu_dtype(*dtype);
-    }
+    type_ = device.is_cuda() ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+    was_enabled_ = detail::autocast_enabled(type_);
+    was_dtype_ = detail::autocast_dtype(type_);
+    detail::set_autocast_enabled(type_, true);
+    detail::set_autocast_dtype(type_, *dtype);
     at::autocast::increment_nesting();
   }
   ~AutocastScope() {
     if (!active_) return;
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    if (cuda_) {
-      at::autocast::set_enabled(was_enabled_);
-      at::autocast::set_autocast_gpu_dtype(was_dtype_);
-    } else {
-      at::autocast::set_cpu_enabled(was_enabled_);
-      at::autocast::set_autocast_cpu_dtype(was_dtype_);
-    }
+    detail::set_autocast_enabled(type_, was_enabled_);
+    detail::set_autocast_dtype(type_, was_dtype_);
   }
   AutocastScope(const AutocastScope&) = delete;
   AutocastScope& operator=(const AutocastScope&) = delete;
 
  private:
   bool active_ = false;
-  bool cuda_ = false;
+  c10::DeviceType type_ = c10::DeviceType::CPU;
   bool was_enabled_ = false;
   at::ScalarType was_dtype_ = at::kBFloat16;
 };

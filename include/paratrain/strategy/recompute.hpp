@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "paratrain/concepts/module.hpp"
+#include "paratrain/detail/torch_compat.hpp"
 #include "paratrain/strategy/unit.hpp"
 
 namespace paratrain {
@@ -84,10 +85,10 @@ struct ForwardState {
         s.device_rng = rng_of(x.device());
         break;
       }
-    s.autocast_cpu = at::autocast::is_cpu_enabled();
-    s.autocast_gpu = at::autocast::is_enabled();
-    s.autocast_cpu_dtype = at::autocast::get_autocast_cpu_dtype();
-    s.autocast_gpu_dtype = at::autocast::get_autocast_gpu_dtype();
+    s.autocast_cpu = detail::autocast_enabled(c10::DeviceType::CPU);
+    s.autocast_gpu = detail::autocast_enabled(c10::DeviceType::CUDA);
+    s.autocast_cpu_dtype = detail::autocast_dtype(c10::DeviceType::CPU);
+    s.autocast_gpu_dtype = detail::autocast_dtype(c10::DeviceType::CUDA);
     s.autocast_cache = at::autocast::is_autocast_cache_enabled();
     return s;
   }
@@ -112,10 +113,10 @@ class StateScope {
   void apply(const ForwardState& s, const at::Tensor& device_rng) {
     ForwardState::set_rng(at::kCPU, s.cpu_rng);
     if (device_) ForwardState::set_rng(*device_, device_rng);
-    at::autocast::set_cpu_enabled(s.autocast_cpu);
-    at::autocast::set_enabled(s.autocast_gpu);
-    at::autocast::set_autocast_cpu_dtype(s.autocast_cpu_dtype);
-    at::autocast::set_autocast_gpu_dtype(s.autocast_gpu_dtype);
+    detail::set_autocast_enabled(c10::DeviceType::CPU, s.autocast_cpu);
+    detail::set_autocast_enabled(c10::DeviceType::CUDA, s.autocast_gpu);
+    detail::set_autocast_dtype(c10::DeviceType::CPU, s.autocast_cpu_dtype);
+    detail::set_autocast_dtype(c10::DeviceType::CUDA, s.autocast_gpu_dtype);
     at::autocast::set_autocast_cache_enabled(s.autocast_cache);
   }
   ForwardState saved_;
