@@ -9,9 +9,10 @@ packages=(
   librange-v3-dev doctest-dev nlohmann-json3-dev libcli11-dev zlib1g-dev protobuf-compiler python3
   libhdf5-dev
   dataset-fashion-mnist
+  python3-torch  # checkpoint.python_load: Python's torch.load reads the model file
 )
-# The PyTorch peer is needed only to regenerate reference data and for the side-by-side benchmarks.
-[[ "${PARATRAIN_WITH_PEER:-0}" == 1 ]] && packages+=(python3-torch jq time)  # jq, time: benchmarks/ddp_vs_torch.sh
+# The rest of the PyTorch peer: the side-by-side benchmarks and regenerating reference data.
+[[ "${PARATRAIN_WITH_PEER:-0}" == 1 ]] && packages+=(jq time)  # jq, time: benchmarks/ddp_vs_torch.sh
 # h5py writes the HDF5 test files (tests/data/make_hdf5.py); they are committed.
 [[ "${PARATRAIN_WITH_PEER:-0}" == 1 ]] && packages+=(python3-h5py)
 # matplotlib and doxygen only for docs: scripts/plot.py, scripts/docs.sh.

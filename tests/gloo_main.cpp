@@ -1,14 +1,18 @@
 // The driver of paratrain_gloo_tests, which needs no MPI: tests/launch/torchrun_style.sh
 // starts N copies with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as torchrun does, and
-// fails when any copy fails. Every rank runs the whole suite; rank 0 reports in full, the
-// others only their failures.
+// fails when any copy fails, stopping the others. Every rank runs the whole suite; rank 0
+// reports in full, the others only their failures. A failed check on one rank of several
+// ends that rank at once (support/abort_on_failure.hpp), so the launcher stops the job then,
+// not at its timeout.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <ATen/Parallel.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 
 #include "paratrain/comm/gloo.hpp"
+#include "support/abort_on_failure.hpp"
 #include "support/doctest.hpp"
 #include "support/gloo_world.hpp"
 
@@ -17,6 +21,14 @@ std::optional<paratrain::comm::Gloo> world;
 }
 
 paratrain::comm::Gloo& gloo_world() { return *world; }
+
+namespace paratrain_test {
+int job_rank() { return world ? world->rank() : 0; }
+int job_size() { return world ? world->size() : 1; }
+void end_job() { std::_Exit(1); }  // torchrun_style.sh sees the failure and stops the other ranks
+}  // namespace paratrain_test
+
+REGISTER_LISTENER("abort_on_failure", 1, paratrain_test::AbortOnFailure);
 
 int main(int argc, char** argv) {
   at::set_num_threads(1);  // ranks share 2 cores; intra-op threads would oversubscribe them

@@ -10,63 +10,61 @@
 #include <torch/torch.h>
 
 #include "paratrain/comm/mpi.hpp"
+#include "paratrain/config.hpp"
+#if PARATRAIN_HAS_NCCL
+#include "paratrain/comm/nccl.hpp"
+#endif
+#include "support/abort_on_failure.hpp"
 #include "support/doctest.hpp"
 
 #include <cstdio>
+#include <cstdlib>
+#include <string_view>
 
-namespace {
+namespace paratrain_test {
 
-int world_rank() {
+int job_rank() {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   return rank;
 }
 
-int world_size() {
+int job_size() {
   int size = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   return size;
 }
 
-// Listeners run before the console reporter, so this one prints the failure itself.
-struct AbortOnFailure : doctest::IReporter {
-  explicit AbortOnFailure(const doctest::ContextOptions&) {}
-  void log_assert(const doctest::AssertData& a) override {
-    if (!a.m_failed || world_size() == 1) return;
-    std::fprintf(stderr, "rank %d: %s:%d: %s( %s ) failed, with %s%s%s%s\nrank %d: ending the whole job (MPI_Abort)\n",
-                 world_rank(), a.m_file, a.m_line, doctest::assertString(a.m_at), a.m_expr, a.m_decomp.c_str(),
-                 a.m_threw ? " (threw: " : "", a.m_threw ? a.m_exception.c_str() : "", a.m_threw ? ")" : "",
-                 world_rank());
-    std::fflush(nullptr);
-    MPI_Abort(MPI_COMM_WORLD, 1);
-  }
-  void test_case_exception(const doctest::TestCaseException& e) override {
-    if (world_size() == 1) return;
-    std::fprintf(stderr, "rank %d: test case threw: %s\nrank %d: ending the whole job (MPI_Abort)\n", world_rank(),
-                 e.error_string.c_str(), world_rank());
-    std::fflush(nullptr);
-    MPI_Abort(MPI_COMM_WORLD, 1);
-  }
-  void report_query(const doctest::QueryData&) override {}
-  void test_run_start() override {}
-  void test_run_end(const doctest::TestRunStats&) override {}
-  void test_case_start(const doctest::TestCaseData&) override {}
-  void test_case_reenter(const doctest::TestCaseData&) override {}
-  void test_case_end(const doctest::CurrentTestCaseStats&) override {}
-  void subcase_start(const doctest::SubcaseSignature&) override {}
-  void subcase_end() override {}
-  void log_message(const doctest::MessageData&) override {}
-  void test_case_skipped(const doctest::TestCaseData&) override {}
-};
-REGISTER_LISTENER("abort_on_failure", 1, AbortOnFailure);
+void end_job() {
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();  // not reached: MPI_Abort does not return
+}
 
-}  // namespace
+}  // namespace paratrain_test
+
+REGISTER_LISTENER("abort_on_failure", 1, paratrain_test::AbortOnFailure);
 
 int main(int argc, char** argv) {
   paratrain::comm::Mpi::Environment env(argc, argv);
   torch::set_num_threads(1);  // ranks share 2 cores; intra-op threads would oversubscribe them
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+
+  // --requires-gpu (the GPU-only cases' ctest run): where no GPU is visible, every rank
+  // exits 77, which ctest reports as skipped (SKIP_RETURN_CODE), not as passed.
+  bool requires_gpu = false;
+  for (int i = 1; i < argc; ++i) requires_gpu = requires_gpu || std::string_view(argv[i]) == "--requires-gpu";
+  if (requires_gpu) {
+#if PARATRAIN_HAS_NCCL
+    const bool gpu = paratrain::comm::Nccl::device_count() > 0;
+#else
+    const bool gpu = false;
+#endif
+    if (!gpu) {
+      if (rank == 0) std::printf("skipped: no GPU is visible (--requires-gpu)\n");
+      return 77;
+    }
+  }
 
   doctest::Context context(argc, argv);
   if (rank != 0) context.setOption("minimal", true);

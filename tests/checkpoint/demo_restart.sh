@@ -15,9 +15,15 @@ want=$(accuracy "$dir/whole.log")
 set -m
 "$mpirun_sh" 2 "$demo" "${args[@]}" --checkpoint-dir "$dir/ckpt" >"$dir/first.log" 2>&1 &
 run=$!
+# mpirun ends its ranks on SIGTERM, not on SIGKILL: a stuck run is stopped that way.
+stop_run() {
+  kill -TERM "$run" 2>/dev/null || return 0
+  for _ in $(seq 100); do kill -0 "$run" 2>/dev/null || return 0; sleep 0.1; done
+  kill -KILL -- "-$run" 2>/dev/null  # its process group (job control is on)
+}
 deadline=$((SECONDS + 240))
 until [[ -f "$dir/ckpt/step-000000016/index.pt" ]]; do
-  ((SECONDS < deadline)) || { echo "no checkpoint in time"; cat "$dir/first.log"; kill -9 $run; exit 1; }
+  ((SECONDS < deadline)) || { echo "no checkpoint in time"; cat "$dir/first.log"; stop_run; exit 1; }
   sleep 0.02
 done
 kill -INT $run

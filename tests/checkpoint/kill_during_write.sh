@@ -12,15 +12,22 @@ rm -rf "$dir" && mkdir -p "$dir"
 export PARATRAIN_CHECKPOINT_KILL_DIR=$dir
 "$mpirun_sh" 2 "$tests" --no-skip --test-case="Checkpoint writer for the kill test" >"$dir/writer.log" 2>&1 &
 writer=$!
+# mpirun ends its ranks when it gets SIGTERM (SIGKILL would leave them running): the
+# writer is stopped that way, and only killed if it has not ended 10 s later.
+stop_writer() {
+  kill -TERM "$writer" 2>/dev/null || return 0
+  for _ in $(seq 100); do kill -0 "$writer" 2>/dev/null || return 0; sleep 0.1; done
+  kill -KILL "$writer" 2>/dev/null
+}
 deadline=$((SECONDS + 240))
 # Wait for a first complete checkpoint, then for the next one's data being written.
 until [[ -f "$dir/ckpt/step-000000001/index.pt" ]]; do
-  ((SECONDS < deadline)) || { echo "no first checkpoint in time"; cat "$dir/writer.log"; kill -9 $writer; exit 1; }
+  ((SECONDS < deadline)) || { echo "no first checkpoint in time"; cat "$dir/writer.log"; stop_writer; exit 1; }
   sleep 0.05
 done
 killed=""
 while [[ -z "$killed" ]]; do
-  ((SECONDS < deadline)) || { echo "never saw a write in progress"; kill -9 $writer; exit 1; }
+  ((SECONDS < deadline)) || { echo "never saw a write in progress"; stop_writer; exit 1; }
   for tmp in "$dir"/ckpt/.step-*.partial/rank-00001.bin.tmp; do
     if [[ -f "$tmp" ]]; then
       kill -9 "$(cat "$dir/pid-1")"

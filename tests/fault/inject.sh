@@ -12,7 +12,12 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 start=$(date +%s%N)
 # SIGKILL after the deadline: a job that hangs fails the test instead of ctest's timeout.
-timeout -s KILL "$deadline" "$@" >"$log" 2>&1
+# The job runs in a session of its own, whose id is $job: what it leaves behind is found by
+# that id and ended by process id, never by name (under ctest -j another test may be running
+# the same program).
+setsid timeout -s KILL "$deadline" "$@" >"$log" 2>&1 &
+job=$!
+wait "$job"
 status=$?
 elapsed_ms=$((($(date +%s%N) - start) / 1000000))
 sed 's/^/  | /' "$log"
@@ -30,9 +35,11 @@ if grep -Eq 'terminate called|Backtrace|\[ *[0-9]+\] .*\(\+0x' "$log"; then
   echo "inject: FAIL: a backtrace or 'terminate called' in the output"; fail=1
 fi
 sleep 0.5
-program=
-for a in "$@"; do [[ -z $program && -x $a && $a == */* && $a != */mpiexec && $a != */mpirun && $a != *.sh ]] && program=$(realpath "$a"); done
-if [[ -n $program ]] && pgrep -f "^$program" >/dev/null; then
-  echo "inject: FAIL: processes left behind:"; pgrep -a -f "^$program"; pkill -KILL -f "^$program"; fail=1
+left=$(ps -o pid= -s "$job" | tr -d ' ' | tr '\n' ' ')
+if [[ -n ${left// /} ]]; then
+  echo "inject: FAIL: processes left behind:"; ps -o pid,args -s "$job"
+  # shellcheck disable=SC2086  # one pid per word
+  kill -KILL $left 2>/dev/null
+  fail=1
 fi
 exit $fail

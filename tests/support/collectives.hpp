@@ -319,9 +319,11 @@ void check_requests(C& c) {
   }
   CHECK(r.test());
   CHECK(torch::equal(a, torch::full({1 << 20}, float(c.size()))));
-  auto b = torch::ones({1000});
-  { auto dropped = c.iall_reduce(b, reduce_op::average); }
-  CHECK(torch::equal(b, torch::ones({1000})));
+  // A request dropped unwaited completes in its destructor: rank r's r + 1 become the sum
+  // 1 + ... + size (a sum, so that a request that never ran shows on 2 ranks or more).
+  auto b = torch::full({1000}, float(c.rank() + 1));
+  { auto dropped = c.iall_reduce(b, reduce_op::sum); }
+  CHECK(torch::equal(b, torch::full({1000}, float(c.size() * (c.size() + 1) / 2))));
 }
 
 // `c` must have been made with validation on.

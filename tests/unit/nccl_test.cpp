@@ -15,9 +15,15 @@
 #include <filesystem>
 #include <regex>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/nccl.hpp"
+#include "paratrain/data/batch.hpp"
+#include "paratrain/fit.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "support/collectives.hpp"
 #include "support/doctest.hpp"
@@ -133,6 +139,38 @@ TEST_CASE("comm::Nccl without a GPU throws on every rank, naming the cause and t
     CHECK(threw_on == mpi.size());
   }
 }
+
+// ---- every strategy over comm::Nccl compiles --------------------------------------------
+// Instantiated on every machine with CUDA and NCCL, GPU or not: each strategy's whole training
+// path as fit runs it (forward, the bucketed backward hooks, the step, evaluation, the
+// checkpoint's save and load), so code that cannot work with comm::Nccl fails this build, not
+// a run on a GPU. DDP and ZeRO 1-2: ZeRO-3 and pipelines need `split`, which comm::Nccl lacks
+// (data_parallel.hpp and pipeline.hpp refuse them at compile time, naming it).
+namespace nccl_strategies {
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() : fc(register_module("fc", torch::nn::Linear(4, 2))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc(x); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Net);
+
+template <class Update, class Options>
+void train(comm::Mpi& mpi, Options options) {
+  paratrain::DataParallel<Net, comm::Nccl, Update> s(Net(), comm::Nccl(mpi), options);
+  const paratrain::data::TensorDataset data(torch::randn({16, 4}), torch::randint(2, {16}));
+  paratrain::fit(s, data, {.epochs = 1, .batch_size = 4, .progress = false, .eval = &data});
+  paratrain::checkpoint::save(s, "nccl_checkpoint", /*step=*/1);
+  paratrain::checkpoint::load(s, "nccl_checkpoint");
+}
+
+// Referenced, so instantiated; never called (Debian's LibTorch has no CUDA tensors to train on).
+[[maybe_unused]] constexpr auto strategies = std::make_tuple(
+    &train<torch::optim::SGD, torch::optim::SGDOptions>,
+    &train<paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage1>, torch::optim::SGDOptions>,
+    &train<paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage2>, torch::optim::AdamOptions>);
+
+}  // namespace nccl_strategies
 
 // ---- GPUs only ------------------------------------------------------------------------
 
