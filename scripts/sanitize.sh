@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The tests under AddressSanitizer + UndefinedBehaviorSanitizer (issue #10): builds the test
 # binary, the planner and schedule tests and the fuzz replays with PARATRAIN_SANITIZE=ON in
-# build-sanitize/, then runs what ctest labels `sanitize`: the whole unit suite on one rank
-# and on two (under mpirun), the planner, the schedules, and the kept fuzz inputs.
+# build-sanitize/, then runs what ctest labels `sanitize`: the whole unit suite on two ranks
+# (under mpirun; every case of the one-rank run and the communication paths besides), the
+# planner, the schedules, and the kept fuzz inputs.
 # Any report fails the run; the only suppressions are tests/sanitize/*.supp's, each justified.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,4 +29,4 @@ export ASAN_OPTIONS="detect_leaks=1:fast_unwind_on_malloc=0:abort_on_error=1:det
 export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0:${LSAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp/ubsan.supp:${UBSAN_OPTIONS:-}"
 cd "$build"
-ctest --output-on-failure -L sanitize "$@"
+ctest --output-on-failure -j "$(nproc)" -L sanitize "$@"
