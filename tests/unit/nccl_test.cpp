@@ -159,7 +159,7 @@ template <class Update, class Options>
 void train(comm::Mpi& mpi, Options options) {
   paratrain::DataParallel<Net, comm::Nccl, Update> s(Net(), comm::Nccl(mpi), options);
   const paratrain::data::TensorDataset data(torch::randn({16, 4}), torch::randint(2, {16}));
-  paratrain::fit(s, data, {.epochs = 1, .batch_size = 4, .progress = false, .eval = &data});
+  paratrain::fit(s, data, {.epochs = 1, .batch_size = 4, .eval = &data, .progress = false});
   paratrain::checkpoint::save(s, "nccl_checkpoint", /*step=*/1);
   paratrain::checkpoint::load(s, "nccl_checkpoint");
 }
