@@ -34,6 +34,7 @@
 #include "paratrain/comm/reduce_op.hpp"
 #include "paratrain/detail/collective_signature.hpp"
 #include "paratrain/detail/gloo_watchdog.hpp"
+#include "paratrain/detail/torch_compat.hpp"
 #include "paratrain/detail/tensor_checks.hpp"
 #include "paratrain/detail/watchdog.hpp"
 #include "paratrain/detail/agree.hpp"
@@ -411,7 +412,7 @@ class Gloo {
         store_options.numWorkers = s->size;
         store_options.waitWorkers = true;
         store_options.timeout = o.timeout;
-        s->store = c10::make_intrusive<c10d::TCPStore>(host, store_options);
+        s->store = c10::make_intrusive<c10d::TCPStore>(host, detail::plain_socket_store(store_options));
       }
       s->group = make_group(s->store, s->rank, s->size, o, host);
       if (s->size > 1 && !detail::Watchdog::instance().has_channel())

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "paratrain/detail/torch_compat.hpp"
 #include "paratrain/detail/watchdog.hpp"
 
 namespace paratrain::detail {
@@ -75,7 +76,7 @@ class GlooWatchdogChannel final : public WatchdogChannel {
       o.isServer = false;
       o.waitWorkers = false;
       o.timeout = timeout;
-      store_ = std::make_unique<c10d::TCPStore>(host_, o);
+      store_ = std::make_unique<c10d::TCPStore>(host_, plain_socket_store(o));
     }
     store_->setTimeout(timeout);
     return *store_;

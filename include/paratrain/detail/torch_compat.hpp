@@ -14,7 +14,10 @@
 /// - autocast's state is per device type in 2.x (is_autocast_enabled(kCPU), ...); the
 ///   1.x functions named for CPU and GPU are deprecated there;
 /// - c10d's ProcessGroupGloo derives from c10d::Backend in 2.x (from ProcessGroup in 1.x):
-///   comm/gloo.hpp uses only what both give (allreduce & co. returning c10d::Work).
+///   comm/gloo.hpp uses only what both give (allreduce & co. returning c10d::Work);
+/// - c10d's TCPStore uses libuv by default from 2.4 on, and a LibTorch built without it
+///   (Debian 13's 2.6) then refuses to start a store: plain_socket_store() asks for the
+///   socket backend every version has.
 /// This is the one header besides config.hpp that reads a version macro (LibTorch's own).
 
 #include <ATen/autocast_mode.h>
@@ -78,6 +81,14 @@ inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
   if (type == c10::DeviceType::CPU) at::autocast::set_autocast_cpu_dtype(dtype);
   else at::autocast::set_autocast_gpu_dtype(dtype);
 #endif
+}
+
+/// `o` (c10d::TCPStoreOptions) asking for TCPStore's plain socket backend where the
+/// options can choose (2.4 and later; c10d's headers stay the caller's to include).
+template <class StoreOptions>
+StoreOptions& plain_socket_store(StoreOptions& o) {
+  if constexpr (requires { o.useLibUV; }) o.useLibUV = false;
+  return o;
 }
 
 }  // namespace paratrain::detail
