@@ -11,8 +11,10 @@ Rerun from the repository root, with the PyTorch peer installed
     /usr/bin/python3 tests/data/make_sampler_reference.py
 
 The output is deterministic: the same PyTorch version writes the same bytes, so a
-diff of the JSON after a rerun shows exactly what changed upstream. It was made with
-PyTorch 1.13 (Debian's python3-torch); the version is recorded in the file.
+diff of the JSON after a rerun shows exactly what changed upstream. PyTorch 1.x writes
+sampler_reference.json (made with Debian 12's python3-torch 1.13), 2.x
+sampler_reference_torch2.json (made with Debian 13's 2.6, in scripts/compat.sh's root with
+python3-torch added); the version is recorded in each file.
 """
 
 import json
@@ -101,7 +103,11 @@ def weighted_cases():
 
 
 def main():
-    out = pathlib.Path(__file__).with_name("sampler_reference.json")
+    # One file per PyTorch major version (tests/support/sampler_reference.hpp picks the one
+    # matching the LibTorch under test): 2.x draws one weighted sample differently.
+    major = int(torch.__version__.split(".")[0])
+    out = pathlib.Path(__file__).with_name("sampler_reference.json" if major < 2 else
+                                           f"sampler_reference_torch{major}.json")
     all_cases = list(cases())
     weighted = list(weighted_cases())
     # One case a line keeps the file small and its diffs readable.

@@ -34,6 +34,7 @@
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "support/doctest.hpp"  // after LibTorch: see there
+#include "support/sampler_reference.hpp"
 #include "support/equivalence.hpp"
 
 namespace {
@@ -210,7 +211,7 @@ TEST_CASE("SequentialSampler gives each replica one block, as numpy.array_split 
 }
 
 TEST_CASE("WeightedSampler draws what PyTorch's WeightedRandomSampler draws, and deals it out like DistributedSampler") {
-  std::ifstream file(test_data / "sampler_reference.json");
+  std::ifstream file(test_data / paratrain_test::sampler_reference_file());
   const auto reference = nlohmann::json::parse(file).at("weighted");
   REQUIRE(reference.size() > 20);
   for (const auto& c : reference) {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "support/doctest.hpp"  // after LibTorch: see there
+#include "support/sampler_reference.hpp"
 
 namespace {
 
@@ -64,7 +65,7 @@ std::string first_difference(const Indices& got, const Indices& want) {
 }
 
 nlohmann::json load_reference() {
-  const std::string path = std::string(PARATRAIN_TEST_DATA_DIR) + "/sampler_reference.json";
+  const std::string path = std::string(PARATRAIN_TEST_DATA_DIR) + "/" + paratrain_test::sampler_reference_file();
   std::ifstream file(path);
   REQUIRE_MESSAGE(file.good(), "cannot open " << path
                                               << "; regenerate it with tests/data/make_sampler_reference.py");
