@@ -35,7 +35,8 @@ if grep -Eq 'terminate called|Backtrace|\[ *[0-9]+\] .*\(\+0x' "$log"; then
   echo "inject: FAIL: a backtrace or 'terminate called' in the output"; fail=1
 fi
 sleep 0.5
-left=$(ps -o pid= -s "$job" | tr -d ' ' | tr '\n' ' ')
+# Exited processes not yet reaped (state Z) are gone already: only running ones count.
+left=$(ps -o pid=,stat= -s "$job" | awk '$2 !~ /^Z/ { printf "%s ", $1 }')
 if [[ -n ${left// /} ]]; then
   echo "inject: FAIL: processes left behind:"; ps -o pid,args -s "$job"
   # shellcheck disable=SC2086  # one pid per word
