@@ -31,10 +31,20 @@ using Tensor = torch::Tensor;
 
 constexpr int features = 6, width = 8, classes = 3;
 
+// The type a stage's last output was computed in: bf16 where autocast ran, whatever the
+// parameters' type (check_pipeline asserts it under mixed precision).
+struct Computed {
+  at::ScalarType out_dtype = at::kDouble;
+  Tensor noted(Tensor t) {
+    out_dtype = t.scalar_type();
+    return t;
+  }
+};
+
 // (x, z) -> (h, z)
-struct EntryImpl : torch::nn::Module {
+struct EntryImpl : torch::nn::Module, Computed {
   EntryImpl() { fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(features, width)); }
-  std::tuple<Tensor, Tensor> forward(Tensor x, Tensor z) { return {torch::tanh(fc(x)), z}; }
+  std::tuple<Tensor, Tensor> forward(Tensor x, Tensor z) { return {noted(torch::tanh(fc(x))), z}; }
   paratrain::Unit<torch::nn::Linear> fc{nullptr};
 };
 TORCH_MODULE(Entry);
@@ -55,23 +65,23 @@ Tensor head_of(Layer& fc, Layer& gate, const Tensor& h, const Tensor& z) {
 }
 
 // (h, z) -> (h', z).
-struct MidImpl : torch::nn::Module {
+struct MidImpl : torch::nn::Module, Computed {
   MidImpl() {
     fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(width, width));
     gate = register_module("gate", paratrain::Unit<torch::nn::Linear>(width, width));
   }
-  std::tuple<Tensor, Tensor> forward(Tensor h, Tensor z) { return {mid_of(fc, gate, h, z), z}; }
+  std::tuple<Tensor, Tensor> forward(Tensor h, Tensor z) { return {noted(mid_of(fc, gate, h, z)), z}; }
   paratrain::Unit<torch::nn::Linear> fc{nullptr}, gate{nullptr};
 };
 TORCH_MODULE(Mid);
 
 // (h, z) -> logits, with a gate like Mid's.
-struct HeadImpl : torch::nn::Module {
+struct HeadImpl : torch::nn::Module, Computed {
   HeadImpl() {
     fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(width, classes));
     gate = register_module("gate", paratrain::Unit<torch::nn::Linear>(width, width));
   }
-  Tensor forward(Tensor h, Tensor z) { return head_of(fc, gate, h, z); }
+  Tensor forward(Tensor h, Tensor z) { return noted(head_of(fc, gate, h, z)); }
   paratrain::Unit<torch::nn::Linear> fc{nullptr}, gate{nullptr};
 };
 TORCH_MODULE(Head);
@@ -125,28 +135,36 @@ struct Chain<S, std::index_sequence<I...>> {
 template <std::size_t S>
 using ChainOf = typename Chain<S>::type;
 
+// The type of the stages' parameters and inputs: double, so that the fp32-free reference
+// agrees to 1e-9 in the losses; float under mixed precision, since autocast leaves double
+// alone (it would then compute in bf16 nowhere).
+inline at::ScalarType dtype_for(const std::optional<at::ScalarType>& autocast) {
+  return autocast ? torch::kFloat : torch::kDouble;
+}
+
 // Stage i, the same on every rank and in the reference.
 template <class Stage>
-Stage make_stage(std::size_t i) {
+Stage make_stage(std::size_t i, at::ScalarType dtype = torch::kDouble) {
   torch::manual_seed(100 + static_cast<int>(i));
   Stage s;
-  s->to(torch::kDouble);
+  s->to(dtype);
   return s;
 }
 
 template <class... Stage>
-Pipeline<Stage...> seeded(Pipeline<Stage...>*) {
+Pipeline<Stage...> seeded(Pipeline<Stage...>*, at::ScalarType dtype = torch::kDouble) {
   return [&]<std::size_t... I>(std::index_sequence<I...>) {
-    return Pipeline<Stage...>([] { return make_stage<Stage>(I); }...);
+    return Pipeline<Stage...>([dtype] { return make_stage<Stage>(I, dtype); }...);
   }(std::index_sequence_for<Stage...>{});
 }
 
-// Replica r's micro-batch m of step t: 2 to 4 samples, so sizes differ everywhere.
-inline paratrain::Batch micro_batch(int t, int r, int m) {
+// Replica r's micro-batch m of step t: 2 to 4 samples, so sizes differ everywhere (drawn in
+// double, then given `dtype`).
+inline paratrain::Batch micro_batch(int t, int r, int m, at::ScalarType dtype = torch::kDouble) {
   torch::manual_seed(1000 * t + 37 * r + m);
   const int n = 2 + (t + r + m) % 3;
-  auto x = torch::randn({n, features}, torch::kDouble);
-  auto z = torch::randn({n, width}, torch::kDouble);
+  auto x = torch::randn({n, features}, torch::kDouble).to(dtype);
+  auto z = torch::randn({n, width}, torch::kDouble).to(dtype);
   auto y = torch::randint(classes, {n}, torch::kLong);
   return {{x, z}, y};
 }
@@ -165,19 +183,34 @@ struct Reference {
 template <class Optim, class Options>
 static Trained run(int replicas, int micro, int steps, Options options, double clip = 0,
                    std::optional<at::ScalarType> autocast = {}) {
+  return run_shaped<Optim>(std::vector<Shape>(static_cast<std::size_t>(steps), {replicas, micro}), options, clip,
+                           autocast);
+}
+
+// Step t's batch: the micro-batches micro_batch(t, r, m) of replicas r < shape[t].replicas,
+// m < shape[t].micro (a pipeline reshaped by a checkpoint between steps changes them).
+struct Shape {
+  int replicas, micro;
+};
+template <class Optim, class Options>
+static Trained run_shaped(const std::vector<Shape>& shape, Options options, double clip = 0,
+                          std::optional<at::ScalarType> autocast = {}) {
+  const int steps = static_cast<int>(shape.size());
+  const auto dtype = dtype_for(autocast);
   auto stages = [&]<std::size_t... I>(std::index_sequence<I...>) {
-    return std::tuple<Stage...>{make_stage<Stage>(I)...};
+    return std::tuple<Stage...>{make_stage<Stage>(I, dtype)...};
   }(std::index_sequence_for<Stage...>{});
   std::vector<Tensor> params;
   std::apply([&](auto&... s) { (..., [&] { for (auto& p : s->parameters()) params.push_back(p); }()); }, stages);
   Optim sgd(params, options);
   Trained trained;
   for (int t = 0; t < steps; ++t) {
+    const int replicas = shape[static_cast<std::size_t>(t)].replicas, micro = shape[static_cast<std::size_t>(t)].micro;
     std::vector<Tensor> xs, zs, ys;
     std::vector<std::int64_t> rows(static_cast<std::size_t>(replicas), 0);  // each replica's samples
     for (int r = 0; r < replicas; ++r)
       for (int m = 0; m < micro; ++m) {
-        auto b = micro_batch(t, r, m);
+        auto b = micro_batch(t, r, m, dtype);
         xs.push_back(b.inputs[0]), zs.push_back(b.inputs[1]), ys.push_back(b.target);
         rows[static_cast<std::size_t>(r)] += b.size();
       }
@@ -228,7 +261,9 @@ template <class Comm, class Update, class P, class Ref = P>
 void check_pipeline(Comm world, PipelineOptions options, int micro, int steps = 20, double tolerance = 1e-5) {
   const double clip = options.data_parallel.max_grad_norm;
   using Strategy = paratrain::DataParallel<P, Comm, Update>;
-  Strategy s(seeded(static_cast<P*>(nullptr)), std::move(world), sgd_options(), options);
+  const auto autocast = options.data_parallel.precision.autocast;
+  const auto dtype = dtype_for(autocast);
+  Strategy s(seeded(static_cast<P*>(nullptr), dtype), std::move(world), sgd_options(), options);
   const int K = s.pipeline_size(), R = s.replicas();
   CAPTURE(K);
   CAPTURE(R);
@@ -241,7 +276,7 @@ void check_pipeline(Comm world, PipelineOptions options, int micro, int steps = 
   int peak = 0;
   for (int t = 0; t < steps; ++t) {
     std::vector<paratrain::Batch> mine;
-    for (int m = 0; m < micro; ++m) mine.push_back(micro_batch(t, s.replica(), m));
+    for (int m = 0; m < micro; ++m) mine.push_back(micro_batch(t, s.replica(), m, dtype));
     const auto r = s.step(std::span<const paratrain::Batch>(mine), paratrain::CrossEntropy{});
     // The last stage reports its replica's mean loss over the step's micro-batches.
     CHECK(r.has_loss == s.owns(static_cast<int>(P::size) - 1));
@@ -250,6 +285,16 @@ void check_pipeline(Comm world, PipelineOptions options, int micro, int steps = 
                           .epsilon(std::max(1e-9, tolerance)));
     peak = std::max(peak, s.last_step_stats().peak_stashed);
   }
+  // The stages this rank runs computed in autocast's type (bf16), or in the parameters'.
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (..., [&] {
+      if constexpr (std::is_base_of_v<Computed, typename std::tuple_element_t<I, typename P::stages>::ContainedType>)
+        if (s.owns(static_cast<int>(I))) {
+          CAPTURE(I);
+          CHECK((s.template stage_at<I>()->out_dtype == autocast.value_or(dtype)));
+        }
+    }());
+  }(std::make_index_sequence<P::size>{});
   std::vector<Tensor> expected;
   for (int i = 0; i < static_cast<int>(P::size); ++i)
     if (s.owns(i)) expected.insert(expected.end(), want.params[i].begin(), want.params[i].end());

@@ -74,9 +74,8 @@ double change_difference(const std::vector<torch::Tensor>& got, const std::vecto
 }
 
 template <class Update>
-void check_update(const Precision& precision) {
+void check_update(const Precision& precision, const torch::optim::SGDOptions& opts) {
   const int world = comm::Mpi().size();
-  const auto opts = torch::optim::SGDOptions(0.1);
   Scenario s{.steps = 3, .batch = 4, .varied_batch = true};  // rank r: 4 + r samples a step
   s.options.precision = precision;
   const auto start = paratrain_test::make_model<Tap>({}, 0)->parameters();
@@ -90,14 +89,50 @@ void check_update(const Precision& precision) {
 }  // namespace
 
 TEST_CASE("bf16 autocast under DDP and every ZeRO stage trains as one device under the same policy") {
-  for (const auto reduce : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kBFloat16}}) {
-    const Precision p{.autocast = at::kBFloat16, .reduce = reduce};
-    CAPTURE(reduce.has_value());
-    check_update<SGD>(p);
-    check_update<paratrain::Sharded<SGD, zero::stage1>>(p);
-    check_update<paratrain::Sharded<SGD, zero::stage2>>(p);
-    check_update<paratrain::Sharded<SGD, zero::stage3>>(p);
-  }
+  // With momentum too: optimizer state, sharded at every ZeRO stage, that carries each step's
+  // bf16-summed gradient into the next steps (a linear combination with positive weights, so
+  // the tolerance's argument holds for the change it makes).
+  for (const auto& opts : {torch::optim::SGDOptions(0.1), torch::optim::SGDOptions(0.1).momentum(0.9)})
+    for (const auto reduce : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kBFloat16}}) {
+      const Precision p{.autocast = at::kBFloat16, .reduce = reduce};
+      CAPTURE(reduce.has_value());
+      CAPTURE(opts.momentum());
+      check_update<SGD>(p, opts);
+      check_update<paratrain::Sharded<SGD, zero::stage1>>(p, opts);
+      check_update<paratrain::Sharded<SGD, zero::stage2>>(p, opts);
+      check_update<paratrain::Sharded<SGD, zero::stage3>>(p, opts);
+    }
+}
+
+TEST_CASE("gradients summed in bf16 arrive as bf16 sums: the wire carries bf16, not fp32") {
+  // Each rank's bucket holds the sum over its samples (Note [Exact averaging]); summed in
+  // bf16 across ranks and then divided by the global count N, each gradient times N is a
+  // bf16 number up to fp32's rounding of the division (2^-22 relative), where fp32 sums lie
+  // between bf16 numbers (~2^-9 relative, the largest of 212 elements far above 2^-12).
+  comm::Mpi c;
+  const int world = c.size(), rank = c.rank();
+  const paratrain_test::Data data;
+  const auto batch = data.of(world, rank, 0, 4 + rank, 8);
+  const double n = 4.0 * world + world * (world - 1) / 2.0;  // 4 + r samples on rank r
+  const auto off_bf16 = [&](std::optional<at::ScalarType> reduce) {
+    auto model = paratrain_test::make_model<Tap>({}, rank);
+    paratrain::DataParallel<Tap, comm::Mpi, SGD> dp(model, comm::Mpi(), torch::optim::SGDOptions(0.1),
+                                                    {.precision = {.reduce = reduce}});
+    dp.step(batch, paratrain_test::loss_fn);
+    double worst = 0;
+    for (const auto& q : model->parameters()) {
+      const auto sum = q.grad().to(torch::kDouble) * n;
+      const auto nonzero = sum.abs() > 0;
+      const auto rounded = sum.to(torch::kFloat).to(torch::kBFloat16).to(torch::kDouble);
+      worst = std::max(worst, ((sum - rounded).abs() / sum.abs()).masked_select(nonzero).max().item<double>());
+    }
+    return worst;
+  };
+  const double fp32 = off_bf16({}), bf16 = off_bf16(at::kBFloat16);
+  CAPTURE(fp32);
+  CAPTURE(bf16);
+  CHECK(fp32 > 0x1p-12);  // the check can tell: fp32 sums are not on bf16's grid
+  if (world > 1) CHECK(bf16 < 0x1p-20);
 }
 
 TEST_CASE("autocast computes in bf16, the parameters stay fp32, and bf16 gradients halve the bytes plan predicts") {
