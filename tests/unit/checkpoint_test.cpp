@@ -188,8 +188,10 @@ TEST_CASE("A checkpoint holds a strided parameter's values, not the memory under
   fs::remove_all(dir);
 }
 
-// ZeRO-3 at W -> DDP at W/2 -> single device -> ZeRO-1 at min(3, W): at 4 ranks the
-// issue's chain, 4 -> 2 -> 1 -> 3; every link followed by training.
+// ZeRO-3 at W -> DDP at W/2 -> single device -> ZeRO-1 at min(3, W) -> ZeRO-2 at another
+// world size -> ZeRO-3 at W: at 4 ranks 4 -> 2 -> 1 -> 3 -> 2 -> 4 (at 3: 3 -> 1 -> 1 -> 3 ->
+// 2 -> 3; at 2: 2 -> 1 -> 1 -> 2 -> 1 -> 2), every link followed by training, so that a
+// sharded load that misplaces a shard or its optimizer state shows in what follows.
 template <class Optim, class Opts>
 void reshard_chain(const Opts& opts) {
   comm::Mpi world;
@@ -227,12 +229,31 @@ void reshard_chain(const Opts& opts) {
     train(s, d, 12, 16);
     CAPTURE(w);
     CHECK(max_relative_difference(s.full_parameters(), reference_steps<Optim>(d, 16, opts)) <= 1e-5);
+    ckpt::save(s, dir / "d", 16);
+  }
+  world.barrier();
+  const int two = three == 3 ? 2 : 1;  // another world size than ZeRO-1's, where there is one
+  auto pair = sub(two);
+  if (rank < two) {
+    paratrain::DataParallel<Mlp, comm::Mpi, Sharded<Optim, zero::stage2>> s(other_model(rank), pair, opts);
+    CHECK(ckpt::load(s, ckpt::path_of(dir / "d", 16)).world_size == three);
+    train(s, d, 16, 20);
+    ckpt::save(s, dir / "e", 20);
+  }
+  world.barrier();
+  {
+    paratrain::DataParallel<Mlp, comm::Mpi, Sharded<Optim, zero::stage3>> s(other_model(rank), world, opts);
+    CHECK(ckpt::load(s, ckpt::path_of(dir / "e", 20)).world_size == two);
+    train(s, d, 20, 24);
+    CAPTURE(w);
+    CHECK(max_relative_difference(s.full_parameters(), reference_steps<Optim>(d, 24, opts)) <= 1e-5);
   }
   world.barrier();
   if (rank == 0) fs::remove_all(dir);
 }
 
-TEST_CASE("Resharding: ZeRO-3 at N, DDP at N/2, one device, ZeRO-1 at 3, each followed by training, equal LibTorch") {
+TEST_CASE("Resharding: ZeRO-3 at N, DDP at N/2, one device, ZeRO-1 at 3, ZeRO-2 and ZeRO-3 at other sizes, "
+          "each followed by training, equal LibTorch") {
   SUBCASE("SGD with momentum") { reshard_chain<torch::optim::SGD>(torch::optim::SGDOptions(0.1).momentum(0.9)); }
   SUBCASE("Adam") { reshard_chain<torch::optim::Adam>(torch::optim::AdamOptions(1e-2)); }
 }

@@ -190,6 +190,49 @@ TEST_CASE("a pipeline's checkpoint loads into the whole model under DDP, and bac
   if (c.rank() == 0) fs::remove_all(dir);
 }
 
+// Note [Checkpoint format]: every load reshards, a pipeline's too. A pipeline of K = 2 ranks
+// per replica (R = W/2 replicas, 2 micro-batches each) saves; the same stages as an
+// interleaved pipeline on one rank each (K = 1, R = W, 1 micro-batch: the same W micro-batches
+// a step) load it and train on, with SGD with momentum, whose state must follow the
+// parameters. Against one device trained on each step's union.
+TEST_CASE("a pipeline's checkpoint loads into a pipeline of another shape (K 2 -> 1, R W/2 -> W), as one device trains") {
+  comm::Mpi c;
+  if (c.size() % 2 != 0) return;
+  namespace fs = std::filesystem;
+  const auto dir = paratrain_test::shared_dir(c, "pipeline_reshape");
+  using P = ChainOf<2>;
+  using Pipe = paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD>;
+  const int w = c.size();
+  const auto train_pipeline = [&](Pipe& s, int micro, int from, int to) {
+    for (int t = from; t < to; ++t) {
+      std::vector<paratrain::Batch> mine;
+      for (int m = 0; m < micro; ++m) mine.push_back(micro_batch(t, s.replica(), m));
+      s.step(std::span<const paratrain::Batch>(mine), paratrain::CrossEntropy{});
+    }
+  };
+  {
+    Pipe first(seeded(static_cast<P*>(nullptr)), c, sgd_options());
+    REQUIRE(first.pipeline_size() == 2);
+    train_pipeline(first, 2, 0, 4);
+    paratrain::checkpoint::save(first, dir, 4);
+  }
+  Pipe second(seeded(static_cast<P*>(nullptr)), c, sgd_options(),
+              {.schedule = pipeline::Kind::interleaved_1f1b, .virtual_stages = 2});
+  REQUIRE(second.pipeline_size() == 1);
+  REQUIRE(second.replicas() == w);
+  CHECK(paratrain::checkpoint::load(second, paratrain::checkpoint::path_of(dir, 4)).world_size == w);
+  train_pipeline(second, 1, 4, 8);
+  using Shape = Reference<Entry, Head>::Shape;
+  std::vector<Shape> shape(4, Shape{w / 2, 2});
+  shape.resize(8, Shape{w, 1});
+  const auto want = Reference<Entry, Head>::run_shaped<torch::optim::SGD>(shape, sgd_options());
+  std::vector<Tensor> expected;
+  for (int i = 0; i < 2; ++i) expected.insert(expected.end(), want.params[i].begin(), want.params[i].end());
+  CHECK(max_relative_difference(second.full_parameters(), expected) <= 1e-5);
+  c.barrier();
+  if (c.rank() == 0) fs::remove_all(dir);
+}
+
 // Every stage pass is a span of fit's trace (Note [Zero-cost timeline]): each rank runs one
 // forward and one backward per micro-batch of each step of 1F1B.
 TEST_CASE("fit's trace shows each stage pass of a pipeline") {
