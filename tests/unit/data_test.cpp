@@ -341,10 +341,13 @@ data::TensorDataset make_data(std::int64_t n) {
 struct Slow {
   const data::TensorDataset* rows;
   std::chrono::microseconds delay{200};
+  std::atomic<int>* reads = nullptr;  // where given: counts the reads that are done
   [[nodiscard]] std::int64_t size() const { return rows->size(); }
   [[nodiscard]] paratrain::Batch get(const torch::Tensor& indices) const {
     std::this_thread::sleep_for(delay);
-    return rows->get(indices);
+    auto b = rows->get(indices);
+    if (reads != nullptr) reads->fetch_add(1);
+    return b;
   }
 };
 
@@ -422,29 +425,39 @@ TEST_CASE_TEMPLATE("fit<SequentialSampler> over a user's slow dataset trains lik
 }
 
 TEST_CASE("StepInfo::data_seconds is the step's wait for its batches: all of the read without workers, "
-          "little of it where the worker had time to read ahead") {
+          "none of it where the worker had read ahead") {
+  // No race with the clock: each read takes `delay` (a sleep, never shorter), and with a
+  // worker each step returns only once the next batch has been read (or 10 s passed), so
+  // steps 2..8 wait for a hand-over alone. The bounds are half a read either way, which a
+  // loaded machine does not reach by chance (a 50 ms stall of one thread on every step).
   const auto rows = make_data(64);
+  constexpr auto delay = std::chrono::milliseconds(100);
+  const double read = 0.1;
   const auto wait_per_step = [&](int workers) {
     paratrain::DataParallel<Mlp, comm::SingleDevice, torch::optim::SGD> s(make_net(), comm::SingleDevice{},
                                                                         torch::optim::SGDOptions(0.01));
     std::vector<double> waits;
-    paratrain::fit(s, Slow{&rows, std::chrono::milliseconds(20)},
+    std::atomic<int> reads{0};
+    paratrain::fit(s, Slow{&rows, delay, &reads},
                    {.epochs = 1, .batch_size = 8, .loader = {.workers = workers},
                     .progress = false, .on_step = [&](const paratrain::StepInfo& i) {
                       CHECK(i.data_seconds <= i.seconds);
                       waits.push_back(i.data_seconds);
-                      // Time the worker has, between two steps, to read the next batch.
-                      std::this_thread::sleep_for(std::chrono::milliseconds(60));
+                      const int next = static_cast<int>(waits.size()) + 1;  // batches read once the next is
+                      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+                      while (workers > 0 && next <= 8 && reads.load() < next && std::chrono::steady_clock::now() < until)
+                        std::this_thread::sleep_for(std::chrono::milliseconds(1));
                     }});
     REQUIRE(waits.size() == 8);
     return waits;
   };
-  for (const double w : wait_per_step(0)) CHECK(w >= 0.02);  // every read on the training thread
-  auto ahead = wait_per_step(1);
-  CHECK(ahead.front() >= 0.015);  // the worker started just before the first step asked
-  // Steps 2..8: read during the 60 ms the previous step left, so the wait is a hand-over.
-  std::sort(ahead.begin() + 1, ahead.end());
-  CHECK(ahead[4] < 0.01);  // the median of steps 2..8
+  for (const double w : wait_per_step(0)) CHECK(w >= read);  // every read on the training thread
+  const auto ahead = wait_per_step(1);
+  CHECK(ahead.front() >= read / 2);  // the worker started its first read as the first step asked
+  for (std::size_t k = 1; k < ahead.size(); ++k) {
+    CAPTURE(k);
+    CHECK(ahead[k] < read / 2);  // read during the previous step: a hand-over
+  }
 }
 
 namespace {

@@ -228,9 +228,15 @@ TEST_CASE("clock alignment recovers an offset injected into each rank's clock") 
     return skew + std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
   };
   const auto o = observe::detail::measure_clock_offset(c, clock);
-  // The error is about one all-reduce latency; 20 ms leaves room for oversubscribed ranks.
-  CHECK(std::abs(o.offset_us + skew) < 20000.0);
-  CHECK(o.spread_us < 20000.0);
+  // The error is about one all-reduce latency where the ranks run alike; where they are
+  // oversubscribed (4 ranks on 2 cores) a rank descheduled in a round shifts that round's
+  // estimate, and the median's spread says by how much. So: within 20 ms, or within three
+  // spreads of the truth where the measurement itself reports that much uncertainty; and
+  // the spread far below the injected skew (1 s a rank), so a sign error or a skew not
+  // removed still fails.
+  CAPTURE(o.spread_us);
+  CHECK(std::abs(o.offset_us + skew) < 20000.0 + 3 * o.spread_us);
+  CHECK(o.spread_us < 250000.0);
   // Everyone agrees on the origin: rank 0's clock.
   auto origin = torch::tensor({o.origin_us, -o.origin_us}, torch::kDouble);
   c.all_reduce(origin, paratrain::reduce_op::max);
@@ -415,9 +421,10 @@ TEST_CASE("the step-time report names the rank that is slow") {
   const int world = c.size(), rank = c.rank();
   torch::manual_seed(7);
   paratrain::DataParallel<Net, comm::Mpi> s(Net(), std::move(c), torch::optim::SGDOptions(0.1));
-  // Rank 1 spends 30 ms more on each step's loss than the others.
+  // Rank 1 spends 100 ms more on each step's loss than the others: far more than the
+  // noise of 3 or 4 ranks sharing 2 cores (a step's own work is well under a millisecond).
   const auto slow_loss = [rank](const at::Tensor& out, const at::Tensor& target) {
-    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     return torch::nn::functional::cross_entropy(out, target);
   };
   const auto result = paratrain::fit(
@@ -436,8 +443,8 @@ TEST_CASE("the step-time report names the rank that is slow") {
     CHECK(report.stragglers.empty());
   } else {
     CHECK(report.stragglers == std::vector<int>{1});
-    CHECK(report.ranks[1].busy_p50 >= 0.030);
-    CHECK(report.ranks[0].wait_mean >= 0.020);  // rank 0 waited for rank 1
+    CHECK(report.ranks[1].busy_p50 >= 0.100);
+    CHECK(report.ranks[0].wait_mean >= 0.050);  // rank 0 waited for rank 1, half of it at least
     CHECK(report.text().find("straggler: rank 1 ") != std::string::npos);
   }
 }
