@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Runs two builds of the transformer example that must train identically (the same samples,
-# initial weights and replicas; dropout 0 where the two draw its masks differently) and
-# passes only if each passes check_run.sh and their final losses agree to a relative
-# TOLERANCE (0: the same printed number): e.g. one device against a pipeline, DDP
-# against a pipeline of ZeRO-3 stages. float32 arithmetic in another order (stages, micro-
-# batches, the replicas' reduction) differs by ~1e-6 relative after a few steps.
+# Runs two programs that must train identically (the same samples, initial weights and
+# replicas; dropout 0 where the two draw its masks differently) and passes only if each
+# passes check_run.sh and their final losses agree to a relative TOLERANCE (0: the same
+# printed number): a build of the transformer example against the plain-LibTorch reference
+# (transformer_single --reference R), or against itself with another data path or with
+# recomputation. float32 arithmetic in another order (stages, micro-batches, the replicas'
+# reduction) differs by ~1e-6 relative after a few steps.
 #
 # Usage: compare_runs.sh TOLERANCE COMMAND_A... -- COMMAND_B...
 set -uo pipefail

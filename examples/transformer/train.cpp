@@ -1,7 +1,9 @@
 // torch.nn.Transformer trained as the seed's PyTorch DDP program trains it (synthetic
 // src (N, 1, 512) and tgt (N, 20, 512), tgt also the target of a cross-entropy over
 // dim 1, Adam at 0.001 × replicas), built five ways from this one source: the strategy
-// is the one alias below, chosen by a compile definition (examples/CMakeLists.txt):
+// is the one alias below, chosen by a compile definition (examples/CMakeLists.txt). The
+// single build also trains, with --reference R, what R replicas must, in plain LibTorch:
+// the independent reference every build is compared with in ctest.
 //
 //   transformer_single          one device
 //   transformer_ddp             DDP over MPI
@@ -20,6 +22,7 @@
 // Prints each step's time, the planner's per-rank model-state estimate beside what the
 // strategy holds, and one JSON summary line (printed by the rank that computes replica
 // 0's loss: rank 0, or a pipeline's last stage).
+#include <ATen/CPUGeneratorImpl.h>
 #include <sys/resource.h>
 #include <torch/torch.h>
 
@@ -96,6 +99,9 @@ struct Args {
   int workers = paratrain::data::LoaderOptions{}.workers;
   bool bf16 = false;  // forward under bf16 autocast, gradients summed in bf16
   std::uint64_t seed = 0;
+  double lr = 0.001;         // Adam's, times the replicas (the seed's 0.001 x world size)
+  double adam_eps = 1e-8;    // Adam's epsilon (LibTorch's default)
+  std::int64_t reference = 0;  // transformer_single: plain LibTorch for this many replicas
 };
 
 constexpr std::string_view usage = R"(usage: transformer_<build> [options]
@@ -121,6 +127,13 @@ constexpr std::string_view usage = R"(usage: transformer_<build> [options]
                      (activation checkpointing: paratrain::Recompute)
   --workers N        loader threads reading the next batches while a step computes (1; 0:
                      the training thread reads each batch when it needs it)
+  --lr X             Adam's learning rate per replica (0.001: X x replicas in all)
+  --adam-eps E       Adam's epsilon (1e-8); far above the gradients' size (1e8) Adam's step is
+                     (lr / E) x its momentum: linear in the gradient, so a wrong gradient scale
+                     shows (the comparisons in examples/CMakeLists.txt)
+  --reference R      transformer_single only: train as R replicas would together, in plain
+                     LibTorch (no paratrain strategy, loader or fit): the independent reference
+                     the other builds are compared with (needs --steps and --dropout 0)
 )";
 
 // By hand, as tools/plan does: CLI11 is not among paratrain's dependencies (scripts/deps.sh).
@@ -160,6 +173,9 @@ Args parse(int argc, char** argv) {
     else if (k == "--data") a.data = v;
     else if (k == "--write-data") a.write_data = v;
     else if (k == "--workers") a.workers = static_cast<int>(std::min<std::int64_t>(integer(), 64));
+    else if (k == "--lr") a.lr = std::stod(v);
+    else if (k == "--adam-eps") a.adam_eps = std::stod(v);
+    else if (k == "--reference") a.reference = integer();
     else throw std::invalid_argument("unknown option " + std::string(k));
   }
   if (m.d_model < 1 || m.nhead < 1 || m.d_model % m.nhead != 0)
@@ -171,6 +187,11 @@ Args parse(int argc, char** argv) {
   if (!pipelined && a.schedule != "1f1b")
     throw std::invalid_argument("--schedule is for the pipeline builds");
   if (!a.data.empty() && !a.write_data.empty()) throw std::invalid_argument("--data and --write-data exclude each other");
+  if (!(a.lr > 0) || !(a.adam_eps > 0)) throw std::invalid_argument("--lr and --adam-eps must be positive");
+  if (a.reference > 0 && (strategy_name() != std::string_view("single") || a.steps == 0 || m.dropout != 0 ||
+                          a.bf16 || !a.data.empty()))
+    throw std::invalid_argument("--reference is transformer_single's, with --steps N and --dropout 0, from memory "
+                                "and without --bf16");
 #if !PARATRAIN_HAS_HDF5
   if (!a.data.empty() || !a.write_data.empty())
     throw std::invalid_argument("--data and --write-data need HDF5: this build has no paratrain::hdf5 (apt-get install "
@@ -208,7 +229,7 @@ Decoder make_decoder(const Args& a) {
 // (A template, so that `if constexpr` discards the other build's branch.)
 template <class S = Strategy>
 std::unique_ptr<S> make_strategy(const Args& a, std::int64_t& parameters) {
-  const auto adam = torch::optim::AdamOptions(0.001);  // scaled by the replicas once they are known
+  const auto adam = torch::optim::AdamOptions(a.lr).eps(a.adam_eps);  // lr scaled by the replicas once known
   paratrain::DataParallelOptions options;
   if (a.bf16) options.precision = {.autocast = torch::kBFloat16, .reduce = torch::kBFloat16};
   if constexpr (pipelined) {
@@ -299,6 +320,39 @@ std::string json_number(double x, const char* format = "%.6g") {
   return buf;
 }
 
+/// --reference R: what R replicas of any build must train to, computed without paratrain's
+/// strategies, loader or fit: the same model from the same seeds, plain LibTorch Adam at
+/// lr x R, and each step the mean loss over the union of the R replicas' batches as
+/// PyTorch's DistributedSampler deals them (torch::randperm from a generator seeded with
+/// seed + epoch; replica r takes every R-th index from r, so step t's union is positions
+/// [t B R, (t + 1) B R) of the permutation, B the batch per replica). Prints the last
+/// step's loss as the builds' summary line does.
+int train_reference(const Args& a) {
+  const std::int64_t replicas = a.reference, per_step = a.batch * replicas, n = a.steps * per_step;
+  if (n > a.model.samples)
+    throw std::invalid_argument("--reference: --steps x --batch x R samples exceed --samples");
+  Transformer model(make_encoder(a), make_decoder(a));
+  model->train();
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(a.lr * double(replicas)).eps(a.adam_eps));
+  const auto [src, tgt] = synthetic(a.model, a.seed);
+  const auto order = torch::randperm(n, at::make_generator<at::CPUGeneratorImpl>(a.seed), torch::kLong);
+  double loss = 0;
+  for (std::int64_t t = 0; t < a.steps; ++t) {
+    const auto idx = order.narrow(0, t * per_step, per_step);
+    const auto x = src.index_select(0, idx), y = tgt.index_select(0, idx);
+    adam.zero_grad();
+    const auto l = torch::nn::functional::cross_entropy(model->forward(x, y), y);
+    l.backward();
+    adam.step();
+    loss = l.item<double>();
+    std::printf("step %lld/%lld: loss %.6f\n", (long long)t + 1, (long long)a.steps, loss);
+  }
+  std::printf("{\"example\": \"transformer\", \"strategy\": \"reference\", \"replicas\": %lld, \"steps\": %lld, "
+              "\"loss\": %s, \"first_loss\": null}\n",
+              (long long)replicas, (long long)a.steps, json_number(loss).c_str());
+  return std::isfinite(loss) ? 0 : 1;
+}
+
 int run(int argc, char** argv) {
   std::optional<comm::Mpi::Environment> mpi;
   if constexpr (std::is_same_v<Strategy::communicator_type, comm::Mpi>) mpi.emplace(argc, argv);
@@ -315,6 +369,7 @@ int run(int argc, char** argv) {
   }
   // An error on any rank: one "paratrain: ..." line, and the whole job ends.
   return paratrain::guarded([&]() -> int {
+  if (a.reference > 0) return train_reference(a);
 #if PARATRAIN_HAS_HDF5
   if (!a.write_data.empty()) {
     if (paratrain::detect_placement().world_size > 1)
@@ -339,7 +394,7 @@ int run(int argc, char** argv) {
   // The rank that computes replica 0's loss reports: the last pipeline rank of replica 0.
   const bool reporter = rank == pipeline_ranks - 1;
   // The seed's Adam(lr=0.001 * world_size): one replica per process there, so replicas here.
-  for (auto& g : s.optimizer().param_groups()) g.options().set_lr(0.001 * shard.count);
+  for (auto& g : s.optimizer().param_groups()) g.options().set_lr(a.lr * shard.count);
 
   const std::int64_t per_step = a.batch * shard.count;
   std::int64_t n = cfg.samples;
@@ -376,7 +431,7 @@ int run(int argc, char** argv) {
                 shard.count, (long long)a.batch);
     if constexpr (pipelined)
       std::printf(" in %lld micro-batches, schedule %s", (long long)a.micro_batches, a.schedule.c_str());
-    std::printf(", %lld steps, Adam lr %g, data from %s, %d loader worker(s)\n", (long long)steps, 0.001 * shard.count,
+    std::printf(", %lld steps, Adam lr %g, data from %s, %d loader worker(s)\n", (long long)steps, a.lr * shard.count,
                 a.data.empty() ? "memory" : a.data.c_str(), a.workers);
     std::fflush(stdout);
   }
