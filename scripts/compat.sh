@@ -5,7 +5,8 @@
 #     (mmdebstrap, ~1.5 min; kept in PARATRAIN_COMPAT_ROOT and reused while the package
 #     list below is unchanged);
 #  2. copies this working tree in (what git tracks or would track: a clone's files and the
-#     change at hand), keeping each file's time so that a rerun rebuilds what changed;
+#     change at hand), only the files whose content changed, so that a rerun, or a fresh
+#     clone's run, rebuilds what changed;
 #  3. builds there and runs the unit suite at 1 and 2 ranks, the Gloo suite, the
 #     compile-fail tests and the examples' smoke runs.
 # Needs root or sudo (mmdebstrap, chroot, mounts in a private namespace that ends with it).
@@ -60,11 +61,23 @@ if [[ "$(cat "$root/.paratrain-packages" 2>/dev/null)" != "${packages[*]}" ]]; t
   "${sudo[@]}" mv "$root.new" "$root"
 fi
 
-# The sources, afresh each time (a file deleted here is gone there too), with their times.
-"${sudo[@]}" rm -rf "$root/src/paratrain"
-"${sudo[@]}" mkdir -p "$root/src/paratrain"
-git ls-files -z --cached --others --exclude-standard |
-  tar --null --ignore-failed-read -T - -c 2>/dev/null | "${sudo[@]}" tar -x -C "$root/src/paratrain"
+# The sources: what git tracks or would track here. A file whose content the root's copy
+# already has is left as it is there, time included, so that the root's build (kept in
+# /build/paratrain) recompiles only what changed, also from a fresh clone (CI's), whose
+# files are all new to the clock; a file gone here goes there too.
+src=$root/src/paratrain
+"${sudo[@]}" mkdir -p "$src"
+git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+  [[ -f $f ]] || continue
+  if ! cmp -s "$f" "$src/$f"; then
+    "${sudo[@]}" mkdir -p "$src/$(dirname "$f")"
+    "${sudo[@]}" cp "$f" "$src/$f"
+  fi
+  printf '%s\n' "$f"
+done | sort >"${TMPDIR:-/tmp}/paratrain-compat-files.$$"
+(cd "$src" && find . -type f | sed 's|^\./||' | sort) |
+  comm -23 - "${TMPDIR:-/tmp}/paratrain-compat-files.$$" | while IFS= read -r gone; do "${sudo[@]}" rm -f "$src/$gone"; done
+rm -f "${TMPDIR:-/tmp}/paratrain-compat-files.$$"
 
 # In a mount namespace of its own: the root's /proc, /dev and /sys vanish with it.
 "${sudo[@]}" unshare --mount --fork bash -euo pipefail -c '
