@@ -84,7 +84,7 @@ class CpuAutocast {
  public:
   explicit CpuAutocast(std::optional<at::ScalarType> dtype) : on_(dtype.has_value()) {
     if (!on_) return;
-#if TORCH_VERSION_MAJOR >= 2
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
     at::autocast::set_autocast_enabled(at::kCPU, true);
     at::autocast::set_autocast_dtype(at::kCPU, *dtype);
 #else
@@ -96,7 +96,7 @@ class CpuAutocast {
   ~CpuAutocast() {
     if (!on_) return;
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-#if TORCH_VERSION_MAJOR >= 2
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
     at::autocast::set_autocast_enabled(at::kCPU, false);
 #else
     at::autocast::set_cpu_enabled(false);

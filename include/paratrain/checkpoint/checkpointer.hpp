@@ -96,7 +96,6 @@ struct Entry {
   at::Tensor data;  // flat, contiguous, on the CPU
 };
 
-
 template <class S>
 using optimizer_t = std::remove_cvref_t<decltype(std::declval<S&>().optimizer())>;
 

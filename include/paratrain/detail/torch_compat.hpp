@@ -11,8 +11,8 @@
 /// - the optimizer's state map is keyed by the parameter's TensorImpl, as a string in 1.x
 ///   (c10::guts::to_string of the pointer) and as the pointer itself (void*) in 2.x;
 ///   c10::guts::to_string is gone in 2.x;
-/// - autocast's state is per device type in 2.x (is_autocast_enabled(kCPU), ...); the
-///   1.x functions named for CPU and GPU are deprecated there;
+/// - autocast's state is per device type from 2.4 on (is_autocast_enabled(kCPU), ...); the
+///   older functions named for CPU and GPU are deprecated there;
 /// - c10d's ProcessGroupGloo derives from c10d::Backend in 2.x (from ProcessGroup in 1.x):
 ///   comm/gloo.hpp uses only what both give (allreduce & co. returning c10d::Work);
 /// - c10d's TCPStore uses libuv by default from 2.4 on, and a LibTorch built without it
@@ -31,9 +31,6 @@
 
 namespace paratrain::detail {
 
-/// LibTorch's version as major * 100 + minor: 113 for 1.13, 206 for 2.6.
-inline constexpr int torch_version = TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR;
-
 #if TORCH_VERSION_MAJOR >= 2
 /// The key of a parameter's entry in torch::optim::Optimizer::state().
 using OptimizerStateKey = void*;
@@ -48,9 +45,9 @@ inline OptimizerStateKey optimizer_state_key(const at::Tensor& parameter) {
 #endif
 
 /// Autocast's state for one device type (kCPU, or kCUDA for every GPU), read and set alike
-/// on every version.
+/// on every version (the per-device-type calls from 2.4 on, the CPU/GPU ones before).
 inline bool autocast_enabled(c10::DeviceType type) {
-#if TORCH_VERSION_MAJOR >= 2
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
   return at::autocast::is_autocast_enabled(type);
 #else
   return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
@@ -58,7 +55,7 @@ inline bool autocast_enabled(c10::DeviceType type) {
 }
 
 inline void set_autocast_enabled(c10::DeviceType type, bool enabled) {
-#if TORCH_VERSION_MAJOR >= 2
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
   at::autocast::set_autocast_enabled(type, enabled);
 #else
   if (type == c10::DeviceType::CPU) at::autocast::set_cpu_enabled(enabled);
@@ -67,7 +64,7 @@ inline void set_autocast_enabled(c10::DeviceType type, bool enabled) {
 }
 
 inline c10::ScalarType autocast_dtype(c10::DeviceType type) {
-#if TORCH_VERSION_MAJOR >= 2
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
   return at::autocast::get_autocast_dtype(type);
 #else
   return type == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
@@ -75,7 +72,7 @@ inline c10::ScalarType autocast_dtype(c10::DeviceType type) {
 }
 
 inline void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
-#if TORCH_VERSION_MAJOR >= 2
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
   at::autocast::set_autocast_dtype(type, dtype);
 #else
   if (type == c10::DeviceType::CPU) at::autocast::set_autocast_cpu_dtype(dtype);
