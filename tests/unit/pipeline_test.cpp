@@ -142,6 +142,16 @@ paratrain::Batch share_of(int t, int replicas, int micro, int rank, int world) {
   return {{torch::cat(xs), torch::cat(zs)}, torch::cat(ys)};
 }
 
+// Steps [from, to) of a pipeline, each on `micro` micro-batches of its replica.
+template <class Pipe>
+void train_pipeline(Pipe& s, int micro, int from, int to) {
+  for (int t = from; t < to; ++t) {
+    std::vector<paratrain::Batch> mine;
+    for (int m = 0; m < micro; ++m) mine.push_back(micro_batch(t, s.replica(), m));
+    s.step(std::span<const paratrain::Batch>(mine), paratrain::CrossEntropy{});
+  }
+}
+
 }  // namespace
 
 TEST_CASE("a pipeline's checkpoint loads into the whole model under DDP, and back, as one device trains") {
@@ -153,15 +163,8 @@ TEST_CASE("a pipeline's checkpoint loads into the whole model under DDP, and bac
   using Pipe = paratrain::DataParallel<P, comm::Mpi, torch::optim::Adam>;
   const auto adam = torch::optim::AdamOptions(1e-2);
   const int micro = 2, R = c.size() / 2;
-  const auto train_pipeline = [&](Pipe& s, int from, int to) {
-    for (int t = from; t < to; ++t) {
-      std::vector<paratrain::Batch> mine;
-      for (int m = 0; m < micro; ++m) mine.push_back(micro_batch(t, s.replica(), m));
-      s.step(std::span<const paratrain::Batch>(mine), paratrain::CrossEntropy{});
-    }
-  };
   Pipe first(seeded(static_cast<P*>(nullptr)), c, adam);
-  train_pipeline(first, 0, 4);
+  train_pipeline(first, micro, 0, 4);
   paratrain::checkpoint::save(first, dir, 4);
   // Into the whole model, data-parallel over every rank, which trains on.
   paratrain::DataParallel<Whole, comm::Mpi, torch::optim::Adam> ddp(Whole(), c, adam);
@@ -171,7 +174,7 @@ TEST_CASE("a pipeline's checkpoint loads into the whole model under DDP, and bac
   // And back into a pipeline, which finishes.
   Pipe second(seeded(static_cast<P*>(nullptr)), c, adam);  // step 0's weights: the checkpoint sets them
   paratrain::checkpoint::load(second, paratrain::checkpoint::path_of(dir, 8));
-  train_pipeline(second, 8, 12);
+  train_pipeline(second, micro, 8, 12);
   const auto want = Reference<Entry, Head>::run<torch::optim::Adam>(R, micro, 12, adam);
   std::vector<Tensor> expected;
   for (int i = 0; i < 2; ++i)
@@ -203,13 +206,6 @@ TEST_CASE("a pipeline's checkpoint loads into a pipeline of another shape (K 2 -
   using P = ChainOf<2>;
   using Pipe = paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD>;
   const int w = c.size();
-  const auto train_pipeline = [&](Pipe& s, int micro, int from, int to) {
-    for (int t = from; t < to; ++t) {
-      std::vector<paratrain::Batch> mine;
-      for (int m = 0; m < micro; ++m) mine.push_back(micro_batch(t, s.replica(), m));
-      s.step(std::span<const paratrain::Batch>(mine), paratrain::CrossEntropy{});
-    }
-  };
   {
     Pipe first(seeded(static_cast<P*>(nullptr)), c, sgd_options());
     REQUIRE(first.pipeline_size() == 2);
