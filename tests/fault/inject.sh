@@ -7,6 +7,9 @@
 # --launcher-status-lost: the launcher is known to exit 0 whatever its ranks did (Open MPI
 # 4's mpirun with orte_enable_recovery, even after MPI_Abort(124)); the regexes must then
 # show how the job ended, and only the status check is left out.
+# Ranks started through tests/fault/each_rank.sh write to files of their own, in the folder
+# $PARATRAIN_RANK_LOGS made here; each is added to the output after the job, its lines
+# prefixed "[rank r] ", so every line the regexes see is one rank's, whole.
 set -uo pipefail
 status_lost=0
 [[ $1 == --launcher-status-lost ]] && { status_lost=1; shift; }
@@ -14,7 +17,9 @@ deadline=$1 expect=$2
 shift 2
 [[ $1 == -- ]] && shift
 log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+PARATRAIN_RANK_LOGS=$(mktemp -d)
+export PARATRAIN_RANK_LOGS
+trap 'rm -rf "$log" "$PARATRAIN_RANK_LOGS"' EXIT
 start=$(date +%s%N)
 # SIGKILL after the deadline: a job that hangs fails the test instead of ctest's timeout.
 # The job runs in a session of its own, whose id is $job: what it leaves behind is found by
@@ -25,6 +30,9 @@ job=$!
 wait "$job"
 status=$?
 elapsed_ms=$((($(date +%s%N) - start) / 1000000))
+for rank_log in "$PARATRAIN_RANK_LOGS"/rank.*; do
+  [[ -e $rank_log ]] && sed "s/^/[rank ${rank_log##*.}] /" "$rank_log" >>"$log"
+done
 sed 's/^/  | /' "$log"
 printf 'inject: ended in %d.%d s with status %d (deadline %d s)\n' $((elapsed_ms / 1000)) $((elapsed_ms % 1000 / 100)) "$status" "$deadline"
 fail=0
