@@ -5,10 +5,10 @@
 # Both sides run with the same glibc allocator settings:
 #   MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647
 # (paratrain's own defaults, Note [Allocator]; stated for PyTorch too, so both are equal).
-# Files go to $PARATRAIN_BENCH_DIR (default: build/, on the same disk as the sources).
+# Files go to $PARATRAIN_BENCH_DIR (default: build-bench/, on the same disk as the sources).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=${PARATRAIN_BUILD_DIR:-build}
+build=${PARATRAIN_BUILD_DIR:-build-bench}
 dir=${PARATRAIN_BENCH_DIR:-$build}/checkpoint_bench.tmp
 python=/usr/bin/python3
 export MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647 OMP_NUM_THREADS=1

@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-200}
 rounds=${2:-3}
-build=${PARATRAIN_BUILD_DIR:-build}
+build=${PARATRAIN_BUILD_DIR:-build-bench}
 bench=$build/benchmarks/bench_ddp_vs_torch
 python=/usr/bin/python3
 if [[ ! -x $bench ]]; then

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 epochs=${1:-5}
-build=${PARATRAIN_BUILD_DIR:-build}
+build=${PARATRAIN_BUILD_DIR:-build-bench}
 export OMP_NUM_THREADS=1
 echo "\$ scripts/mpirun.sh 2 $build/examples/fashion_mnist_ddp --epochs $epochs"
 ours=$(TERM=dumb scripts/mpirun.sh 2 "$build/examples/fashion_mnist_ddp" --epochs "$epochs" | tail -1)

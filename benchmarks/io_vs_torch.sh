@@ -27,7 +27,7 @@ cd "$(dirname "$0")/.."
 steps=${1:-8}
 warmup=${2:-2}
 rounds=${3:-1}
-build=${PARATRAIN_BUILD_DIR:-build}
+build=${PARATRAIN_BUILD_DIR:-build-bench}
 python=/usr/bin/python3
 . benchmarks/side_by_side.sh  # require_built, same_environment, run_clean, machine_line
 require_built "$build" transformer_ddp transformer_single

@@ -24,7 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-8}
 warmup=${2:-2}
-build=${PARATRAIN_BUILD_DIR:-build}
+build=${PARATRAIN_BUILD_DIR:-build-bench}
 bench=$build/examples/transformer_ddp
 python=/usr/bin/python3
 . benchmarks/side_by_side.sh  # require_built, same_environment, run_clean, machine_line

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 sizes=${1:-"4 12"}
 steps=${2:-30}
 rounds=${3:-1}
-build=${PARATRAIN_BUILD_DIR:-build}
+build=${PARATRAIN_BUILD_DIR:-build-bench}
 bench=$build/benchmarks/bench_zero
 python=/usr/bin/python3
 [[ -x $bench ]] || { echo "$bench is missing; build it: cmake --build $build --target bench_zero" >&2; exit 1; }

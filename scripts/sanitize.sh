@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The tests under AddressSanitizer + UndefinedBehaviorSanitizer (issue #10): builds the test
 # binary, the planner and schedule tests and the fuzz replays with PARATRAIN_SANITIZE=ON in
-# build-sanitize/, then runs what ctest labels `sanitize`: the whole unit suite on two ranks
-# (under mpirun; every case of the one-rank run and the communication paths besides), the
-# planner, the schedules, and the kept fuzz inputs.
+# build-sanitize/, then runs what ctest labels `sanitize`: the unit suite's files whose cases
+# own memory (tests/CMakeLists.txt, paratrain_memory_tests) on two ranks (under mpirun; every
+# case of a one-rank run and the communication paths besides), the planner, the schedules,
+# and the kept fuzz inputs.
 # Any report fails the run; the only suppressions are tests/sanitize/*.supp's, each justified.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 build=${PARATRAIN_SANITIZE_BUILD_DIR:-build-sanitize}
 if [[ ! -f "$build/build.ninja" ]]; then
-  # -O1 -g, as AddressSanitizer's documentation advises: usable speed, line numbers in reports.
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g" -DPARATRAIN_SANITIZE=ON \
+  # -O1, as AddressSanitizer's documentation advises, and -g1: line tables, which is what a
+  # report's file:line needs, without full debug information (much of the compile time).
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS="-O1 -g1" -DPARATRAIN_SANITIZE=ON \
     -DPARATRAIN_BUILD_EXAMPLES=OFF -DPARATRAIN_BUILD_BENCHMARKS=OFF -DPARATRAIN_BUILD_TOOLS=OFF \
     -DPARATRAIN_WITH_NCCL=OFF -DPARATRAIN_WITH_GLOO=OFF >/dev/null
 fi
