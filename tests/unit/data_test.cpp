@@ -36,6 +36,7 @@
 #include "support/doctest.hpp"  // after LibTorch: see there
 #include "support/sampler_reference.hpp"
 #include "support/equivalence.hpp"
+#include "support/test_data.hpp"
 
 namespace {
 
@@ -46,7 +47,7 @@ using Indices = std::vector<std::int64_t>;
 using paratrain_test::error_of;
 using paratrain_test::Mlp;
 
-const fs::path test_data = PARATRAIN_TEST_DATA_DIR;
+const fs::path test_data = paratrain_test::test_data_dir();
 const fs::path fashion = "/usr/share/datasets/fashion-mnist";
 
 static_assert(paratrain::dataset<data::TensorDataset>);

@@ -13,6 +13,9 @@
 #include "paratrain/strategy/data_parallel.hpp"
 #include "support/doctest.hpp"
 
+// A namespace of its own: this file shares a translation unit with others (Note [Unity groups]).
+namespace fit_test {
+
 namespace {
 
 namespace comm = paratrain::comm;
@@ -150,3 +153,5 @@ TEST_CASE("Metrics: ranks that log different names still reduce together, weight
   CHECK(global.size() == static_cast<std::size_t>(c.size()) + 2);
   CHECK(m.sync(c).empty());  // started afresh; and nobody logged: still no hang
 }
+
+}  // namespace fit_test

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "support/doctest.hpp"  // after LibTorch: see there
+#include "support/test_data.hpp"
 
 namespace {
 
@@ -31,7 +32,7 @@ using Indices = std::vector<std::int64_t>;
 
 static_assert(paratrain::dataset<Hdf5Dataset>);
 
-const std::filesystem::path data_dir = PARATRAIN_TEST_DATA_DIR;
+const std::filesystem::path data_dir = paratrain_test::test_data_dir();
 constexpr std::int64_t samples = 24;  // make_hdf5.py's N
 
 // make_hdf5.py's formulas.

@@ -28,6 +28,9 @@
 #include "paratrain/strategy/data_parallel.hpp"
 #include "support/doctest.hpp"
 
+// A namespace of its own: this file shares a translation unit with others (Note [Unity groups]).
+namespace observe_test {
+
 namespace {
 
 namespace comm = paratrain::comm;
@@ -464,3 +467,5 @@ TEST_CASE("an output rank 0 cannot create fails fit on every rank, before traini
   }
   CHECK(steps == 0);
 }
+
+}  // namespace observe_test

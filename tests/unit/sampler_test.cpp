@@ -21,6 +21,7 @@
 
 #include "support/doctest.hpp"  // after LibTorch: see there
 #include "support/sampler_reference.hpp"
+#include "support/test_data.hpp"
 
 namespace {
 
@@ -65,7 +66,7 @@ std::string first_difference(const Indices& got, const Indices& want) {
 }
 
 nlohmann::json load_reference() {
-  const std::string path = std::string(PARATRAIN_TEST_DATA_DIR) + "/" + paratrain_test::sampler_reference_file();
+  const std::string path = (paratrain_test::test_data_dir() / paratrain_test::sampler_reference_file()).string();
   std::ifstream file(path);
   REQUIRE_MESSAGE(file.good(), "cannot open " << path
                                               << "; regenerate it with tests/data/make_sampler_reference.py");
