@@ -11,6 +11,8 @@
 #     compile-fail tests and the examples' smoke runs.
 # Needs root or sudo (mmdebstrap, chroot, mounts in a private namespace that ends with it).
 # Usage: scripts/compat.sh [ctest arguments]
+#        scripts/compat.sh --prepare: step 1 only (scripts/test.sh runs it during the main
+#        build: it waits on the network, the build on the cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -60,6 +62,7 @@ if [[ "$(cat "$root/.paratrain-packages" 2>/dev/null)" != "${packages[*]}" ]]; t
   "${sudo[@]}" rm -rf "$root"
   "${sudo[@]}" mv "$root.new" "$root"
 fi
+[[ ${1:-} == --prepare ]] && exit 0
 
 # The sources: what git tracks or would track here. A file whose content the root's copy
 # already has is left as it is there, time included, so that the root's build (kept in
