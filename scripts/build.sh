@@ -12,11 +12,11 @@ build=${PARATRAIN_BUILD_DIR:-build}
 # their own (scripts/bench.sh). One level per folder: a precompiled header is reused only at
 # the level it was made with (g++ 12 crashed on one made at -O1 and used at -O3).
 opt=${PARATRAIN_OPT:--O1}
-if [[ ! -f "$build/build.ninja" ]]; then
+if ! grep -qxF "CMAKE_CXX_FLAGS_RELEASE:STRING=$opt -DNDEBUG" "$build/CMakeCache.txt" 2>/dev/null ||
+   [[ ! -f "$build/build.ninja" ]]; then
+  [[ -f "$build/build.ninja" ]] &&
+    echo "paratrain: $build was configured at another optimisation level; configuring it at $opt (all of it recompiles)" >&2
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="$opt -DNDEBUG" >/dev/null
-elif ! grep -qxF "CMAKE_CXX_FLAGS_RELEASE:STRING=$opt -DNDEBUG" "$build/CMakeCache.txt"; then
-  echo "paratrain: $build was configured at another optimisation level than $opt; remove it or set PARATRAIN_BUILD_DIR" >&2
-  exit 1
 fi
 [[ ${1:-} == --configure-only ]] && exit 0
 # Each LibTorch translation unit takes ~1.3 GB to compile: one job per core at most.
