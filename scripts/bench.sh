@@ -3,7 +3,7 @@
 # Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | checkpoint | pipeline | transformer | io | memory | fashion_mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# The benchmarks' own build, at -O3 (the tests' build/ is at -O1: scripts/build.sh).
+# The benchmarks' own build, at -O3 (the tests' build/ is at -O0: scripts/build.sh).
 export PARATRAIN_BUILD_DIR=${PARATRAIN_BUILD_DIR:-build-bench} PARATRAIN_OPT=${PARATRAIN_OPT:--O3}
 build=$PARATRAIN_BUILD_DIR
 case "${1:-}" in
