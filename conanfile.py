@@ -28,7 +28,7 @@ auto_header_only the package id keeps no settings or options, so nothing may cha
 which files are packaged. There are no options for that reason; the components are
 chosen by find_package(... COMPONENTS ...), where the consumer's machine is known.
 
-No license is declared: the project has not chosen one yet.
+License: BSD-3-Clause (LICENSE at the root, packaged in licenses/), as PyTorch and LibTorch.
 """
 
 import os
@@ -44,12 +44,13 @@ required_conan_version = ">=2.0.8"  # implements = ["auto_header_only"]
 
 class ParatrainConan(ConanFile):
     name = "paratrain"
+    license = "BSD-3-Clause"
     description = "Header-only C++20 data, sharded and pipeline parallel training for LibTorch"
     topics = ("deep-learning", "libtorch", "distributed-training", "mpi", "nccl", "hdf5", "header-only")
     package_type = "header-library"
     implements = ["auto_header_only"]
     settings = "os", "arch", "compiler", "build_type"
-    exports_sources = "include/*", "cmake/*", "CMakeLists.txt"
+    exports_sources = "include/*", "cmake/*", "CMakeLists.txt", "LICENSE"
     no_copy_source = True
 
     # Where the CMake helpers go in the package (not a find_package location: CMakeDeps
@@ -75,6 +76,7 @@ class ParatrainConan(ConanFile):
         pass  # header-only: nothing to build
 
     def package(self):
+        copy(self, "LICENSE", src=self.source_folder, dst=os.path.join(self.package_folder, "licenses"))
         copy(self, "*.hpp",
              src=os.path.join(self.source_folder, "include"),
              dst=os.path.join(self.package_folder, "include"))

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "driver.hpp"
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 
 int main(int argc, char** argv) {
   paratrain::comm::Mpi::Environment env(argc, argv);

@@ -9,7 +9,7 @@
 #include <cstdlib>
 
 #include "driver.hpp"
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 
 int main(int argc, char** argv) {
   paratrain::comm::Mpi::Environment env(argc, argv);

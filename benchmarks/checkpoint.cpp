@@ -17,7 +17,7 @@
 
 #include "driver.hpp"
 #include "paratrain/checkpoint/checkpoint.hpp"
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"

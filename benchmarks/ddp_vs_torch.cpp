@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "driver.hpp"
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 
 namespace {

@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "driver.hpp"
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/pipeline/schedule.hpp"
-#include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 
 namespace {
 

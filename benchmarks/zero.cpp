@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "driver.hpp"
-#include "paratrain/comm/mpi.hpp"
-#include "paratrain/plan.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/strategy/plan.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"

@@ -49,6 +49,8 @@ configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/paratrainConfig.cmake.
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/paratrainConfigVersion.cmake
   COMPATIBILITY SameMinorVersion
   ARCH_INDEPENDENT)
+# The license travels with the headers, where Debian and Conan put a package's licenses.
+install(FILES ${PROJECT_SOURCE_DIR}/LICENSE DESTINATION ${CMAKE_INSTALL_DATAROOTDIR}/licenses/paratrain)
 install(FILES
   ${PROJECT_BINARY_DIR}/paratrainConfig.cmake
   ${PROJECT_BINARY_DIR}/paratrainConfigVersion.cmake

@@ -26,7 +26,7 @@
 
 #include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/single_device.hpp"
-#include "paratrain/detail/crc32c.hpp"
+#include "paratrain/util/crc32c.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 
 namespace {

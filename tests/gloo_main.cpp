@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <optional>
 
-#include "paratrain/comm/gloo.hpp"
+#include "paratrain/comm/gloo/gloo.hpp"
 #include "support/abort_on_failure.hpp"
 #include "support/doctest.hpp"
 #include "support/gloo_world.hpp"

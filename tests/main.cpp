@@ -9,10 +9,10 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <torch/torch.h>
 
-#include "paratrain/comm/mpi.hpp"
-#include "paratrain/config.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/core/config.hpp"
 #if PARATRAIN_HAS_NCCL
-#include "paratrain/comm/nccl.hpp"
+#include "paratrain/comm/nccl/nccl.hpp"
 #endif
 #include "support/abort_on_failure.hpp"
 #include "support/doctest.hpp"

@@ -47,7 +47,7 @@
 
 #include <filesystem>
 
-#include "paratrain/data/hdf5_dataset.hpp"
+#include "paratrain/data/hdf5/hdf5_dataset.hpp"
 #endif
 
 namespace transformer {

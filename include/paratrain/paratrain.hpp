@@ -3,11 +3,14 @@
 /// Everything paratrain offers; the MPI, NCCL, Gloo and HDF5 parts when their components
 /// are linked (paratrain::mpi, paratrain::nccl, paratrain::gloo, paratrain::hdf5).
 
-#include "paratrain/config.hpp"
+// Bottom to top, one group per layer (docs/architecture.md).
+#include "paratrain/core/batch.hpp"
+#include "paratrain/core/config.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/core/step_result.hpp"
+#include "paratrain/core/timeline.hpp"
 
-#include "paratrain/checkpoint/checkpoint.hpp"
-#include "paratrain/comm/reduce_op.hpp"
-#include "paratrain/comm/single_device.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/concepts/dataset.hpp"
@@ -15,7 +18,12 @@
 #include "paratrain/concepts/optimizer.hpp"
 #include "paratrain/concepts/sampler.hpp"
 #include "paratrain/concepts/strategy.hpp"
-#include "paratrain/data/batch.hpp"
+
+#include "paratrain/reliability/failure.hpp"
+
+#include "paratrain/comm/launch.hpp"
+#include "paratrain/comm/single_device.hpp"
+
 #include "paratrain/data/batches.hpp"
 #include "paratrain/data/dataset_ref.hpp"
 #include "paratrain/data/distributed_sampler.hpp"
@@ -26,37 +34,44 @@
 #include "paratrain/data/sampler_options.hpp"
 #include "paratrain/data/sequential_sampler.hpp"
 #include "paratrain/data/subset.hpp"
+#include "paratrain/data/tensor_dataset.hpp"
 #include "paratrain/data/weighted_sampler.hpp"
-#include "paratrain/error.hpp"
-#include "paratrain/fit.hpp"
-#include "paratrain/launch.hpp"
-#include "paratrain/metrics.hpp"
-#include "paratrain/pipeline/schedule.hpp"
-#include "paratrain/pipeline/stages.hpp"
-#include "paratrain/plan.hpp"
+
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
-#include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/strategy/optimizer_state.hpp"
+#include "paratrain/strategy/plan.hpp"
 #include "paratrain/strategy/precision.hpp"
 #include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/sharded_parameters.hpp"
 #include "paratrain/strategy/unit.hpp"
 
+#include "paratrain/pipeline/pipeline.hpp"
+#include "paratrain/pipeline/schedule.hpp"
+#include "paratrain/pipeline/stages.hpp"
+
+#include "paratrain/checkpoint/checkpoint.hpp"
+
+#include "paratrain/observe/observer.hpp"
+
+#include "paratrain/fit/fit.hpp"
+#include "paratrain/fit/metrics.hpp"
+
 #if PARATRAIN_HAS_MPI
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #endif
 
 #if PARATRAIN_HAS_NCCL
-#include "paratrain/comm/nccl.hpp"
+#include "paratrain/comm/nccl/nccl.hpp"
 #endif
 
 #if PARATRAIN_HAS_GLOO
-#include "paratrain/comm/gloo.hpp"
+#include "paratrain/comm/gloo/gloo.hpp"
 #endif
 
 #if PARATRAIN_HAS_HDF5
-#include "paratrain/data/hdf5_dataset.hpp"
+#include "paratrain/data/hdf5/hdf5_dataset.hpp"
 #endif

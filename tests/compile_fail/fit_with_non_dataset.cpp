@@ -2,7 +2,7 @@
 // fit takes any dataset; a type without get(indices) is named with the members it lacks.
 #include <torch/torch.h>
 
-#include "paratrain/fit.hpp"
+#include "paratrain/fit/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 
 struct Rows {

@@ -2,7 +2,7 @@
 // A type picked as fit's sampler policy must be a sampler; the error says which members.
 #include <torch/torch.h>
 
-#include "paratrain/fit.hpp"
+#include "paratrain/fit/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 
 struct NotASampler {

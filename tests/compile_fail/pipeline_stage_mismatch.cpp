@@ -3,8 +3,8 @@
 // prints the instantiation stage_link<0, First, Second> with the message.
 #include <torch/torch.h>
 
-#include "paratrain/comm/mpi.hpp"
-#include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 
 struct FirstImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) { return x; }

@@ -9,8 +9,8 @@
 #include <iostream>
 #include <string>
 
-#include "paratrain/comm/mpi.hpp"
-#include "paratrain/fit.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/fit/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 
 namespace {

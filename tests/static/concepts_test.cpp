@@ -2,7 +2,7 @@
 // This file has no run-time content; it passes by compiling.
 #include <ATen/core/Tensor.h>
 
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/concepts/communicator.hpp"
 
@@ -78,10 +78,10 @@ static_assert(!paratrain::communicator<NotMovable>);
 #include "paratrain/concepts/module.hpp"
 #include "paratrain/concepts/optimizer.hpp"
 #include "paratrain/concepts/strategy.hpp"
-#include "paratrain/fit.hpp"
+#include "paratrain/fit/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
-#include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 
 namespace {

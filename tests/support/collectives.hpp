@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/comm/reduce_op.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/core/error.hpp"
 #include "support/doctest.hpp"
 
 namespace collectives {

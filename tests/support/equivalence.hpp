@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/data/batch.hpp"
+#include "paratrain/core/batch.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/unit.hpp"

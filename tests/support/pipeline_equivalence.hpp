@@ -12,9 +12,9 @@
 #include <tuple>
 #include <vector>
 
-#include "paratrain/fit.hpp"
+#include "paratrain/fit/fit.hpp"
 #include "paratrain/pipeline/schedule.hpp"
-#include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"

@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <string>
 
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 
 namespace paratrain_test {
 

@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "paratrain/checkpoint/checkpoint.hpp"
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/data/sequential_sampler.hpp"
-#include "paratrain/fit.hpp"
+#include "paratrain/fit/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"

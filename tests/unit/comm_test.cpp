@@ -6,7 +6,7 @@
 #include <fstream>
 #include <string>
 
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "support/collectives.hpp"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"

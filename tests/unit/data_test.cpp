@@ -22,7 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/concepts/dataset.hpp"
 #include "paratrain/data/idx_dataset.hpp"
@@ -30,7 +30,7 @@
 #include "paratrain/data/npy_dataset.hpp"
 #include "paratrain/data/sequential_sampler.hpp"
 #include "paratrain/data/weighted_sampler.hpp"
-#include "paratrain/fit.hpp"
+#include "paratrain/fit/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "support/doctest.hpp"  // after LibTorch: see there

@@ -5,11 +5,11 @@
 #include <set>
 #include <string>
 
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/data/distributed_sampler.hpp"
-#include "paratrain/fit.hpp"
-#include "paratrain/metrics.hpp"
+#include "paratrain/fit/fit.hpp"
+#include "paratrain/fit/metrics.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "support/doctest.hpp"
 

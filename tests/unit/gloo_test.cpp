@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "paratrain/comm/gloo.hpp"
+#include "paratrain/comm/gloo/gloo.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "support/collectives.hpp"

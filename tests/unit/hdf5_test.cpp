@@ -3,8 +3,8 @@
 // against the reader itself; the direct (pread) reads and HDF5's are each checked that way.
 
 #include "paratrain/concepts/dataset.hpp"
-#include "paratrain/data/hdf5_dataset.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/data/hdf5/hdf5_dataset.hpp"
+#include "paratrain/core/error.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/comm/mpi.hpp"
-#include "paratrain/launch.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/comm/launch.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"

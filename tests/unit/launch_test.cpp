@@ -1,7 +1,7 @@
 // Tests for paratrain::detect_placement: each launcher, the precedence between nested
 // launchers (Note [Launcher precedence]), every inconsistency, and the real-environment path.
 
-#include "paratrain/launch.hpp"
+#include "paratrain/comm/launch.hpp"
 
 #include <doctest/doctest.h>
 

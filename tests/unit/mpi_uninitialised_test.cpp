@@ -2,7 +2,7 @@
 #include <cstdio>
 #include <string>
 
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 
 int main() {
   try {

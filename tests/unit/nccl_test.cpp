@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "paratrain/checkpoint/checkpoint.hpp"
-#include "paratrain/comm/nccl.hpp"
-#include "paratrain/data/batch.hpp"
-#include "paratrain/fit.hpp"
+#include "paratrain/comm/nccl/nccl.hpp"
+#include "paratrain/data/tensor_dataset.hpp"
+#include "paratrain/fit/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/concepts/communicator.hpp"

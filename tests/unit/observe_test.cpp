@@ -18,12 +18,12 @@
 #include <thread>
 #include <vector>
 
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
-#include "paratrain/detail/crc32c.hpp"
-#include "paratrain/fit.hpp"
+#include "paratrain/util/crc32c.hpp"
+#include "paratrain/fit/fit.hpp"
 #include "paratrain/observe/tensorboard.hpp"
-#include "paratrain/observe/timeline.hpp"
+#include "paratrain/core/timeline.hpp"
 #include "paratrain/observe/trace.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "support/doctest.hpp"

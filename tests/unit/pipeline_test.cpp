@@ -16,10 +16,10 @@
 #include <nlohmann/json.hpp>
 
 #include "paratrain/checkpoint/checkpoint.hpp"
-#include "paratrain/comm/mpi.hpp"
-#include "paratrain/fit.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/fit/fit.hpp"
 #include "paratrain/pipeline/schedule.hpp"
-#include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"
 #include "support/doctest.hpp"

@@ -21,10 +21,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "paratrain/comm/mpi.hpp"
-#include "paratrain/plan.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/strategy/plan.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
-#include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/precision.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"

@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
-#include "paratrain/strategy/pipeline.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "support/doctest.hpp"  // after LibTorch: see there

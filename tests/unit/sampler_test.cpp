@@ -6,7 +6,7 @@
 #include "paratrain/data/batches.hpp"
 #include "paratrain/data/distributed_sampler.hpp"
 #include "paratrain/data/exact_sampler.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/error.hpp"
 
 #include <nlohmann/json.hpp>
 

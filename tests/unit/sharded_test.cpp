@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/comm/mpi.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
-#include "paratrain/fit.hpp"
-#include "paratrain/plan.hpp"
+#include "paratrain/fit/fit.hpp"
+#include "paratrain/strategy/plan.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "support/doctest.hpp"

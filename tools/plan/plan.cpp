@@ -6,7 +6,7 @@
 // Arguments are parsed by hand: there are eleven of them, and CLI11 is not among paratrain's
 // dependencies (scripts/deps.sh). docs/plan.md.
 
-#include <paratrain/plan.hpp>
+#include <paratrain/strategy/plan.hpp>
 
 #include <charconv>
 #include <cstdint>

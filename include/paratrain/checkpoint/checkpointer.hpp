@@ -20,13 +20,13 @@
 #include <utility>
 #include <vector>
 
-#include "paratrain/checkpoint/agree.hpp"
+#include "paratrain/checkpoint/detail/model_names.hpp"
 #include "paratrain/checkpoint/files.hpp"
 #include "paratrain/checkpoint/format.hpp"
-#include "paratrain/checkpoint/optimizer_state.hpp"
+#include "paratrain/strategy/optimizer_state.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
-#include "paratrain/detail/torch_compat.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/util/torch_compat.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::checkpoint {
 
@@ -86,7 +86,7 @@ using paratrain::detail::OptimizerStateKey;
 static_assert(std::is_same_v<std::remove_cvref_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type,
                              OptimizerStateKey>,
               "paratrain: this LibTorch keys torch::optim::Optimizer::state() by another type than "
-              "detail/torch_compat.hpp expects; update OptimizerStateKey there (Note [LibTorch versions])");
+              "util/torch_compat.hpp expects; update OptimizerStateKey there (Note [LibTorch versions])");
 
 /// One chunk this rank writes: elements [begin, begin + data.numel()) of `key`.
 struct Entry {

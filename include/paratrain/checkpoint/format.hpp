@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "paratrain/checkpoint/files.hpp"
-#include "paratrain/checkpoint/optimizer_state.hpp"
+#include "paratrain/strategy/optimizer_state.hpp"
 #include "paratrain/checkpoint/zip_check.hpp"
-#include "paratrain/detail/crc32c.hpp"
+#include "paratrain/util/crc32c.hpp"
 
 namespace paratrain::checkpoint {
 

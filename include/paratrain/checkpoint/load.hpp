@@ -12,10 +12,10 @@
 #include <mutex>
 #include <string>
 
-#include "paratrain/checkpoint/agree.hpp"
+#include "paratrain/checkpoint/detail/model_names.hpp"
 #include "paratrain/checkpoint/checkpointer.hpp"
 #include "paratrain/checkpoint/format.hpp"
-#include "paratrain/checkpoint/optimizer_state.hpp"
+#include "paratrain/strategy/optimizer_state.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 
 namespace paratrain::checkpoint {

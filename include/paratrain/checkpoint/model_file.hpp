@@ -14,12 +14,12 @@
 #include <map>
 #include <string>
 
-#include "paratrain/checkpoint/agree.hpp"
+#include "paratrain/checkpoint/detail/model_names.hpp"
 #include "paratrain/checkpoint/files.hpp"
 #include "paratrain/checkpoint/format.hpp"
-#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/core/reduce_op.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
-#include "paratrain/detail/gather_strings.hpp"
+#include "paratrain/collectives/gather_strings.hpp"
 
 namespace paratrain::checkpoint {
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/detail/crc32c.hpp"
+#include "paratrain/util/crc32c.hpp"
 
 namespace paratrain::checkpoint::detail {
 

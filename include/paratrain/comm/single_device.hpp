@@ -4,9 +4,9 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "paratrain/comm/reduce_op.hpp"
-#include "paratrain/detail/tensor_checks.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/comm/detail/tensor_checks.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::comm {
 

@@ -20,7 +20,7 @@
 
 #include <concepts>
 
-#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/core/reduce_op.hpp"
 
 namespace paratrain {
 

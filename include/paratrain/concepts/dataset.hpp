@@ -7,7 +7,7 @@
 #include <concepts>
 #include <cstdint>
 
-#include "paratrain/data/batch.hpp"
+#include "paratrain/core/batch.hpp"
 
 namespace paratrain {
 

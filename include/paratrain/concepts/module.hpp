@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "paratrain/error.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain {
 

@@ -1,131 +1,14 @@
 #pragma once
 /// \file
-/// paratrain::Batch and paratrain::data::TensorDataset — samples in memory.
+/// Moved: this header is now <paratrain/core/batch.hpp> (Batch) and
+/// <paratrain/data/tensor_dataset.hpp> (data::TensorDataset); this forwarding header stays one release
+/// (docs/architecture.md, "Moved headers"). Define PARATRAIN_ALLOW_MOVED_HEADERS to silence
+/// the note.
+// paratrain: moved to paratrain/core/batch.hpp
 
-#include <ATen/ATen.h>
+#include "paratrain/core/batch.hpp"
+#include "paratrain/data/tensor_dataset.hpp"
 
-#include <cstdint>
-#include <string>
-#include <utility>
-#include <vector>
-
-#include "paratrain/detail/sample_indices.hpp"
-#include "paratrain/error.hpp"
-
-namespace paratrain {
-
-/// A batch of samples: the model's inputs (the arguments of its forward, in order:
-/// one for most models, two for a Transformer's `forward(src, tgt)`) and the targets,
-/// all indexed by dimension 0.
-struct Batch {
-  std::vector<at::Tensor> inputs;
-  at::Tensor target;
-
-  Batch() = default;
-  /// A model with one input: `Batch{x, y}`.
-  Batch(at::Tensor input, at::Tensor target_) : inputs{std::move(input)}, target(std::move(target_)) {}
-  /// A model with several inputs: `Batch{{src, tgt}, y}`.
-  Batch(std::vector<at::Tensor> inputs_, at::Tensor target_) : inputs(std::move(inputs_)), target(std::move(target_)) {}
-
-  /// The first input: the only one of a one-input model.
-  [[nodiscard]] const at::Tensor& input() const { return inputs.at(0); }
-  [[nodiscard]] std::int64_t size() const {
-    return !inputs.empty() && inputs.front().defined() ? inputs.front().size(0) : 0;
-  }
-  /// The samples [begin, begin + n) of every input and of the targets.
-  [[nodiscard]] Batch narrow(std::int64_t begin, std::int64_t n) const {
-    Batch out;
-    for (const auto& x : inputs) out.inputs.push_back(x.narrow(0, begin, n));
-    out.target = target.narrow(0, begin, n);
-    return out;
-  }
-};
-
-namespace detail {
-
-/// Why `b` cannot be trained on, or "" when it can (an empty batch can: the rank joins).
-/// Every input, and the targets where there are some, indexes samples by dimension 0,
-/// and all hold the same number of them.
-inline std::string batch_problem(const Batch& b) {
-  if (!b.inputs.empty() && !b.inputs.front().defined()) {
-    bool data = b.target.defined();
-    for (const auto& x : b.inputs) data = data || x.defined();
-    return data ? "the batch's input 0 is undefined, while it holds other tensors" : "";
-  }
-  if (!b.inputs.empty() && b.inputs.front().dim() == 0)
-    return "the batch's input 0 is a scalar; samples are indexed by dimension 0";
-  const auto n = b.size();
-  if (n == 0) return {};
-  const auto samples = [](const at::Tensor& t) { return std::to_string(t.size(0)) + " samples"; };
-  for (std::size_t i = 0; i < b.inputs.size(); ++i) {
-    const auto& x = b.inputs[i];
-    const auto which = "input " + std::to_string(i);
-    if (!x.defined()) return "the batch's " + which + " is undefined";
-    if (x.dim() == 0) return "the batch's " + which + " is a scalar; samples are indexed by dimension 0";
-    if (x.size(0) != n)
-      return "the batch's input 0 holds " + samples(b.inputs[0]) + " and its " + which + " " + samples(x) +
-             " (dimension 0)";
-  }
-  if (b.target.defined() && (b.target.dim() == 0 || b.target.size(0) != n))
-    return "the batch's inputs hold " + std::to_string(n) + " samples and its targets " +
-           (b.target.dim() == 0 ? std::string("are a scalar") : samples(b.target)) + " (dimension 0)";
-  return {};
-}
-
-/// A batch that every strategy refuses (batch_problem names it), for a rank that could not
-/// load its batch: given to the step in its place, it takes part in the step's agreement on
-/// unusable batches, so every rank throws instead of some waiting for the others in a
-/// collective (Note [Unusable batches]).
-inline Batch unusable_batch() {
-  Batch b;
-  b.inputs.emplace_back();
-  b.target = at::zeros({1});
-  return b;
-}
-
-}  // namespace detail
-
-namespace data {
-
-/// A dataset held in tensors whose dimension 0 indexes the samples: one input tensor
-/// per argument of the model's forward, and the targets.
-class TensorDataset {
- public:
-  TensorDataset(at::Tensor inputs, at::Tensor targets)
-      : TensorDataset(std::vector<at::Tensor>{std::move(inputs)}, std::move(targets)) {}
-
-  TensorDataset(std::vector<at::Tensor> inputs, at::Tensor targets)
-      : inputs_(std::move(inputs)), targets_(std::move(targets)) {
-    bool ok = !inputs_.empty() && targets_.defined() && targets_.dim() > 0;
-    for (const auto& x : inputs_) ok = ok && x.defined() && x.dim() > 0 && x.size(0) == targets_.size(0);
-    if (!ok)
-      throw error("TensorDataset", -1,
-                  "inputs and targets must be defined tensors with the same size in dimension 0 (one row per "
-                  "sample), and there must be at least one input");
-  }
-
-  [[nodiscard]] std::int64_t size() const { return targets_.size(0); }
-
-  /// The samples at `indices` (a 1-D int64 tensor), in that order. Throws paratrain::error
-  /// naming an index outside [0, size()).
-  [[nodiscard]] Batch get(const at::Tensor& indices) const {
-    paratrain::detail::check_sample_indices("TensorDataset", indices, size());
-    Batch b;
-    for (const auto& x : inputs_) b.inputs.push_back(x.index_select(0, indices));
-    b.target = targets_.index_select(0, indices);
-    return b;
-  }
-
-  /// The first input tensor: all of them for a one-input model.
-  [[nodiscard]] const at::Tensor& inputs() const noexcept { return inputs_.front(); }
-  /// Every input tensor, one per argument of the model's forward.
-  [[nodiscard]] const std::vector<at::Tensor>& all_inputs() const noexcept { return inputs_; }
-  [[nodiscard]] const at::Tensor& targets() const noexcept { return targets_; }
-
- private:
-  std::vector<at::Tensor> inputs_;
-  at::Tensor targets_;
-};
-
-}  // namespace data
-}  // namespace paratrain
+#ifndef PARATRAIN_ALLOW_MOVED_HEADERS
+#pragma message("<paratrain/data/batch.hpp> moved to <paratrain/core/batch.hpp> and <paratrain/data/tensor_dataset.hpp>; the old path goes in the next release")
+#endif

@@ -17,7 +17,7 @@
 #include <range/v3/view/chunk.hpp>
 #include <range/v3/view/take.hpp>
 
-#include "paratrain/error.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::data {
 

@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "paratrain/concepts/dataset.hpp"
-#include "paratrain/data/batch.hpp"
+#include "paratrain/core/batch.hpp"
 
 namespace paratrain::data {
 

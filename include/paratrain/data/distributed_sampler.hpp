@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "paratrain/data/sampler_options.hpp"
-#include "paratrain/detail/deal.hpp"
-#include "paratrain/detail/shard_checks.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/data/detail/deal.hpp"
+#include "paratrain/data/detail/shard_checks.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::data {
 

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/detail/shard_checks.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/data/detail/shard_checks.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::data {
 

@@ -15,9 +15,9 @@
 #include <utility>
 #include <vector>
 
-#include "paratrain/data/batch.hpp"
-#include "paratrain/detail/sample_indices.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/batch.hpp"
+#include "paratrain/data/detail/sample_indices.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::detail {
 

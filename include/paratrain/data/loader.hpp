@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "paratrain/concepts/dataset.hpp"
-#include "paratrain/data/batch.hpp"
-#include "paratrain/detail/agree.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/batch.hpp"
+#include "paratrain/collectives/agree.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::data {
 

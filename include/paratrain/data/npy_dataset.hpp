@@ -17,9 +17,9 @@
 #include <utility>
 #include <vector>
 
-#include "paratrain/data/batch.hpp"
-#include "paratrain/detail/sample_indices.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/batch.hpp"
+#include "paratrain/data/detail/sample_indices.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::data {
 
@@ -108,7 +108,8 @@ class MappedArray {
 
   [[nodiscard]] const char* bytes() const { return static_cast<const char*>(mapping_->address); }
 
-  // Note [The .npy header]: "\x93NUMPY", a major and minor version byte, the header's
+  // Note [The .npy header]
+  // "\x93NUMPY", a major and minor version byte, the header's
   // length (2 bytes little-endian in version 1, 4 in versions 2 and 3), then a Python
   // dict literal such as {'descr': '<f4', 'fortran_order': False, 'shape': (60000, 28), }
   // padded with spaces to a multiple of 64 bytes (16 in files older than NumPy 1.9).

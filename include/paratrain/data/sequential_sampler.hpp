@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "paratrain/data/sampler_options.hpp"
-#include "paratrain/detail/shard_checks.hpp"
+#include "paratrain/data/detail/shard_checks.hpp"
 
 namespace paratrain::data {
 

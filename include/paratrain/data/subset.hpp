@@ -8,8 +8,8 @@
 #include <utility>
 
 #include "paratrain/concepts/dataset.hpp"
-#include "paratrain/data/batch.hpp"
-#include "paratrain/detail/sample_indices.hpp"
+#include "paratrain/core/batch.hpp"
+#include "paratrain/data/detail/sample_indices.hpp"
 
 namespace paratrain::data {
 

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/detail/deal.hpp"
-#include "paratrain/detail/shard_checks.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/data/detail/deal.hpp"
+#include "paratrain/data/detail/shard_checks.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::data {
 

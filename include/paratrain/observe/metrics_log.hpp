@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "paratrain/error.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::observe {
 

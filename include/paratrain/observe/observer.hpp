@@ -15,13 +15,13 @@
 #include <system_error>
 #include <utility>
 
-#include "paratrain/comm/reduce_op.hpp"
-#include "paratrain/detail/agree.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/collectives/agree.hpp"
+#include "paratrain/core/error.hpp"
 #include "paratrain/observe/metrics_log.hpp"
 #include "paratrain/observe/step_times.hpp"
 #include "paratrain/observe/tensorboard.hpp"
-#include "paratrain/observe/timeline.hpp"
+#include "paratrain/core/timeline.hpp"
 #include "paratrain/observe/trace.hpp"
 
 namespace paratrain::observe {

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/comm/reduce_op.hpp"
-#include "paratrain/detail/group_size.hpp"
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/util/group_size.hpp"
 
 namespace paratrain::observe {
 

@@ -16,8 +16,8 @@
 #include <string_view>
 #include <system_error>
 
-#include "paratrain/detail/crc32c.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/util/crc32c.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::observe {
 

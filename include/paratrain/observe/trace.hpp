@@ -18,10 +18,10 @@
 #include <utility>
 #include <vector>
 
-#include "paratrain/comm/reduce_op.hpp"
-#include "paratrain/detail/group_size.hpp"
-#include "paratrain/error.hpp"
-#include "paratrain/observe/timeline.hpp"
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/util/group_size.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/core/timeline.hpp"
 
 namespace paratrain::observe {
 

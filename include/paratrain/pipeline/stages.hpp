@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "paratrain/concepts/module.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain {
 namespace detail {
@@ -96,7 +96,7 @@ using StageGroup = std::shared_ptr<StageGroupImpl>;
 /// A model cut into `Stage...`, in order: stage i+1's forward takes the tensors stage i's
 /// returns (a std::tuple for several), stage 0's takes the batch's inputs and the last
 /// stage's output goes to the loss. Checked at compile time. Train it with
-/// `DataParallel<Pipeline<Stage...>, Comm, Optimizer>` (strategy/pipeline.hpp): each
+/// `DataParallel<Pipeline<Stage...>, Comm, Optimizer>` (pipeline/pipeline.hpp): each
 /// pipeline rank builds and owns only its own stages.
 ///
 /// \code

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/detail/tensor_bytes.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/strategy/detail/tensor_bytes.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain {
 

@@ -17,12 +17,12 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/core/reduce_op.hpp"
 #include "paratrain/concepts/communicator.hpp"
-#include "paratrain/detail/all_reduce_on.hpp"
-#include "paratrain/detail/tensor_bytes.hpp"
-#include "paratrain/error.hpp"
-#include "paratrain/observe/timeline.hpp"
+#include "paratrain/collectives/all_reduce_on.hpp"
+#include "paratrain/strategy/detail/tensor_bytes.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/core/timeline.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
 
 namespace paratrain {

@@ -19,12 +19,12 @@
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/module.hpp"
 #include "paratrain/concepts/optimizer.hpp"
-#include "paratrain/detail/allocator.hpp"
+#include "paratrain/strategy/detail/allocator.hpp"
 #include "paratrain/concepts/strategy.hpp"
-#include "paratrain/data/batch.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/batch.hpp"
+#include "paratrain/core/error.hpp"
 #include "paratrain/strategy/sharded.hpp"
-#include "paratrain/strategy/state_slices.hpp"
+#include "paratrain/strategy/detail/state_slices.hpp"
 
 namespace paratrain {
 

@@ -12,8 +12,8 @@
 #include <string>
 #include <utility>
 
-#include "paratrain/detail/torch_compat.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/util/torch_compat.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain {
 

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "paratrain/concepts/module.hpp"
-#include "paratrain/detail/torch_compat.hpp"
+#include "paratrain/util/torch_compat.hpp"
 #include "paratrain/strategy/unit.hpp"
 
 namespace paratrain {

@@ -14,14 +14,14 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/checkpoint/optimizer_state.hpp"
+#include "paratrain/strategy/optimizer_state.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
-#include "paratrain/detail/tensor_bytes.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/strategy/detail/tensor_bytes.hpp"
+#include "paratrain/core/error.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
-#include "paratrain/strategy/state_slices.hpp"
+#include "paratrain/strategy/detail/state_slices.hpp"
 #include "paratrain/strategy/unit.hpp"
 
 namespace paratrain {

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 
-#include <paratrain/comm/mpi.hpp>
+#include <paratrain/comm/mpi/mpi.hpp>
 #include <paratrain/data/distributed_sampler.hpp>
 
 int main(int argc, char** argv) {

@@ -5,9 +5,9 @@
 
 #include <cstdio>
 
-#include <paratrain/comm/mpi.hpp>
+#include <paratrain/comm/mpi/mpi.hpp>
 #include <paratrain/comm/single_device.hpp>
-#include <paratrain/config.hpp>
+#include <paratrain/core/config.hpp>
 
 static_assert(PARATRAIN_HAS_MPI == 1, "linking paratrain::mpi must define PARATRAIN_HAS_MPI=1");
 

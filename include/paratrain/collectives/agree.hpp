@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/comm/reduce_op.hpp"
-#include "paratrain/detail/gather_strings.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/collectives/gather_strings.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::detail {
 

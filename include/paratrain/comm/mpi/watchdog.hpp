@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// The watchdog's channel under MPI: Note [Watchdog] (detail/watchdog.hpp).
+/// The watchdog's channel under MPI: Note [Watchdog] (reliability/watchdog.hpp).
 
 #include <mpi.h>
 
@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "paratrain/detail/watchdog.hpp"
+#include "paratrain/reliability/watchdog.hpp"
 
 namespace paratrain::detail {
 

@@ -26,7 +26,7 @@ namespace paratrain::detail {
 /// build locks the C API's calls only), so paratrain's calls take this lock. It is
 /// process-wide, the one piece of global state in paratrain::hdf5, because the library it
 /// guards is process-wide. What paratrain reads without HDF5 does not take it: Note
-/// [Reading HDF5 without its lock] (data/hdf5_dataset.hpp).
+/// [Reading HDF5 without its lock] (data/hdf5/hdf5_dataset.hpp).
 ///
 /// HDF5 prints its error stack to stderr when a call fails, and that setting is per
 /// thread in a thread-safe build, so taking the lock also turns the printing off on the

@@ -10,7 +10,7 @@
 #include <string>
 #include <string_view>
 
-#include "paratrain/error.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::detail {
 

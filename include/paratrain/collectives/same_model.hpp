@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "paratrain/comm/reduce_op.hpp"
-#include "paratrain/detail/fnv1a.hpp"
-#include "paratrain/detail/gather_strings.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/util/fnv1a.hpp"
+#include "paratrain/collectives/gather_strings.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::detail {
 

@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// The collective pieces of checkpointing: errors every rank reports (detail/agree.hpp),
+/// The collective pieces of checkpointing: errors every rank reports (collectives/agree.hpp),
 /// and the model's names over the ranks.
 
 #include <ATen/core/Tensor.h>
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "paratrain/concepts/checkpointable.hpp"
-#include "paratrain/detail/agree.hpp"
-#include "paratrain/detail/gather_strings.hpp"
+#include "paratrain/collectives/agree.hpp"
+#include "paratrain/collectives/gather_strings.hpp"
 
 namespace paratrain::checkpoint::detail {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "paratrain/error.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::detail {
 

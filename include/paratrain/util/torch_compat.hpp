@@ -14,11 +14,11 @@
 /// - autocast's state is per device type from 2.4 on (is_autocast_enabled(kCPU), ...); the
 ///   older functions named for CPU and GPU are deprecated there;
 /// - c10d's ProcessGroupGloo derives from c10d::Backend in 2.x (from ProcessGroup in 1.x):
-///   comm/gloo.hpp uses only what both give (allreduce & co. returning c10d::Work);
+///   comm/gloo/gloo.hpp uses only what both give (allreduce & co. returning c10d::Work);
 /// - c10d's TCPStore uses libuv by default from 2.4 on, and a LibTorch built without it
 ///   (Debian 13's 2.6) then refuses to start a store: plain_socket_store() asks for the
 ///   socket backend every version has.
-/// This is the one header besides config.hpp that reads a version macro (LibTorch's own).
+/// This is the one header besides core/config.hpp that reads a version macro (LibTorch's own).
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>

@@ -7,8 +7,8 @@
 
 #include <string>
 
-#include "paratrain/comm/reduce_op.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::detail {
 

@@ -1,7 +1,7 @@
 #pragma once
 /// \file
 /// The watchdog's channel under a torchrun-style launch (comm::Gloo): Note [Watchdog]
-/// (detail/watchdog.hpp).
+/// (reliability/watchdog.hpp).
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -15,8 +15,8 @@
 #include <thread>
 #include <vector>
 
-#include "paratrain/detail/torch_compat.hpp"
-#include "paratrain/detail/watchdog.hpp"
+#include "paratrain/util/torch_compat.hpp"
+#include "paratrain/reliability/watchdog.hpp"
 
 namespace paratrain::detail {
 

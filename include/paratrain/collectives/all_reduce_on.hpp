@@ -4,7 +4,7 @@
 
 #include <ATen/ATen.h>
 
-#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/core/reduce_op.hpp"
 
 namespace paratrain::detail {
 

@@ -25,7 +25,8 @@ struct Deal {
     return {start, per_replica, start + per_replica * replicas};
   }
 
-  // Note [Padding]: PyTorch pads by appending the order to itself (several times when the
+  // Note [Padding]
+  // PyTorch pads by appending the order to itself (several times when the
   // padding is longer than the order) and cuts it to total_size, which puts order[i % n]
   // at place i. Truncated, end <= n, where i % n == i. An empty order has end == start, so
   // the loop never divides by n == 0 (PyTorch yields nothing there too).

@@ -8,7 +8,7 @@
 #include <string>
 #include <string_view>
 
-#include "paratrain/error.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::detail {
 

@@ -10,7 +10,7 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include "paratrain/comm/reduce_op.hpp"
+#include "paratrain/core/reduce_op.hpp"
 
 namespace paratrain::detail {
 

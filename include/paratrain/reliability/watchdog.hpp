@@ -26,9 +26,9 @@
 #include <utility>
 #include <vector>
 
-#include "paratrain/comm/reduce_op.hpp"
-#include "paratrain/detail/fnv1a.hpp"
-#include "paratrain/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/util/fnv1a.hpp"
+#include "paratrain/core/error.hpp"
 
 namespace paratrain::detail {
 
@@ -48,7 +48,7 @@ namespace paratrain::detail {
 //      first one they issued differently (Note [Collective fingerprint]);
 //   3. ends the whole job: MPI_Abort under MPI (mpirun then ends every rank, stopped ones
 //      included), an exit under a torchrun-style launch (the peers' next operation then
-//      fails, naming this rank: Note [Who failed]).
+//      fails: comm::Gloo throws paratrain::error "Gloo failed: ..." on each of them).
 // Nothing is done on the training threads but two map updates per operation; the
 // watchdog thread sleeps otherwise, waking every tick (a tenth of the shortest timeout,
 // at most 1 s) to answer questions and look at the clock.

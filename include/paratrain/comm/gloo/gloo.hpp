@@ -1,0 +1,596 @@
+#pragma once
+/// \file
+/// comm::Gloo — collectives over LibTorch's own c10d ProcessGroupGloo on CPU tensors, with
+/// torchrun's rendezvous (MASTER_ADDR, MASTER_PORT): several processes without MPI.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#ifndef USE_C10D_GLOO
+#error "paratrain: comm::Gloo needs LibTorch's c10d built with Gloo (USE_C10D_GLOO, set by LibTorch's torch CMake target); link paratrain::gloo"
+#endif
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <array>
+#include <charconv>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/reliability/collective_signature.hpp"
+#include "paratrain/comm/gloo/watchdog.hpp"
+#include "paratrain/util/torch_compat.hpp"
+#include "paratrain/comm/detail/tensor_checks.hpp"
+#include "paratrain/reliability/watchdog.hpp"
+#include "paratrain/collectives/agree.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/comm/launch.hpp"
+
+namespace paratrain::comm {
+
+// Note [What Gloo lacks in LibTorch 1.13]
+// Checked against Debian's libtorch 1.13.1: c10d's ProcessGroupGloo rejects bfloat16 in every
+// collective ("Invalid scalar type"), has no ReduceOp::AVG, no reduce_scatter and no
+// _allgather_base. So:
+// - bfloat16 is reduced in float32 (a converted copy, reduced, rounded back once): no less
+//   exact than comm::Mpi's pairwise widening. Broadcast and all-gather move bfloat16 as
+//   float16, the same two bytes copied, never computed on (Gloo has no int16 either).
+// - average is a sum followed by one division, as in comm::Mpi.
+// - reduce_scatter is an all-reduce of a copy of `in` followed by a copy of part rank() into
+//   `out`: correct, but each rank receives the whole reduced buffer, about twice the traffic
+//   of a ring reduce-scatter, plus one copy of `in`. Use comm::Mpi where that matters.
+// - all_gather gathers into views of `out`, one per rank; c10d copies each part there.
+
+// Note [Length header]
+// A Gloo receive posted for fewer bytes than arrive aborts the receiving process from Gloo's
+// network thread (`op.preamble.length <= op.nbytes`, std::terminate), and a shorter message is
+// accepted silently. So every send is preceded by one int64 holding its byte count, on the same
+// tag (Gloo delivers one pair's messages of one tag in order). recv checks it first: a message
+// of another length is still received into a scratch buffer, so that the sender completes, and
+// then reported, exactly as comm::Mpi does. The price is one 8-byte message per send.
+
+/// A group of processes communicating through Gloo (TCP), as PyTorch's `gloo` backend does.
+///
+/// Ranks meet at `MASTER_ADDR:MASTER_PORT`, where rank 0 runs a c10d TCPStore; rank and world
+/// size come from `paratrain::detect_placement()` (torchrun's RANK/WORLD_SIZE, mpirun's, srun's)
+/// unless Options names them. So a program that uses it runs under torchrun, under a script
+/// that exports those variables (examples/launch/torchrun_style.sh), or under mpirun/srun with
+/// MASTER_ADDR and MASTER_PORT exported, and needs no MPI library. A world of one needs no
+/// rendezvous at all.
+///
+/// Every operation works in place on contiguous CPU tensors of float32, float64, bfloat16,
+/// float16, int32 or int64, with comm::Mpi's checks and messages; Note [What Gloo lacks in
+/// LibTorch 1.13] says what is emulated. Operations run on Gloo's own threads, so an
+/// `iall_reduce` progresses while the caller computes. Copies of a `Gloo` share one process
+/// group; `duplicate()` and `split()` make new ones.
+///
+/// \code
+///   paratrain::comm::Gloo world;  // RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the launcher
+///   auto g = torch::ones({4});
+///   world.all_reduce(g, paratrain::reduce_op::average);
+/// \endcode
+///
+/// Choose it for: CPU ranks without MPI (a laptop, a container, torchrun). Choose comm::Mpi
+/// where MPI is installed (faster reduce-scatter, no rendezvous port), comm::Nccl for GPUs.
+class Gloo {
+ public:
+  struct Options {
+    /// This process's rank; by default `detect_placement().rank`.
+    std::optional<int> rank;
+    /// The number of ranks; by default `detect_placement().world_size`.
+    std::optional<int> world_size;
+    /// The host where rank 0 listens for the others; by default the environment's MASTER_ADDR.
+    std::optional<std::string> master_addr;
+    /// Its port; by default the environment's MASTER_PORT.
+    std::optional<int> master_port;
+    /// How long to wait for the other ranks: at the rendezvous, and in any one operation,
+    /// after which the watchdog reports it and ends the job (Note [Watchdog]); Gloo's own
+    /// timeout is set a little later. By default PARATRAIN_TIMEOUT (seconds), else 10 minutes.
+    std::chrono::milliseconds timeout = detail::default_timeout();
+    /// The network interface to connect over (as PyTorch's GLOO_SOCKET_IFNAME, its default).
+    /// Empty: loopback when MASTER_ADDR is a loopback address, else the address this host's
+    /// name resolves to.
+    std::string interface = env_string("GLOO_SOCKET_IFNAME");
+    /// As comm::Mpi::Options::validate: check that every rank calls the same collective with
+    /// the same dtype, element count and root, and throw on every rank if not.
+    bool validate = detail::env_flag("PARATRAIN_VALIDATE");
+  };
+
+  /// A pending operation. Dropping one waits for it, except during stack unwinding
+  /// (comm::Mpi's Note [Dropped requests]).
+  class Request {
+   public:
+    Request() = default;
+    Request(Request&& o) noexcept { *this = std::move(o); }
+    Request& operator=(Request&& o) noexcept {
+      if (this != &o) {
+        finish_or_abandon();
+        works_ = std::exchange(o.works_, {});
+        keep_ = std::move(o.keep_);
+        then_ = std::move(o.then_);
+        watch_ = std::move(o.watch_);
+        pollable_ = o.pollable_;
+        op_ = o.op_;
+        rank_ = o.rank_;
+      }
+      return *this;
+    }
+    ~Request() { finish_or_abandon(); }
+
+    /// Blocks until the operation is complete; the buffer is then valid. Throws
+    /// paratrain::error when Gloo failed (a peer died, the timeout passed).
+    void wait() {
+      if (works_.empty()) return;
+      const auto works = std::exchange(works_, {});
+      for (const auto& w : works) {
+        try {
+          w->wait();
+        } catch (...) {
+          watch_.release();
+          rethrow_as_error(op_, rank_);
+        }
+      }
+      watch_.release();
+      if (then_) std::exchange(then_, {})();
+      keep_.clear();
+    }
+
+    /// Whether test() answers without blocking: true but for sends, which progress on
+    /// c10d's threads and which test() must wait for (c10d cannot poll them). Callers need
+    /// not, and between two ranks that send to each other must not, test those.
+    [[nodiscard]] bool pollable() const noexcept { return pollable_; }
+
+    /// Says whether the operation is complete, without blocking, for collectives. c10d
+    /// cannot poll a send or receive, so for those (isend) it waits and returns true.
+    [[nodiscard]] bool test() {
+      if (works_.empty()) return true;
+      if (pollable_ && !std::all_of(works_.begin(), works_.end(), [](const auto& w) { return w->isCompleted(); }))
+        return false;
+      wait();  // complete: collects a failure, and finishes an average
+      return true;
+    }
+
+   private:
+    friend class Gloo;
+    Request(const char* op, int rank, std::vector<at::Tensor> keep) : keep_(std::move(keep)), op_(op), rank_(rank) {}
+
+    void finish_or_abandon() noexcept {
+      if (works_.empty()) return;
+      if (std::uncaught_exceptions() > 0) {
+        // Leaked on purpose, with the buffers they hold: see Mpi's Note [Dropped requests].
+        new std::vector<c10::intrusive_ptr<c10d::Work>>(std::exchange(works_, {}));
+        new std::vector<at::Tensor>(std::move(keep_));
+        watch_.release();
+        return;
+      }
+      try {
+        wait();
+      } catch (...) {  // a destructor cannot report it; the next collective will fail too
+      }
+    }
+
+    std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+    std::vector<at::Tensor> keep_;
+    std::function<void()> then_;
+    detail::Watch watch_;  // Note [Watchdog]
+    bool pollable_ = true;
+    const char* op_ = "";
+    int rank_ = -1;
+  };
+
+  /// Joins the group the launcher describes: rank and world size from detect_placement(),
+  /// rendezvous at MASTER_ADDR:MASTER_PORT. Collective: blocks until every rank has joined
+  /// (at most Options::timeout), and throws paratrain::error naming the variables otherwise.
+  Gloo() : Gloo(Options{}) {}
+  explicit Gloo(Options options) : state_(join(std::move(options))) {}
+
+  [[nodiscard]] int rank() const noexcept { return state_->rank; }
+  [[nodiscard]] int size() const noexcept { return state_->size; }
+  [[nodiscard]] const Options& options() const noexcept { return state_->options; }
+  /// The c10d process group underneath, for what paratrain does not wrap.
+  [[nodiscard]] c10d::ProcessGroupGloo& native() const noexcept { return *state_->group; }
+
+  /// An independent group over the same ranks (for a communication thread, say).
+  /// Collective: every rank of this group must call it.
+  [[nodiscard]] Gloo duplicate() const { return split(0, rank()); }
+  /// The same, with other timeout, interface and validate settings (the rank, size and
+  /// address fields of `options` are not used: the new group meets through this one).
+  [[nodiscard]] Gloo duplicate(Options options) const { return split_with(0, rank(), std::move(options)); }
+
+  /// The ranks that pass the same `color`, ordered by `key` (then by rank), as a new group
+  /// that meets through this one's store. Collective: every rank of this group must call it.
+  [[nodiscard]] Gloo split(int color, int key = 0) const { return split_with(color, key, options()); }
+
+  void all_reduce(at::Tensor& t, reduce_op op) { start_all_reduce("all_reduce", t, op).wait(); }
+  [[nodiscard]] Request iall_reduce(at::Tensor& t, reduce_op op) { return start_all_reduce("iall_reduce", t, op); }
+
+  void broadcast(at::Tensor& t, int root) { ibroadcast(t, root).wait(); }
+
+  [[nodiscard]] Request ibroadcast(at::Tensor& t, int root) {
+    detail::check_buffer("broadcast", rank(), t);
+    check_peer("broadcast", root);
+    Request r("broadcast", rank(), {t});
+    r.watch_ = begin("broadcast", t, root);
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    std::vector<at::Tensor> v{bits(t)};
+    r.works_.push_back(run("broadcast", [&] { return group().broadcast(v, o); }));
+    return r;
+  }
+
+  /// Reduces `in` (size() equal parts, one per rank) and leaves part rank() in `out`.
+  /// An all-reduce underneath: Note [What Gloo lacks in LibTorch 1.13].
+  void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) { ireduce_scatter(in, out, op).wait(); }
+
+  [[nodiscard]] Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
+    detail::check_reduce_scatter(rank(), size(), in, out, op);
+    auto watch = begin("reduce_scatter", in, static_cast<int>(op));
+    auto whole = in.reshape({-1}).to(reduced_type(in), /*non_blocking=*/false, /*copy=*/true);
+    Request r("reduce_scatter", rank(), {in, out, whole});
+    r.watch_ = std::move(watch);
+    std::vector<at::Tensor> v{whole};
+    r.works_.push_back(run("reduce_scatter", [&] { return group().allreduce(v, all_reduce_options(op)); }));
+    const auto part = out.numel();
+    r.then_ = [whole, out, part, from = rank() * part, n = size(), average = op == reduce_op::average]() mutable {
+      auto mine = whole.narrow(0, from, part);
+      if (average) mine.div_(n);
+      out.view({-1}).copy_(mine);
+    };
+    return r;
+  }
+
+  /// Concatenates every rank's `in`, in rank order, into `out` on every rank.
+  void all_gather(const at::Tensor& in, at::Tensor& out) { iall_gather(in, out).wait(); }
+
+  [[nodiscard]] Request iall_gather(const at::Tensor& in, at::Tensor& out) {
+    detail::check_all_gather(rank(), size(), in, out);
+    Request r("all_gather", rank(), {in, out});
+    r.watch_ = begin("all_gather", in, 0);
+    const auto n = in.numel();
+    if (n == 0) return r;  // Gloo's all-gather divides by the size (SIGFPE); every rank has 0 here
+    const auto flat = bits(out).view({-1});
+    std::vector<std::vector<at::Tensor>> parts(1);
+    for (int i = 0; i < size(); ++i) parts[0].push_back(flat.narrow(0, i * n, n));
+    std::vector<at::Tensor> v{bits(in).view({-1})};
+    r.works_.push_back(run("all_gather", [&] { return group().allgather(parts, v); }));
+    return r;
+  }
+
+  /// Sends `t` to `peer`; returns once Gloo has handed it over, which may need `peer` to
+  /// have posted the matching recv: in a ring, use isend. `tag` must be >= 0.
+  void send(const at::Tensor& t, int peer, int tag = 0) { isend(t, peer, tag).wait(); }
+
+  /// A send that completes in the background. Its request's test() waits (c10d cannot
+  /// poll a send).
+  [[nodiscard]] Request isend(const at::Tensor& t, int peer, int tag = 0) {
+    check_point_to_point("send", t, peer, tag);
+    auto header = at::empty({1}, at::kLong);
+    header.data_ptr<std::int64_t>()[0] = t.numel() * t.element_size();
+    Request r("send", rank(), {t, header});
+    r.watch_ = state_->watched.point_to_point("send", peer, tag);
+    r.pollable_ = false;
+    std::vector<at::Tensor> h{header}, payload{t};
+    r.works_.push_back(run("send", [&] { return group().send(h, peer, tag); }));
+    if (t.numel() > 0) r.works_.push_back(run("send", [&] { return group().send(payload, peer, tag); }));
+    return r;
+  }
+
+  /// Receives a message of exactly t.numel() elements from `peer` with `tag`. A message of
+  /// another length is still taken off the wire (so the sender completes) and then reported:
+  /// Note [Length header].
+  void recv(at::Tensor& t, int peer, int tag = 0) {
+    check_point_to_point("recv", t, peer, tag);
+    const auto watch = state_->watched.point_to_point("recv", peer, tag);
+    auto header = at::empty({1}, at::kLong);
+    receive(header, peer, tag);
+    const auto bytes = header.data_ptr<std::int64_t>()[0];
+    const auto expected = t.numel() * t.element_size();
+    if (bytes != expected) {
+      if (bytes > 0) {
+        auto discard = at::empty({bytes}, at::kByte);
+        receive(discard, peer, tag);
+      }
+      fail("recv", "rank " + std::to_string(peer) + " sent " + std::to_string(bytes) + " bytes (tag " +
+                       std::to_string(tag) + ") but the receiving tensor holds " + std::to_string(expected) +
+                       "; give both sides the same shape and dtype");
+    }
+    if (bytes > 0) receive(t, peer, tag);
+  }
+
+  void barrier() {
+    Request r("barrier", rank(), {});
+    r.watch_ = state_->watched.collective("barrier");
+    r.works_.push_back(run("barrier", [&] { return group().barrier(); }));
+    r.wait();
+  }
+
+ private:
+  struct State {
+    Options options;
+    int rank = 0;
+    int size = 1;
+    std::string where;                        // "host:port", or "" for a world of one
+    c10::intrusive_ptr<c10d::Store> store;    // declared before the group: it outlives it
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+    detail::Watched watched;  // Note [Watchdog], Note [Collective fingerprint]
+    int splits = 0;  // made so far: names each new group's store prefix, the same on every rank
+  };
+
+  explicit Gloo(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
+  static std::string env_string(const char* name) {
+    const char* v = std::getenv(name);
+    return v == nullptr ? std::string() : std::string(v);
+  }
+
+  static bool is_loopback(std::string_view host) {
+    return host == "localhost" || host == "::1" || host.substr(0, 4) == "127.";
+  }
+
+  static std::shared_ptr<::gloo::transport::Device> device(const Options& o, std::string_view host) {
+    if (!o.interface.empty()) return c10d::ProcessGroupGloo::createDeviceForInterface(o.interface);
+    if (host.empty() || is_loopback(host)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+    return c10d::ProcessGroupGloo::createDefaultDevice();
+  }
+
+  static c10::intrusive_ptr<c10d::ProcessGroupGloo> make_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                              int size, const Options& o, std::string_view host) {
+    // Past the watchdog's deadline and its grace, so that the watchdog reports first.
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(o.timeout + std::chrono::seconds(15));
+    gloo_options->devices.push_back(device(o, host));
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
+  }
+
+  [[noreturn]] static void fail_join(int rank, const std::string& message) { throw error("comm::Gloo", rank, message); }
+
+  // The rendezvous address: Options first, then the environment. nullopt when neither says.
+  static std::optional<std::pair<std::string, int>> address(const Options& o, int rank) {
+    std::string host = o.master_addr ? *o.master_addr : env_string("MASTER_ADDR");
+    if (host.empty()) return std::nullopt;
+    int port = 0;
+    std::string cited;
+    if (o.master_port) {
+      port = *o.master_port;
+      cited = "Options::master_port=" + std::to_string(port);
+    } else {
+      const auto text = env_string("MASTER_PORT");
+      if (text.empty())
+        fail_join(rank, "MASTER_ADDR=" + host + " is set but MASTER_PORT is not; export the port rank 0 listens on");
+      cited = "MASTER_PORT=" + text;
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), port);
+      if (ec != std::errc{} || end != text.data() + text.size()) port = -1;
+    }
+    if (port < 1 || port > 65535) fail_join(rank, cited + " is not a port number (1 to 65535)");
+    return std::pair{std::move(host), port};
+  }
+
+  static std::shared_ptr<State> join(Options o) {
+    auto s = std::make_shared<State>();
+    if (!o.rank || !o.world_size) {
+      const auto where = detect_placement();
+      s->rank = o.rank.value_or(where.rank);
+      s->size = o.world_size.value_or(where.world_size);
+    } else {
+      s->rank = *o.rank;
+      s->size = *o.world_size;
+    }
+    if (s->size < 1) fail_join(-1, "world size " + std::to_string(s->size) + " is not at least 1");
+    if (s->rank < 0 || s->rank >= s->size)
+      fail_join(-1, "rank " + std::to_string(s->rank) + " is not in a world of " + std::to_string(s->size) +
+                        " (0.." + std::to_string(s->size - 1) + ")");
+    std::string host;
+    try {
+      if (s->size == 1) {
+        s->store = c10::make_intrusive<c10d::HashStore>();  // a world of one meets nobody
+      } else {
+        auto at = address(o, s->rank);
+        if (!at)
+          fail_join(s->rank,
+                    "no address to meet at: neither MASTER_ADDR nor Options::master_addr is set; the " +
+                        std::to_string(s->size) + " ranks meet at MASTER_ADDR:MASTER_PORT, where rank 0 listens; export both, as torchrun "
+                        "does (MASTER_ADDR=<rank 0's host> MASTER_PORT=<a free port>)");
+        host = at->first;
+        s->where = host + ":" + std::to_string(at->second);
+        c10d::TCPStoreOptions store_options;
+        store_options.port = static_cast<std::uint16_t>(at->second);
+        store_options.isServer = s->rank == 0;
+        store_options.numWorkers = s->size;
+        store_options.waitWorkers = true;
+        store_options.timeout = o.timeout;
+        s->store = c10::make_intrusive<c10d::TCPStore>(host, detail::plain_socket_store(store_options));
+      }
+      s->group = make_group(s->store, s->rank, s->size, o, host);
+      if (s->size > 1 && !detail::Watchdog::instance().has_channel())
+        detail::Watchdog::instance().set_channel(std::make_unique<detail::GlooWatchdogChannel>(
+            host, static_cast<std::uint16_t>(std::stoi(s->where.substr(s->where.rfind(':') + 1))), s->rank, s->size));
+    } catch (const error&) {
+      throw;
+    } catch (const std::exception& e) {
+      auto why = paratrain::detail::message_of(e);
+      while (!why.empty() && (why.back() == '.' || why.back() == ' ' || why.back() == '\n')) why.pop_back();
+      const std::string hint =
+          s->rank == 0 ? "; if the port is in use, pick another MASTER_PORT"
+                       : "; check that rank 0 has started, that MASTER_ADDR is its host and that the port is reachable";
+      fail_join(s->rank, "rendezvous at " + s->where + " of " + std::to_string(s->size) + " ranks failed: " + why +
+                             hint);
+    }
+    s->options = std::move(o);
+    std::vector<int> members(static_cast<std::size_t>(s->size));
+    for (int r = 0; r < s->size; ++r) members[static_cast<std::size_t>(r)] = r;
+    s->watched = detail::Watched("world", std::move(members), s->rank, s->options.timeout);
+    return s;
+  }
+
+  Gloo split_with(int color, int key, Options o) const {
+    if (color < 0) fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
+    // Every rank's (color, key), gathered over this group.
+    auto mine = at::empty({2}, at::kLong);
+    mine.data_ptr<std::int64_t>()[0] = color;
+    mine.data_ptr<std::int64_t>()[1] = key;
+    auto all = at::empty({2 * size()}, at::kLong);
+    Gloo(state_).all_gather(mine, all);
+    const auto* v = all.data_ptr<std::int64_t>();
+    std::vector<std::pair<std::int64_t, int>> members;  // (key, rank) of the ranks of my colour
+    for (int r = 0; r < size(); ++r)
+      if (v[2 * r] == color) members.emplace_back(v[2 * r + 1], r);
+    std::sort(members.begin(), members.end());
+    const auto me = std::find(members.begin(), members.end(), std::pair<std::int64_t, int>{key, rank()});
+
+    auto s = std::make_shared<State>();
+    s->rank = static_cast<int>(me - members.begin());
+    s->size = static_cast<int>(members.size());
+    s->where = state_->where;
+    o.rank = s->rank;
+    o.world_size = s->size;
+    s->options = std::move(o);
+    {
+      const auto& parent = state_->watched.ledger();
+      std::vector<int> world;
+      for (const auto& [k, r] : members) world.push_back(parent.members()[static_cast<std::size_t>(r)]);
+      s->watched = detail::Watched("split " + std::to_string(color) + " of " + parent.name(), std::move(world), s->rank,
+                                   s->options.timeout);
+    }
+    const auto watch = state_->watched.collective("split");
+    const auto prefix = "paratrain/split/" + std::to_string(state_->splits++) + "/" + std::to_string(color);
+    try {
+      s->store = c10::make_intrusive<c10d::PrefixStore>(prefix, state_->store);
+      const auto host = state_->where.substr(0, state_->where.rfind(':'));
+      s->group = make_group(s->store, s->rank, s->size, s->options, host);
+    } catch (...) {
+      rethrow_as_error("split", rank());
+    }
+    return Gloo(std::move(s));
+  }
+
+  [[nodiscard]] c10d::ProcessGroupGloo& group() const noexcept { return *state_->group; }
+
+  // Inside a catch block: the exception in flight, as a paratrain::error of `op`.
+  [[noreturn]] static void rethrow_as_error(const char* op, int rank) {
+    try {
+      throw;
+    } catch (const error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw error(op, rank, "Gloo failed: " + paratrain::detail::message_of(e));
+    } catch (...) {
+      throw error(op, rank, "Gloo failed with an unknown exception");
+    }
+  }
+
+  template <class Start>
+  c10::intrusive_ptr<c10d::Work> run(const char* op, Start start) const {
+    try {
+      return start();
+    } catch (...) {
+      rethrow_as_error(op, rank());
+    }
+  }
+
+  [[noreturn]] void fail(const char* op, const std::string& message) const { throw error(op, rank(), message); }
+
+  void check_peer(const char* op, int peer) const {
+    if (peer < 0 || peer >= size())
+      fail(op, "rank " + std::to_string(peer) + " is not in this communicator of " + std::to_string(size()) +
+                   " ranks (0.." + std::to_string(size() - 1) + ")");
+  }
+
+  void check_point_to_point(const char* op, const at::Tensor& t, int peer, int tag) const {
+    detail::check_buffer(op, rank(), t);
+    check_peer(op, peer);
+    if (peer == rank()) fail(op, "rank " + std::to_string(peer) + " is this rank; Gloo cannot send to itself");
+    if (tag < 0) fail(op, "tag " + std::to_string(tag) + " is negative; Gloo tags count up from 0");
+  }
+
+  void receive(at::Tensor& t, int peer, int tag) {
+    std::vector<at::Tensor> v{t};
+    wait_for("recv", run("recv", [&] { return group().recv(v, peer, tag); }));
+  }
+
+  // The dtype Gloo reduces a tensor of dtype t in: Note [What Gloo lacks in LibTorch 1.13].
+  static at::ScalarType reduced_type(const at::Tensor& t) noexcept {
+    return t.scalar_type() == at::kBFloat16 ? at::kFloat : t.scalar_type();
+  }
+  // The same memory as a dtype Gloo moves: bfloat16 as float16, bit for bit.
+  static at::Tensor bits(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 ? t.view(at::kHalf) : t; }
+
+  static c10d::AllreduceOptions all_reduce_options(reduce_op op) {
+    c10d::AllreduceOptions o;
+    o.reduceOp = op == reduce_op::max ? c10d::ReduceOp::MAX : op == reduce_op::min ? c10d::ReduceOp::MIN
+                                                                                    : c10d::ReduceOp::SUM;
+    return o;
+  }
+
+  Request start_all_reduce(const char* op, at::Tensor& t, reduce_op r) {
+    detail::check_reduction(op, rank(), t, r);
+    auto watch = begin(op, t, static_cast<int>(r));
+    const auto wire = t.scalar_type() == reduced_type(t) ? t : t.to(reduced_type(t));
+    Request request(op, rank(), {t, wire});
+    request.watch_ = std::move(watch);
+    std::vector<at::Tensor> v{wire};
+    request.works_.push_back(run(op, [&] { return group().allreduce(v, all_reduce_options(r)); }));
+    const bool average = r == reduce_op::average, converted = !wire.is_same(t);
+    if (average || converted)
+      request.then_ = [t, wire, average, converted, n = size()]() mutable {
+        if (average) wire.div_(n);
+        if (converted) t.copy_(wire);
+      };
+    return request;
+  }
+
+  // Every collective passes here: it is counted, the fingerprint compared when due (Note
+  // [Collective fingerprint]), checked in full when asked (Note [Collective validation],
+  // reliability/collective_signature.hpp), and watched (Note [Watchdog]).
+  [[nodiscard]] detail::Watch begin(std::string_view op, const at::Tensor& t, int detail) {
+    if (options().validate) {  // first: a collective refused on every rank is not counted
+      detail::CollectiveSignature signature(op, t, detail);
+      const auto watch = state_->watched.operation(detail::record_of("validate", signature.packed(), 0));
+      reduce_max_now("validate", signature.packed());
+      signature.check(rank());
+    }
+    auto [watch, due] = state_->watched.collective(op, t, detail);
+    if (due)
+      state_->watched.compare_fingerprints(
+          rank(), size(), [&](at::Tensor& words) { reduce_max_now("fingerprint", words); },
+          [&](const at::Tensor& in, at::Tensor& out) {
+            const auto n = in.numel();
+            std::vector<std::vector<at::Tensor>> parts(1);
+            for (int i = 0; i < size(); ++i) parts[0].push_back(out.narrow(0, i * n, n));
+            std::vector<at::Tensor> v{in};
+            wait_for("fingerprint", run("fingerprint", [&] { return group().allgather(parts, v); }));
+          });
+    return std::move(watch);
+  }
+
+  // A blocking MAX all-reduce, neither counted nor watched (the caller watches it).
+  void reduce_max_now(const char* op, at::Tensor& t) {
+    std::vector<at::Tensor> v{t};
+    wait_for(op, run(op, [&] { return group().allreduce(v, all_reduce_options(reduce_op::max)); }));
+  }
+
+  void wait_for(const char* op, const c10::intrusive_ptr<c10d::Work>& work) const {
+    try {
+      work->wait();
+    } catch (...) {
+      rethrow_as_error(op, rank());
+    }
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace paratrain::comm

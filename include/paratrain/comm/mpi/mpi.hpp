@@ -1,0 +1,696 @@
+#pragma once
+/// \file
+/// comm::Mpi — collectives over MPI (OpenMPI, MPICH, ...) on CPU tensors.
+
+#include <ATen/core/Tensor.h>
+#include <boost/mpi/communicator.hpp>
+#include <boost/mpi/environment.hpp>
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "paratrain/core/reduce_op.hpp"
+#include "paratrain/reliability/collective_signature.hpp"
+#include "paratrain/comm/mpi/detail/types.hpp"
+#include "paratrain/comm/mpi/watchdog.hpp"
+#include "paratrain/comm/detail/tensor_checks.hpp"
+#include "paratrain/reliability/watchdog.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/reliability/failure.hpp"
+#include "paratrain/comm/launch.hpp"
+
+namespace paratrain::comm {
+
+// Note [Segmented all-reduce]
+// One MPI_Allreduce of a large buffer is slow with OpenMPI 4.1 on one node: 2.4 GB/s
+// bus bandwidth at 64 MiB against 7.7 GB/s at 16 MiB (2 ranks, measured): past some
+// size its algorithms stream the whole buffer through memory once per phase, while a
+// segment that fits in cache is reduced while it is still there. Buffers above
+// Options::segment_above_bytes are therefore reduced as consecutive segments of
+// Options::segment_bytes (about 2x raw at 64 MiB); smaller ones take exactly the one
+// MPI_Allreduce a raw call would, so they are never slower. docs/benchmarks.md has the
+// sweep that chose both numbers.
+
+// Note [Segmented reduce-scatter and all-gather]
+// ZeRO's collectives are large: a whole gradient buffer reduce-scattered, a parameter
+// buffer all-gathered. Measured on 2 ranks here (docs/benchmarks.md), OpenMPI 4.1's
+// MPI_Reduce_scatter_block and MPI_Ireduce_scatter_block run at ~3 GB/s bus bandwidth
+// from 128 KiB to 2 MiB, 0.9 GB/s at 8 MiB, and 0.13 GB/s from 16 MiB on (a reduction
+// through scratch of the whole size).
+// Reduce-scatters of more than Options::reduce_scatter_segment_above_bytes (of `in`)
+// are therefore done as column segments: segment k is elements [k*s, (k+1)*s) of EVERY
+// rank's part, a complete reduce-scatter of its own of Options::sharding_segment_bytes.
+// Its size() pieces are strided in `in`, and MPI's predefined reductions refuse
+// derived datatypes (OpenMPI: "MPI_SUM is not defined for non-intrinsic datatypes";
+// our 16-bit reductions could not read them either), so each segment is packed into a
+// contiguous scratch buffer and reduced with one MPI_Ireduce_scatter_block straight
+// into its place in `out`. The copy costs far less than the cliff: 9-17x raw above it.
+// Issuing every segment at once loses the gain (libnbc then works on all of them
+// together: 0.07 GB/s, raw's rate, as iall_reduce does above 32 MiB), so a segmented
+// Request keeps at most Options::sharding_window segments in flight and starts the
+// next as one completes, inside wait() and test(): Note [Segment order]. The blocking
+// form waits on the same pipeline (faster than blocking segments one by one).
+// All-gather needs no scratch, and segmenting it did not pay: MPI_Iallgatherv segments
+// (displacements i*part + k*s, no copies) ran at 0.3-0.5x one MPI_Allgather from
+// 16 MiB to 256 MiB (an exploratory sweep on a busy machine), and one MPI_Allgather has
+// no cliff here (5-15 GB/s up to 256 MiB). It is one call at every size unless
+// Options::all_gather_segment_above_bytes says otherwise (the same pipeline, for MPI
+// libraries where it pays). An all-gather whose `in` is part rank() of `out` passes
+// MPI_IN_PLACE. Up to the thresholds both collectives make exactly the one MPI call a
+// raw user would (the blocking forms the blocking call: libnbc's non-blocking ones
+// cost 5-8 us more per call on small buffers).
+
+// Note [Segment order]
+// MPI matches collectives on a communicator by the order in which each rank starts
+// them. Segments started lazily by test() would start at different points on different
+// ranks relative to the caller's next collective; so every collective of this
+// communicator first starts all segments not yet started of the one pending segmented
+// operation (at most one can be partly started: its predecessors were completed by the
+// same rule). The order of starts is then the program order on every rank. Code that
+// calls MPI itself on native() while a segmented request is pending must wait for it
+// first.
+
+/// A group of MPI processes: `MPI_COMM_WORLD`, or a part of it made with `split`.
+///
+/// Every operation works in place on contiguous CPU tensors of float32, float64,
+/// bfloat16, float16, int32 or int64, and comes blocking (`all_reduce`) and
+/// non-blocking (`iall_reduce`, returning a Request with `wait()`/`test()`).
+/// The communicator is a duplicate of the group it was made from, so its traffic
+/// never matches a message of the application's own MPI calls. Copies of an `Mpi`
+/// share that duplicate; `duplicate()` gives an independent one (for a
+/// communication thread, say).
+///
+/// \code
+///   paratrain::comm::Mpi::Environment env(argc, argv);
+///   paratrain::comm::Mpi world;
+///   auto g = torch::ones({4});
+///   world.all_reduce(g, paratrain::reduce_op::average);
+/// \endcode
+class Mpi {
+ public:
+  struct Options {
+    /// All-reduces of more than `segment_above_bytes` are done in segments of
+    /// `segment_bytes`: Note [Segmented all-reduce]. Smaller ones take one MPI call.
+    std::size_t segment_above_bytes = std::size_t{16} << 20;
+    std::size_t segment_bytes = std::size_t{2} << 20;
+    /// Reduce-scatters whose `in` has more than `reduce_scatter_segment_above_bytes`,
+    /// and all-gathers whose `out` has more than `all_gather_segment_above_bytes` (by
+    /// default never: it did not pay here), are done as column segments of
+    /// `sharding_segment_bytes` (all ranks' pieces together), at most `sharding_window`
+    /// in flight: Note [Segmented reduce-scatter and all-gather]. Every rank must use
+    /// the same values.
+    std::size_t reduce_scatter_segment_above_bytes = std::size_t{8} << 20;
+    std::size_t all_gather_segment_above_bytes = SIZE_MAX;
+    std::size_t sharding_segment_bytes = std::size_t{2} << 20;
+    int sharding_window = 2;
+    /// Before each collective, check that every rank calls the same operation with the
+    /// same dtype, element count and root, and throw on every rank if not (instead of a
+    /// hang or a silently wrong result). Costs one small all-reduce per collective.
+    /// On by default when the environment has PARATRAIN_VALIDATE=1.
+    bool validate = detail::env_flag("PARATRAIN_VALIDATE");
+    /// How long any one operation may stay pending before the watchdog reports it and ends
+    /// the job: Note [Watchdog]. By default PARATRAIN_TIMEOUT (seconds), else 10 minutes.
+    std::chrono::milliseconds timeout = detail::default_timeout();
+  };
+
+  /// Initialises MPI for the lifetime of this object, asking for MPI_THREAD_MULTIPLE
+  /// (strategies that communicate from a second thread need it, and so does the
+  /// watchdog's channel: Note [Watchdog]), tunes Open MPI's non-blocking all-reduce
+  /// (Note [Non-blocking all-reduce algorithm]), and makes an exception that escapes main
+  /// end the job with one line instead of a backtrace on every rank (Note [Failing cleanly]).
+  class Environment {
+   public:
+    Environment() : env_(boost::mpi::threading::multiple) { set_up(); }
+    Environment(int& argc, char**& argv) : env_(argc, argv, boost::mpi::threading::multiple) { set_up(); }
+    Environment(const Environment&) = delete;
+    Environment& operator=(const Environment&) = delete;
+    ~Environment() { detail::Watchdog::instance().retire_channel(); }  // before MPI_Finalize
+    [[nodiscard]] bool thread_multiple() const { return env_.thread_level() >= boost::mpi::threading::multiple; }
+
+   private:
+    static void set_up() {
+      detail::prefer_reduce_scatter_iallreduce();
+      std::set_terminate(detail::terminate_cleanly);
+      check_launch();
+    }
+    // Collective over the world: throws on every rank when some rank's launcher variables
+    // contradict the MPI world (paratrain::contradiction_with_mpi).
+    static void check_launch() {
+      int rank = 0, size = 1;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      MPI_Comm_size(MPI_COMM_WORLD, &size);
+      std::string mine;
+      try {
+        mine = contradiction_with_mpi(detect_placement(), rank, size);
+      } catch (const error&) {
+        // Malformed launcher variables: detect_placement reports them where it is called.
+      }
+      int first = mine.empty() ? size : rank;
+      MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+      if (first == size) return;
+      throw error("Mpi::Environment", rank,
+                  first == rank ? mine
+                                : "rank " + std::to_string(first) +
+                                      "'s launcher variables contradict the MPI world (its message says how)");
+    }
+    boost::mpi::environment env_;
+  };
+
+  /// A pending non-blocking operation. Dropping one waits for it: Note [Dropped requests].
+  class Request {
+   public:
+    Request() = default;
+    Request(Request&& o) noexcept { *this = std::move(o); }
+    Request& operator=(Request&& o) noexcept {
+      if (this != &o) {
+        finish_or_abandon();
+        requests_ = std::exchange(o.requests_, {});
+        segments_ = std::move(o.segments_);
+        keep_ = std::move(o.keep_);
+        then_ = std::move(o.then_);
+        watch_ = std::move(o.watch_);
+        op_ = o.op_;
+        rank_ = o.rank_;
+      }
+      return *this;
+    }
+    ~Request() { finish_or_abandon(); }
+
+    /// Blocks until the operation is complete; the buffer is then valid.
+    void wait() {
+      if (segments_) {
+        while (!segments_->in_flight.empty()) {
+          check(MPI_Wait(&segments_->in_flight.front(), MPI_STATUS_IGNORE), op_, rank_);
+          segments_->in_flight.erase(segments_->in_flight.begin());
+          segments_->start_some(op_, rank_);
+        }
+        segments_.reset();
+        complete();
+        return;
+      }
+      if (requests_.empty()) return;
+      check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE), op_, rank_);
+      complete();
+    }
+
+    /// Makes progress (MPI progresses only inside its calls) and says whether the
+    /// operation is complete.
+    [[nodiscard]] bool test() {
+      if (segments_) {
+        while (!segments_->in_flight.empty()) {
+          int done = 0;
+          check(MPI_Test(&segments_->in_flight.front(), &done, MPI_STATUS_IGNORE), op_, rank_);
+          if (!done) return false;
+          segments_->in_flight.erase(segments_->in_flight.begin());
+          segments_->start_some(op_, rank_);
+        }
+        segments_.reset();
+        complete();
+        return true;
+      }
+      if (requests_.empty()) return true;
+      int done = 0;
+      check(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE), op_,
+            rank_);
+      if (done) complete();
+      return done != 0;
+    }
+
+   private:
+    friend class Mpi;
+    Request(const char* op, int rank, std::vector<at::Tensor> keep) : keep_(std::move(keep)), op_(op), rank_(rank) {}
+
+    // A segmented operation: Note [Segmented reduce-scatter and all-gather]. Shared with
+    // the communicator, which may start the rest: Note [Segment order].
+    struct Segments {
+      std::int64_t count = 0;    // segments in all
+      std::int64_t started = 0;  // segments [0, started) have been started
+      std::size_t window = 2;
+      std::vector<MPI_Request> in_flight;  // oldest first
+      /// Starts segment k and returns MPI's error code. `reuse` says that segment
+      /// k - window is complete, so that its scratch may be reused; it is false when the
+      /// rest are started at once.
+      std::function<int(std::int64_t k, MPI_Request*, bool reuse)> start;
+
+      void start_some(const char* op, int rank) { start_up_to(window, op, rank); }
+      void start_all(const char* op, int rank) { start_up_to(static_cast<std::size_t>(count), op, rank); }
+      void start_up_to(std::size_t limit, const char* op, int rank) {
+        while (started < count && in_flight.size() < limit) {
+          const bool reuse = in_flight.size() < window;
+          auto& r = in_flight.emplace_back(MPI_REQUEST_NULL);
+          check(start(started++, &r, reuse), op, rank);
+        }
+      }
+    };
+
+    void complete() {
+      requests_.clear();
+      watch_.release();
+      if (then_) std::exchange(then_, {})();
+      keep_.clear();
+    }
+
+    // Note [Dropped requests]
+    // MPI forbids freeing a request of a non-blocking collective, and the buffer must
+    // outlive it, so a Request destroyed while pending waits. During stack unwinding
+    // it does not: a peer may have failed, and waiting could hang the rank that is
+    // about to report the error. The buffer is then leaked on purpose.
+    void finish_or_abandon() noexcept {
+      if (requests_.empty() && !segments_) return;
+      if (std::uncaught_exceptions() > 0) {
+        new std::vector<at::Tensor>(std::move(keep_));
+        if (segments_) new std::shared_ptr<Segments>(std::move(segments_));
+        requests_.clear();
+        watch_.release();
+        return;
+      }
+      if (segments_) {
+        try {
+          wait();
+        } catch (...) {  // an error we cannot report from a destructor: leave the rest
+        }
+        return;
+      }
+      MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
+      requests_.clear();
+      watch_.release();
+      if (then_) then_();
+    }
+
+    std::vector<MPI_Request> requests_;
+    std::shared_ptr<Segments> segments_;
+    std::vector<at::Tensor> keep_;
+    std::function<void()> then_;
+    detail::Watch watch_;  // Note [Watchdog]
+    const char* op_ = "";
+    int rank_ = -1;
+  };
+
+  /// A duplicate of MPI_COMM_WORLD. Throws if MPI is not initialised, or if a
+  /// torchrun-style launcher started the ranks: Note [Launched without MPI].
+  Mpi() : Mpi(Options{}) {}
+  explicit Mpi(Options options) : Mpi(world(), options) {
+    check_launcher();
+    // Collective over the world, and done by every rank's first world communicator alike.
+    if (!detail::Watchdog::instance().has_channel())
+      detail::Watchdog::instance().set_channel(std::make_unique<detail::MpiWatchdogChannel>());
+  }
+
+  /// A duplicate of `base`.
+  explicit Mpi(const boost::mpi::communicator& base) : Mpi(base, Options{}) {}
+  Mpi(const boost::mpi::communicator& base, Options options)
+      : state_(std::make_shared<State>(boost::mpi::communicator(base, boost::mpi::comm_duplicate), options,
+                                       base == boost::mpi::communicator() ? "world" : "a duplicate")) {}
+
+  [[nodiscard]] int rank() const noexcept { return state_->rank; }
+  [[nodiscard]] int size() const noexcept { return state_->size; }
+  [[nodiscard]] const Options& options() const noexcept { return state_->options; }
+  [[nodiscard]] MPI_Comm native() const noexcept { return state_->native(); }
+  [[nodiscard]] const boost::mpi::communicator& boost() const noexcept { return state_->comm; }
+
+  /// An independent communicator over the same ranks.
+  [[nodiscard]] Mpi duplicate() const {
+    start_pending_segments();
+    const auto watch = state_->watched.collective("split");
+    return Mpi(std::make_shared<State>(boost::mpi::communicator(state_->comm, boost::mpi::comm_duplicate),
+                                       state_->options, "a duplicate of " + state_->watched.ledger().name()));
+  }
+
+  /// The ranks that pass the same `color`, ordered by `key` (then by rank).
+  /// Collective: every rank of this communicator must call it.
+  [[nodiscard]] Mpi split(int color, int key = 0) const {
+    if (color < 0) fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
+    start_pending_segments();
+    const auto watch = state_->watched.collective("split");
+    return Mpi(std::make_shared<State>(state_->comm.split(color, key), state_->options,
+                                       "split " + std::to_string(color) + " of " + state_->watched.ledger().name()));
+  }
+
+  void all_reduce(at::Tensor& t, reduce_op op) {
+    const auto watch = prepare_reduction("all_reduce", t, op);
+    const auto seg = segment_elements(t);
+    auto* p = static_cast<char*>(t.data_ptr());
+    for (std::int64_t off = 0; off < t.numel(); off += seg)
+      check(MPI_Allreduce(MPI_IN_PLACE, p + off * t.element_size(), static_cast<int>(std::min(seg, t.numel() - off)),
+                          datatype(t), state_->ops.op(t.scalar_type(), op), native()),
+            "all_reduce");
+    if (op == reduce_op::average) t.div_(size());
+  }
+
+  [[nodiscard]] Request iall_reduce(at::Tensor& t, reduce_op op) {
+    auto watch = prepare_reduction("iall_reduce", t, op);
+    Request r("iall_reduce", rank(), {t});
+    r.watch_ = std::move(watch);
+    const auto seg = segment_elements(t);
+    auto* p = static_cast<char*>(t.data_ptr());
+    for (std::int64_t off = 0; off < t.numel(); off += seg)
+      check(MPI_Iallreduce(MPI_IN_PLACE, p + off * t.element_size(), static_cast<int>(std::min(seg, t.numel() - off)),
+                           datatype(t), state_->ops.op(t.scalar_type(), op), native(), &r.requests_.emplace_back()),
+            "iall_reduce");
+    if (op == reduce_op::average) r.then_ = [t, n = size()]() mutable { t.div_(n); };
+    return r;
+  }
+
+  void broadcast(at::Tensor& t, int root) { ibroadcast(t, root).wait(); }
+
+  [[nodiscard]] Request ibroadcast(at::Tensor& t, int root) {
+    detail::check_buffer("broadcast", rank(), t);
+    check_peer("broadcast", root);
+    Request r("broadcast", rank(), {t});
+    r.watch_ = begin("broadcast", t, root);
+    check(MPI_Ibcast(t.data_ptr(), count("broadcast", t), datatype(t), root, native(), &r.requests_.emplace_back()),
+          "broadcast");
+    return r;
+  }
+
+  /// Reduces `in` (size() equal parts, one per rank) and leaves part rank() in `out`.
+  /// Large buffers go in segments: Note [Segmented reduce-scatter and all-gather].
+  void reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
+    auto watch = prepare_reduce_scatter(in, out, op);
+    if (reduce_scatter_segment(in) < out.numel()) {
+      start_reduce_scatter(in, out, op, std::move(watch)).wait();
+      return;
+    }
+    check(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), count("reduce_scatter", out), datatype(in),
+                                   state_->ops.op(in.scalar_type(), op), native()),
+          "reduce_scatter");
+    if (op == reduce_op::average) out.div_(size());
+  }
+
+  [[nodiscard]] Request ireduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op) {
+    auto watch = prepare_reduce_scatter(in, out, op);
+    return start_reduce_scatter(in, out, op, std::move(watch));
+  }
+
+  /// Concatenates every rank's `in`, in rank order, into `out` on every rank. In place
+  /// when `in` is part rank() of `out` (a view of it, as `out.narrow(0, rank() * n, n)`
+  /// is): this rank's part is then not copied. Large buffers go in segments:
+  /// Note [Segmented reduce-scatter and all-gather].
+  void all_gather(const at::Tensor& in, at::Tensor& out) {
+    auto [in_place, watch] = prepare_all_gather(in, out);
+    if (all_gather_segment(out) < in.numel()) {
+      start_all_gather(in, out, in_place, std::move(watch)).wait();
+      return;
+    }
+    check(MPI_Allgather(in_place ? MPI_IN_PLACE : in.data_ptr(), count("all_gather", in), datatype(in),
+                        out.data_ptr(), count("all_gather", in), datatype(in), native()),
+          "all_gather");
+  }
+
+  [[nodiscard]] Request iall_gather(const at::Tensor& in, at::Tensor& out) {
+    auto [in_place, watch] = prepare_all_gather(in, out);
+    return start_all_gather(in, out, in_place, std::move(watch));
+  }
+
+  void send(const at::Tensor& t, int peer, int tag = 0) { isend(t, peer, tag).wait(); }
+
+  /// Receives a message of exactly t.numel() elements. A message of another length
+  /// is still taken off the wire (so the sender completes) and then reported: MPI
+  /// itself would accept a shorter one silently.
+  void recv(at::Tensor& t, int peer, int tag = 0) {
+    detail::check_buffer("recv", rank(), t);
+    check_peer("recv", peer);
+    const auto watch = state_->watched.point_to_point("recv", peer, tag);
+    MPI_Message message{};
+    MPI_Status status{};
+    check(MPI_Mprobe(peer, tag, native(), &message, &status), "recv");
+    int bytes = 0;
+    MPI_Get_count(&status, MPI_BYTE, &bytes);
+    const auto expected = t.numel() * t.element_size();
+    if (bytes != expected) {
+      std::vector<char> discard(static_cast<std::size_t>(bytes));
+      check(MPI_Mrecv(discard.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), "recv");
+      fail("recv", "rank " + std::to_string(peer) + " sent " + std::to_string(bytes) + " bytes (tag " +
+                       std::to_string(tag) + ") but the receiving tensor holds " + std::to_string(expected) +
+                       "; give both sides the same shape and dtype");
+    }
+    check(MPI_Mrecv(t.data_ptr(), count("recv", t), datatype(t), &message, MPI_STATUS_IGNORE), "recv");
+  }
+
+  [[nodiscard]] Request isend(const at::Tensor& t, int peer, int tag = 0) {
+    detail::check_buffer("send", rank(), t);
+    check_peer("send", peer);
+    Request r("send", rank(), {t});
+    r.watch_ = state_->watched.point_to_point("send", peer, tag);
+    check(MPI_Isend(t.data_ptr(), count("send", t), datatype(t), peer, tag, native(), &r.requests_.emplace_back()),
+          "send");
+    return r;
+  }
+
+  /// Receives at most t.numel() elements; a longer message fails the request
+  /// (MPI_ERR_TRUNCATE). The blocking recv also rejects a shorter one.
+  [[nodiscard]] Request irecv(at::Tensor& t, int peer, int tag = 0) {
+    detail::check_buffer("recv", rank(), t);
+    check_peer("recv", peer);
+    Request r("recv", rank(), {t});
+    r.watch_ = state_->watched.point_to_point("recv", peer, tag);
+    check(MPI_Irecv(t.data_ptr(), count("recv", t), datatype(t), peer, tag, native(), &r.requests_.emplace_back()),
+          "recv");
+    return r;
+  }
+
+  void barrier() {
+    start_pending_segments();
+    const auto watch = state_->watched.collective("barrier");
+    check(MPI_Barrier(native()), "barrier");
+  }
+
+ private:
+  struct State {
+    State(boost::mpi::communicator c, Options o, std::string name) : comm(std::move(c)), options(o) {
+      // Errors come back as codes that we turn into paratrain::error, rather than
+      // aborting the job from inside MPI.
+      MPI_Comm_set_errhandler(native(), MPI_ERRORS_RETURN);
+      rank = comm.rank();
+      size = comm.size();
+      watched = detail::Watched(std::move(name), detail::world_ranks(native()), rank, options.timeout);
+    }
+    [[nodiscard]] MPI_Comm native() const noexcept { return static_cast<MPI_Comm>(comm); }
+
+    boost::mpi::communicator comm;
+    detail::MpiOps ops;
+    Options options;
+    std::weak_ptr<Request::Segments> pending;  // Note [Segment order]
+    detail::Watched watched;                   // Note [Watchdog], Note [Collective fingerprint]
+    int rank = 0;
+    int size = 1;
+  };
+
+  explicit Mpi(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
+  static boost::mpi::communicator world() {
+    int initialised = 0, finalised = 0;
+    MPI_Initialized(&initialised);
+    MPI_Finalized(&finalised);
+    if (!initialised || finalised)
+      throw error("comm::Mpi", -1,
+                  finalised ? "MPI is already finalised; keep the Mpi::Environment alive while communicators exist"
+                            : "MPI is not initialised; create `paratrain::comm::Mpi::Environment env(argc, argv);` "
+                              "at the top of main (or a boost::mpi::environment)");
+    return boost::mpi::communicator();  // MPI_COMM_WORLD, attached
+  }
+
+  // Note [Launched without MPI]
+  // Processes started by torchrun (or by hand with RANK/WORLD_SIZE) each initialise MPI
+  // as a world of one. Each would then train alone, silently; so a world of one under
+  // WORLD_SIZE > 1 is an error that says how to launch instead.
+  void check_launcher() const {
+    const char* world = std::getenv("WORLD_SIZE");
+    if (size() == 1 && world != nullptr && std::atoi(world) > 1)
+      fail("comm::Mpi", "WORLD_SIZE=" + std::string(world) +
+                            " says this process is one of several, but MPI sees a world of 1: the ranks were not "
+                            "started by mpirun or srun. Start them with `mpirun -n " + std::string(world) +
+                            "` (or srun), or use comm::Gloo, which meets at MASTER_ADDR:MASTER_PORT");
+  }
+
+  static void check(int rc, const char* op, int rank) {
+    if (rc == MPI_SUCCESS) return;
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, text, &len);
+    throw error(op, rank, "MPI failed: " + std::string(text, static_cast<std::size_t>(len)));
+  }
+  void check(int rc, const char* op) const { check(rc, op, rank()); }
+
+  [[noreturn]] void fail(const char* op, const std::string& message) const { throw error(op, rank(), message); }
+
+  void check_peer(const char* op, int peer) const {
+    if (peer < 0 || peer >= size())
+      fail(op, "rank " + std::to_string(peer) + " is not in this communicator of " + std::to_string(size()) +
+                   " ranks (0.." + std::to_string(size() - 1) + ")");
+  }
+
+  int count(const char* op, const at::Tensor& t) const {
+    if (t.numel() > INT_MAX)
+      fail(op, "tensor has " + std::to_string(t.numel()) + " elements; MPI counts stop at 2^31-1, so split it");
+    return static_cast<int>(t.numel());
+  }
+
+  static MPI_Datatype datatype(const at::Tensor& t) noexcept { return detail::MpiOps::datatype(t.scalar_type()); }
+
+  std::int64_t segment_elements(const at::Tensor& t) const noexcept {
+    const auto bytes = static_cast<std::size_t>(t.numel() * t.element_size());
+    if (bytes <= options().segment_above_bytes) return std::clamp<std::int64_t>(t.numel(), 1, INT_MAX);
+    const auto per = static_cast<std::int64_t>(options().segment_bytes) / t.element_size();
+    return std::clamp<std::int64_t>(per, 1, INT_MAX);
+  }
+
+  [[nodiscard]] detail::Watch prepare_reduction(const char* op, at::Tensor& t, reduce_op r) {
+    detail::check_reduction(op, rank(), t, r);
+    return begin(op, t, static_cast<int>(r));
+  }
+
+  // Every collective but barrier, split and duplicate passes here first, which is where
+  // the pending segments must start: Note [Segment order]. Then it is counted, and the
+  // fingerprint compared when due: Note [Collective fingerprint]; checked in full when
+  // asked: Note [Collective validation] (reliability/collective_signature.hpp). Returns the
+  // operation's watch: Note [Watchdog].
+  [[nodiscard]] detail::Watch begin(std::string_view op, const at::Tensor& t, int detail) {
+    start_pending_segments();
+    if (options().validate) {  // first: a collective refused on every rank is not counted
+      detail::CollectiveSignature signature(op, t, detail);
+      const auto watch = state_->watched.operation(detail::record_of("validate", signature.packed(), 0));
+      check(MPI_Allreduce(MPI_IN_PLACE, signature.packed().data_ptr(), 8, MPI_INT64_T, MPI_MAX, native()), "validate");
+      signature.check(rank());
+    }
+    auto [watch, due] = state_->watched.collective(op, t, detail);
+    if (due)
+      state_->watched.compare_fingerprints(
+          rank(), size(),
+          [&](at::Tensor& words) {
+            check(MPI_Allreduce(MPI_IN_PLACE, words.data_ptr(), 4, MPI_INT64_T, MPI_MAX, native()), "fingerprint");
+          },
+          [&](const at::Tensor& in, at::Tensor& out) {
+            check(MPI_Allgather(in.data_ptr(), count("fingerprint", in), MPI_INT64_T, out.data_ptr(),
+                                count("fingerprint", in), MPI_INT64_T, native()),
+                  "fingerprint");
+          });
+    return std::move(watch);
+  }
+
+  // Starts the segments an earlier request left pending: Note [Segment order].
+  void start_pending_segments() const {
+    if (auto segments = std::exchange(state_->pending, {}).lock()) segments->start_all("segments", rank());
+  }
+
+  /// Elements per rank in one segment of a reduce-scatter or all-gather whose whole
+  /// buffer is `whole`; INT64_MAX when it goes in one call.
+  std::int64_t sharding_segment(const at::Tensor& whole, std::size_t above) const noexcept {
+    if (static_cast<std::size_t>(whole.numel() * whole.element_size()) <= above) return INT64_MAX;
+    const auto per = static_cast<std::int64_t>(options().sharding_segment_bytes) / whole.element_size() / size();
+    return std::clamp<std::int64_t>(per, 1, INT_MAX);
+  }
+  std::int64_t reduce_scatter_segment(const at::Tensor& in) const noexcept {
+    return sharding_segment(in, options().reduce_scatter_segment_above_bytes);
+  }
+  std::int64_t all_gather_segment(const at::Tensor& out) const noexcept {
+    return sharding_segment(out, options().all_gather_segment_above_bytes);
+  }
+
+  [[nodiscard]] detail::Watch prepare_reduce_scatter(const at::Tensor& in, const at::Tensor& out, reduce_op op) {
+    detail::check_reduce_scatter(rank(), size(), in, out, op);
+    return begin("reduce_scatter", in, static_cast<int>(op));
+  }
+
+  /// Checks the arguments and says whether the gather is in place; and its watch.
+  std::pair<bool, detail::Watch> prepare_all_gather(const at::Tensor& in, const at::Tensor& out) {
+    detail::check_all_gather(rank(), size(), in, out);
+    const auto bytes = in.numel() * in.element_size();
+    const auto* first = static_cast<const char*>(in.data_ptr());
+    const auto* whole = static_cast<const char*>(out.data_ptr());
+    const bool in_place = bytes > 0 && first == whole + rank() * bytes;
+    if (bytes > 0 && !in_place && first < whole + size() * bytes && whole < first + bytes)
+      fail("all_gather", "in overlaps out but is not part rank() of it; pass `out.narrow(0, rank() * n, n)` to "
+                         "gather in place, or a separate tensor");
+    return {in_place, begin("all_gather", in, 0)};
+  }
+
+  Request start_reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op, detail::Watch watch) {
+    Request r("reduce_scatter", rank(), {in, out});
+    r.watch_ = std::move(watch);
+    const auto type = datatype(in);
+    const auto mpi_op = state_->ops.op(in.scalar_type(), op);
+    if (op == reduce_op::average) r.then_ = [out, n = size()]() mutable { out.div_(n); };
+    const auto part = out.numel(), seg = reduce_scatter_segment(in);
+    if (seg >= part) {
+      check(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count("reduce_scatter", out), type, mpi_op,
+                                      native(), &r.requests_.emplace_back()),
+            "reduce_scatter");
+      return r;
+    }
+    // Each segment packs its size() strided pieces of `in` into scratch, then reduces
+    // them into its place in `out`.
+    const auto window = static_cast<std::size_t>(std::max(1, options().sharding_window));
+    r.segments_ = std::make_shared<Request::Segments>();
+    r.segments_->count = (part + seg - 1) / seg;
+    r.segments_->window = window;
+    r.segments_->start = [state = state_, in, out, part, seg, type, mpi_op,
+                          slots = std::vector<std::vector<char>>(window),
+                          extra = std::vector<std::vector<char>>()](std::int64_t k, MPI_Request* request,
+                                                                      bool reuse) mutable {
+      const auto size = static_cast<std::size_t>(in.element_size());
+      const auto from = k * seg, m = std::min(seg, part - from);
+      auto& scratch = reuse ? slots[static_cast<std::size_t>(k) % slots.size()] : extra.emplace_back();
+      scratch.resize(static_cast<std::size_t>(state->size * m) * size);
+      const auto* source = static_cast<const char*>(in.data_ptr());
+      for (int i = 0; i < state->size; ++i)
+        std::memcpy(scratch.data() + static_cast<std::size_t>(i * m) * size,
+                    source + static_cast<std::size_t>(i * part + from) * size, static_cast<std::size_t>(m) * size);
+      return MPI_Ireduce_scatter_block(scratch.data(), static_cast<char*>(out.data_ptr()) + from * in.element_size(),
+                                       static_cast<int>(m), type, mpi_op, state->native(), request);
+    };
+    r.segments_->start_some("reduce_scatter", rank());
+    state_->pending = r.segments_;
+    return r;
+  }
+
+  Request start_all_gather(const at::Tensor& in, at::Tensor& out, bool in_place, detail::Watch watch) {
+    Request r("all_gather", rank(), {in, out});
+    r.watch_ = std::move(watch);
+    const auto type = datatype(in);
+    const auto part = in.numel(), seg = all_gather_segment(out);
+    if (seg >= part) {
+      check(MPI_Iallgather(in_place ? MPI_IN_PLACE : in.data_ptr(), count("all_gather", in), type, out.data_ptr(),
+                           count("all_gather", in), type, native(), &r.requests_.emplace_back()),
+            "all_gather");
+      return r;
+    }
+    // Each segment places every rank's piece at its displacement in `out`, which must
+    // therefore be addressable with int displacements.
+    (void)count("all_gather", out);
+    const auto window = static_cast<std::size_t>(std::max(1, options().sharding_window));
+    r.segments_ = std::make_shared<Request::Segments>();
+    r.segments_->count = (part + seg - 1) / seg;
+    r.segments_->window = window;
+    r.segments_->start = [state = state_, in, out, part, seg, type, in_place,
+                          slots = std::vector<std::vector<int>>(window),
+                          extra = std::vector<std::vector<int>>()](std::int64_t k, MPI_Request* request,
+                                                                     bool reuse) mutable {
+      const auto from = k * seg, m = std::min(seg, part - from);
+      // Counts, then displacements: MPI reads them until the segment completes.
+      auto& layout = reuse ? slots[static_cast<std::size_t>(k) % slots.size()] : extra.emplace_back();
+      layout.assign(2 * static_cast<std::size_t>(state->size), static_cast<int>(m));
+      for (int i = 0; i < state->size; ++i)
+        layout[static_cast<std::size_t>(state->size + i)] = static_cast<int>(i * part + from);
+      const void* source = in_place ? MPI_IN_PLACE : static_cast<const char*>(in.data_ptr()) + from * in.element_size();
+      return MPI_Iallgatherv(source, static_cast<int>(m), type, out.data_ptr(), layout.data(),
+                             layout.data() + state->size, type, state->native(), request);
+    };
+    r.segments_->start_some("all_gather", rank());
+    state_->pending = r.segments_;
+    return r;
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace paratrain::comm

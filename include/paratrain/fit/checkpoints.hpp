@@ -1,0 +1,223 @@
+#pragma once
+/// \file
+/// What paratrain::fit saves and resumes: its options (FitOptions::checkpoint) and the
+/// loop's position (epoch, step, place in the sample order, learning-rate schedule,
+/// the epoch's running metrics) next to the strategy's state.
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "paratrain/checkpoint/checkpointer.hpp"
+#include "paratrain/checkpoint/load.hpp"
+#include "paratrain/concepts/checkpointable.hpp"
+#include "paratrain/concepts/strategy.hpp"
+#include "paratrain/collectives/agree.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/fit/metrics.hpp"
+
+namespace paratrain {
+
+/// Checkpoints during fit, and resuming from them (docs/checkpoints.md).
+///
+/// \code
+///   fit(s, train, {.epochs = 10, .checkpoint = {.directory = "ckpt", .every_steps = 500}});
+///   // killed, then the same command again: it resumes from ckpt's newest checkpoint
+/// \endcode
+struct CheckpointOptions {
+  std::filesystem::path directory{};  ///< where checkpoints go; empty: none are saved or resumed from
+  std::int64_t every_steps = 0;       ///< save after every this many optimizer steps; 0: not by steps
+  bool every_epoch = false;           ///< save at the end of each epoch, after its evaluation
+  int keep = 2;                       ///< keep the newest this many; 0: all
+  bool async = true;                  ///< write in the background (checkpoint::Options::async)
+  /// Resume from the newest complete checkpoint in `directory`, if there is one; so the
+  /// same command starts a run and continues it after an interruption.
+  bool resume = true;
+  /// Resume from this checkpoint instead (it must exist): another directory, an older one.
+  std::filesystem::path resume_from{};
+};
+
+namespace detail {
+
+/// Where the loop is: after `epoch_step` steps of epoch `epoch`, which visited the first
+/// `position` places of the epoch's sample order (Note [Resuming mid-epoch]).
+struct FitPosition {
+  std::int64_t epoch = 0;
+  std::int64_t epoch_step = 0;
+  std::int64_t position = 0;
+  std::int64_t step = 0;          ///< optimizer steps since the run began
+  std::vector<double> base_lrs;   ///< the groups' learning rates before fit's schedule
+  // What the sample order depends on: a resume must see the same.
+  std::int64_t dataset_size = 0;
+  std::int64_t seed = 0;
+  bool shuffle = true;
+  bool drop_last = false;
+  /// The data-parallel replicas that visited `position` (0 in checkpoints from before it
+  /// was recorded): a sampler without set_epoch(epoch, start) resumes only at as many.
+  std::int64_t replicas = 0;
+};
+
+inline checkpoint::Dict to_dict(const FitPosition& p) {
+  auto d = checkpoint::make_dict();
+  d.insert("epoch", p.epoch);
+  d.insert("epoch_step", p.epoch_step);
+  d.insert("position", p.position);
+  d.insert("step", p.step);
+  d.insert("base_lrs", c10::List<double>(p.base_lrs));
+  d.insert("dataset_size", p.dataset_size);
+  d.insert("seed", p.seed);
+  d.insert("shuffle", p.shuffle);
+  d.insert("drop_last", p.drop_last);
+  d.insert("replicas", p.replicas);
+  return d;
+}
+
+inline FitPosition position_from(const std::filesystem::path& path, const checkpoint::Dict& extra) {
+  const auto it = extra.find("fit");
+  if (it == extra.end() || !it->value().isGenericDict())
+    throw checkpoint::detail::file_error(path, "was not saved by paratrain::fit: it has no loop position to resume", 0);
+  const auto d = it->value().toGenericDict();
+  const auto index = path / checkpoint::detail::index_name;
+  using checkpoint::detail::field;
+  FitPosition p;
+  p.epoch = field<std::int64_t>(index, d, "epoch");
+  p.epoch_step = field<std::int64_t>(index, d, "epoch_step");
+  p.position = field<std::int64_t>(index, d, "position");
+  p.step = field<std::int64_t>(index, d, "step");
+  const auto typed = [&](const char* key, bool ok) {
+    if (!ok) throw checkpoint::detail::file_error(index, std::string("has a malformed fit entry '") + key + "' (corrupt)", 0);
+  };
+  typed("base_lrs", d.contains("base_lrs") && d.at("base_lrs").isDoubleList());
+  typed("shuffle", d.contains("shuffle") && d.at("shuffle").isBool());
+  typed("drop_last", d.contains("drop_last") && d.at("drop_last").isBool());
+  p.base_lrs = d.at("base_lrs").toDoubleVector();
+  p.dataset_size = field<std::int64_t>(index, d, "dataset_size");
+  p.seed = field<std::int64_t>(index, d, "seed");
+  p.shuffle = d.at("shuffle").toBool();
+  p.drop_last = d.at("drop_last").toBool();
+  if (d.contains("replicas")) p.replicas = field<std::int64_t>(index, d, "replicas");
+  return p;
+}
+
+inline checkpoint::Dict metrics_dict(const Metrics& m) {
+  auto d = checkpoint::make_dict();
+  for (const auto& [name, sw] : m.sums()) d.insert(name, c10::List<double>({sw.first, sw.second}));
+  return d;
+}
+
+template <class S, bool Possible>
+struct saver_of {
+  struct type {};
+};
+template <class S>
+struct saver_of<S, true> {
+  using type = checkpoint::Checkpointer<S>;
+};
+
+/// fit's checkpointing: nothing at all unless FitOptions::checkpoint names a directory.
+template <strategy S>
+class FitCheckpoints {
+ public:
+  static constexpr bool possible = checkpointable<S> && checkpoint::known_optimizer<checkpoint::detail::optimizer_t<S>>;
+
+ private:
+  using Saver = typename saver_of<S, possible>::type;
+
+ public:
+  FitCheckpoints(S& s, const CheckpointOptions& options) : s_(&s), options_(options) {
+    if (options.directory.empty() && options.resume_from.empty()) return;
+    if (options.every_steps < 0 || options.keep < 0)
+      throw error("fit", s.rank(), "checkpoint.every_steps and checkpoint.keep must be >= 0");
+    if constexpr (possible) {
+      if (!options.directory.empty())
+        saver_ = std::make_unique<Saver>(
+            s, checkpoint::Options{.directory = options.directory, .keep = options.keep, .async = options.async});
+    } else {
+      throw error("fit", s.rank(),
+                  "FitOptions::checkpoint is set, and this strategy or its optimizer cannot be checkpointed "
+                  "(paratrain::checkpointable; SGD, Adam, AdamW, Adagrad, RMSprop)");
+    }
+  }
+
+  /// Loads the checkpoint to resume from, if any, into the strategy and `metrics`, and
+  /// says where the loop stands in it. Collective.
+  std::optional<FitPosition> resume(Metrics& metrics) {
+    if constexpr (possible) {
+      std::optional<std::filesystem::path> path;
+      if (!options_.resume_from.empty()) path = options_.resume_from;
+      else if (options_.resume && !options_.directory.empty()) path = agreed_latest();
+      if (!path) return std::nullopt;
+      const auto loaded = checkpoint::load(*s_, *path);
+      auto p = position_from(*path, loaded.extra);  // the same on every rank: from the same index
+      // Each rank's own metric sums: a malformed entry is reported on every rank.
+      std::string malformed;
+      if (const auto it = loaded.rank_extra.find("metrics"); it != loaded.rank_extra.end()) {
+        if (!it->value().isGenericDict()) malformed = "its metrics are not a dict";
+        else
+          for (const auto& item : it->value().toGenericDict()) {
+            if (!item.key().isString() || !item.value().isDoubleList() || item.value().toDoubleList().size() != 2) {
+              malformed = "a metric entry is not a name with two numbers";
+              break;
+            }
+            const auto sw = item.value().toDoubleVector();
+            metrics.add_sums(item.key().toStringRef(), sw[0], sw[1]);
+          }
+      }
+      paratrain::detail::agree(*s_, "fit", malformed.empty() ? "" : path->string() + ": " + malformed + " (corrupt)");
+      resumed_from_ = *path;
+      return p;
+    } else {
+      static_cast<void>(metrics);
+      return std::nullopt;
+    }
+  }
+
+  /// Saves the strategy and the loop's position. Collective.
+  void save(const FitPosition& p, const Metrics& metrics) {
+    if constexpr (possible) {
+      if (!saver_) return;
+      auto extra = checkpoint::make_dict();
+      extra.insert("fit", to_dict(p));
+      auto rank_extra = checkpoint::make_dict();
+      rank_extra.insert("metrics", metrics_dict(metrics));
+      saver_->save(p.step, std::move(extra), std::move(rank_extra));
+    }
+  }
+
+  /// Publishes a background save whose files are all written. Collective while one is in flight.
+  void poll() {
+    if constexpr (possible)
+      if (saver_) saver_->poll();
+  }
+  void wait() {
+    if constexpr (possible)
+      if (saver_) saver_->wait();
+  }
+
+  [[nodiscard]] bool saving() const noexcept { return saver_ != nullptr; }
+  [[nodiscard]] const std::optional<std::filesystem::path>& resumed_from() const noexcept { return resumed_from_; }
+
+ private:
+  // Rank 0's view of the directory, so that every rank resumes from the same checkpoint
+  // even if one is published while they look.
+  std::optional<std::filesystem::path> agreed_latest() {
+    const auto mine = checkpoint::latest(options_.directory);
+    auto step = at::full({1}, -1, at::kLong);
+    if (s_->rank() == 0 && mine) step[0] = *checkpoint::step_of(*mine);
+    s_->all_reduce(step, reduce_op::max);
+    const auto chosen = step.item<std::int64_t>();
+    if (chosen < 0) return std::nullopt;
+    return checkpoint::path_of(options_.directory, chosen);
+  }
+
+  S* s_;
+  CheckpointOptions options_;
+  std::unique_ptr<Saver> saver_;
+  std::optional<std::filesystem::path> resumed_from_;
+};
+
+}  // namespace detail
+}  // namespace paratrain

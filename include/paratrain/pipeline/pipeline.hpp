@@ -1,0 +1,541 @@
+#pragma once
+/// \file
+/// DataParallel<Pipeline<Stage...>, Comm, Update> — pipeline parallelism, and its
+/// composition with data parallelism and ZeRO: the stages on consecutive ranks, the
+/// pipelines replicated over the rest.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "paratrain/concepts/checkpointable.hpp"
+#include "paratrain/concepts/communicator.hpp"
+#include "paratrain/concepts/strategy.hpp"
+#include "paratrain/core/batch.hpp"
+#include "paratrain/util/fnv1a.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/core/timeline.hpp"
+#include "paratrain/pipeline/link.hpp"
+#include "paratrain/pipeline/schedule.hpp"
+#include "paratrain/pipeline/split_backward.hpp"
+#include "paratrain/pipeline/stages.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+
+namespace paratrain {
+
+/// How a pipeline runs: its schedule, and how its stages' replicas synchronise.
+struct PipelineOptions {
+  /// GPipe, 1F1B (the default: at most K micro-batches' activations per rank),
+  /// interleaved 1F1B, or ZB-H1 (docs/pipeline.md).
+  pipeline::Kind schedule = pipeline::Kind::one_f_one_b;
+  /// Stages per rank, v: with v > 1 (interleaved 1F1B) rank r owns stages r, r + K,
+  /// r + 2K, ... where K = stages / v is the number of pipeline ranks.
+  int virtual_stages = 1;
+  /// For the replicas of each stage (bucketing, broadcast_buffers, join).
+  DataParallelOptions data_parallel{};
+};
+
+/// What the last step's schedule did on this rank (for measuring the bubble).
+struct PipelineStepStats {
+  double span_seconds = 0;  ///< from the schedule's start to its last action's end, waits included
+  int peak_stashed = 0;     ///< the most micro-batches whose activations were kept at once
+  /// Seconds spent in each kind of action (pipeline::Op order: forward, backward,
+  /// backward_input, backward_weight) and how many ran: the costs the schedule's
+  /// theory (pipeline::theoretical_bubble, simulate) takes.
+  std::array<double, 4> seconds{};
+  std::array<int, 4> count{};
+  /// Seconds computing forward and backward passes, all kinds together.
+  [[nodiscard]] double busy_seconds() const { return seconds[0] + seconds[1] + seconds[2] + seconds[3]; }
+};
+
+// Note [Pipeline layout]
+// A world of W ranks trains a pipeline of S stages with v stages per rank on K = S / v
+// pipeline ranks, replicated R = W / K times: world rank w is pipeline rank w % K of
+// replica w / K. Each replica trains on its own shard of the data (data_shard); each
+// stage's R copies average their gradients as DataParallel does, over a communicator
+// of their own (split), so Sharded (ZeRO 1-3) shards a stage over its replicas. The
+// pipeline ranks of one replica pass activations forward and gradients backward.
+
+/// Pipeline parallelism: `DataParallel<Pipeline<Embed, Blocks, Head>, comm::Mpi, Optimizer>`.
+/// Each rank builds and trains only its stages, running the schedule's actions (forward,
+/// backward, or backward split into input and weight halves) on the step's micro-batches;
+/// the last stage computes the loss. Gradients equal single-device training on the whole
+/// step's batch. With more ranks than pipeline ranks the pipeline is replicated (Note
+/// [Pipeline layout]); `Update` may be `Sharded<Optimizer, zero::stageN>`.
+template <class... Stage, class Comm, class Update>
+class DataParallel<Pipeline<Stage...>, Comm, Update> {
+  static_assert(explain_communicator<Comm>());
+  static_assert(point_to_point_communicator<Comm> &&
+                    requires(Comm& c, const at::Tensor& t) { c.isend(t, 0, 0); } &&
+                    requires(const Comm& c) { { c.split(0, 0) } -> std::same_as<Comm>; },
+                "paratrain: a Pipeline passes activations between ranks and needs a communicator with `send`, "
+                "`recv`, `isend` (returning a request) and `Comm split(int color, int key) const`; comm::Mpi and "
+                "comm::Gloo have them");
+  using Inner = DataParallel<detail::StageGroup, Comm, Update>;
+  static constexpr int S = static_cast<int>(sizeof...(Stage));
+
+ public:
+  using model_type = Pipeline<Stage...>;
+  using communicator_type = Comm;
+  using update_type = Update;
+  using optimizer_type = typename Inner::optimizer_type;
+  using Options = PipelineOptions;
+  static constexpr int stage = Inner::stage;
+
+  /// Collective: every rank of `comm` constructs it together, each building its stages.
+  template <class OptimOptions>
+    requires optimizer_from<optimizer_type, OptimOptions>
+  DataParallel(Pipeline<Stage...> stages, Comm comm, OptimOptions optimizer_options, Options options = {})
+      : world_(std::move(comm)),
+        options_(options),
+        K_(pipeline_ranks(world_, options)),
+        replicas_(world_.size() / K_),
+        p_(world_.rank() % K_),
+        replica_(world_.rank() / K_),
+        pipe_(world_.split(replica_, p_)) {
+    Comm stage_replicas = world_.split(p_, replica_);
+    group_ = std::make_shared<detail::StageGroupImpl>();
+    build(stages, std::index_sequence_for<Stage...>{});
+    if (const auto params = group_->parameters(); !params.empty()) device_ = params.front().device();
+    inner_ = std::make_unique<Inner>(group_, std::move(stage_replicas), std::move(optimizer_options),
+                                     options.data_parallel);
+    link_ = std::make_unique<pipeline::detail::Link<Comm>>(pipe_);
+    // Clipping takes the norm of the whole model's gradients: every stage's.
+    if (K_ > 1) inner_->set_norm_elsewhere([this](at::Tensor& squares) { pipe_.all_reduce(squares, reduce_op::sum); });
+  }
+
+  /// With a default-constructed communicator (comm::Mpi: the world).
+  template <class OptimOptions>
+    requires optimizer_from<optimizer_type, OptimOptions> && std::default_initializable<Comm>
+  DataParallel(Pipeline<Stage...> stages, OptimOptions optimizer_options, Options options = {})
+      : DataParallel(std::move(stages), Comm{}, std::move(optimizer_options), options) {}
+
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  /// One optimizer step over this replica's micro-batches, pipelined by the schedule;
+  /// every stage of one replica is given the same micro-batches.
+  template <loss_function Loss>
+  StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
+    check_same_micro_batches(micro_batches);
+    if (micro_batches.empty()) return join_checked(has_next);
+    inner_->begin_external_step();
+    Run run{micro_batches};
+    run_schedule(schedule_for(static_cast<int>(micro_batches.size())), run, loss);
+    std::int64_t samples = 0;
+    for (const auto& b : micro_batches) samples += b.size();
+    auto r = inner_->end_external_step(samples, has_next);
+    r.has_loss = r.has_loss && owns(S - 1);  // the loss is the last stage's
+    if (r.has_loss) r.loss = run.loss_sum.template item<double>() / static_cast<double>(samples);
+    return r;
+  }
+
+  /// For a replica without micro-batches this step while others have some.
+  StepResult join(bool has_next = false) {
+    check_same_micro_batches({});
+    return join_checked(has_next);
+  }
+
+  /// The model's output, through the stages: the last stage's rank has it, the others
+  /// return an undefined tensor. Collective over the ranks of one replica, and over the
+  /// stage's replicas at ZeRO stage 3 (which gather parameters): an empty batch, too,
+  /// runs through the stages.
+  at::Tensor predict(const Batch& batch) {
+    detail::EvalMode eval(*group_);
+    at::Tensor out;
+    for (int s = p_; s < S; s += K_) {
+      auto in = s == 0 ? detail::to_device(batch.inputs, device_)
+                       : receive(pipeline::detail::Message::evaluation, s, 0).first;
+      Tensors y;
+      {
+        const detail::AutocastScope autocast(options_.data_parallel.precision.autocast, device_);
+        y = forward(s, std::move(in));
+      }
+      if (s == S - 1) out = y.front();
+      else deliver(pipeline::detail::Message::evaluation, s + 1, 0, y, std::vector<bool>(y.size(), false));
+    }
+    link_->flush();
+    return out;
+  }
+
+  /// Reduces `t` over every rank of the world (for metrics).
+  void all_reduce(at::Tensor& t, reduce_op op) { world_.all_reduce(t, op); }
+  /// Makes every replica of each stage evaluate alike (buffers). Collective.
+  void synchronize() { inner_->synchronize(); }
+
+  [[nodiscard]] int rank() const { return world_.rank(); }
+  [[nodiscard]] int world_size() const { return world_.size(); }
+  /// The replica this rank's pipeline is: every stage of it sees the same samples.
+  [[nodiscard]] DataShard data_shard() const { return {.index = replica_, .count = replicas_}; }
+  /// This rank's place: pipeline rank (0 .. K-1), pipeline ranks K, replica, replicas.
+  [[nodiscard]] int pipeline_rank() const noexcept { return p_; }
+  [[nodiscard]] int pipeline_size() const noexcept { return K_; }
+  [[nodiscard]] int replica() const noexcept { return replica_; }
+  [[nodiscard]] int replicas() const noexcept { return replicas_; }
+  /// Whether this rank owns stage `s`.
+  [[nodiscard]] bool owns(int s) const noexcept { return s % K_ == p_; }
+  /// This rank's stages, as one module whose submodules carry the stages' names.
+  [[nodiscard]] const detail::StageGroup& stages() const noexcept { return group_; }
+  /// Stage I, on the rank that owns it (a null handle elsewhere).
+  template <std::size_t I>
+  [[nodiscard]] auto& stage_at() noexcept {
+    return std::get<I>(stages_);
+  }
+  [[nodiscard]] optimizer_type& optimizer() noexcept { return inner_->optimizer(); }
+  /// This rank's stages' parameters, whole, as copies (stages() order). Collective over
+  /// the stage's replicas: at ZeRO stage 3 they are gathered for it.
+  [[nodiscard]] std::vector<at::Tensor> full_parameters() { return inner_->full_parameters(); }
+  [[nodiscard]] const Options& options() const noexcept { return options_; }
+  [[nodiscard]] const PipelineStepStats& last_step_stats() const noexcept { return stats_; }
+  /// The schedule run for `micro_batches` micro-batches (checked before it is first run).
+  /// Interleaved 1F1B needs M to be a multiple of K; a step with another M (fit's last
+  /// of an epoch) runs the stages chunk by chunk, GPipe-fashion, with the same result.
+  [[nodiscard]] const pipeline::Schedule& schedule_for(int micro_batches) {
+    auto it = schedules_.find(micro_batches);
+    if (it == schedules_.end()) {
+      const int v = options_.virtual_stages;
+      auto s = v > 1 && micro_batches % K_ != 0
+                   ? pipeline::gpipe(K_, micro_batches, v)
+                   : pipeline::make_schedule(options_.schedule, K_, micro_batches, v);
+      pipeline::check(s);
+      it = schedules_.emplace(micro_batches, std::move(s)).first;
+    }
+    return it->second;
+  }
+  /// Where this rank keeps its stages' state (paratrain::checkpointable), under the whole
+  /// model's names (Note [Stage names]): a part of the model (CheckpointLayout::whole is
+  /// false), each replicated tensor written by one of the stage's replicas.
+  [[nodiscard]] CheckpointLayout checkpoint_layout() {
+    auto layout = inner_->checkpoint_layout();
+    layout.whole = false;
+    // The stage's replicas are ranks replica * K + p of the world; the inner layout names
+    // them by replica. A tensor every replica holds alike goes to replica i % R, by turns.
+    int turn = 0;
+    const auto world_writer = [&](TensorSlice& sl) {
+      if (sl.replicated) sl.writer = (sl.writer >= 0 ? sl.writer : turn++ % replicas_) * K_ + p_;
+    };
+    for (auto& sl : layout.model) world_writer(sl);
+    for (auto& sl : layout.optimized) world_writer(sl);
+    return layout;
+  }
+  /// After a checkpoint was loaded into checkpoint_layout()'s slices. Collective.
+  void loaded() { inner_->loaded(); }
+
+  /// Bytes this rank holds for its stages' parameters, gradients and optimizer state.
+  [[nodiscard]] ModelStateBytes model_state_bytes() const { return inner_->model_state_bytes(); }
+  /// Bytes of gradients this rank handed to the last step's collectives among its stages'
+  /// replicas (DataParallel::gradient_bytes_sent).
+  [[nodiscard]] std::int64_t gradient_bytes_sent() const noexcept { return inner_->gradient_bytes_sent(); }
+
+  /// fit's trace (Note [Zero-cost timeline]): each stage pass as a forward or backward span,
+  /// the replicas' reductions and the optimizer step through the stages' DataParallel.
+  void set_timeline(observe::StepTimeline* timeline) noexcept {
+    timeline_ = timeline;
+    inner_->set_timeline(timeline);
+  }
+
+ private:
+  using Tensors = std::vector<at::Tensor>;
+  using Flags = std::vector<bool>;
+
+  /// One micro-batch on one stage, from its forward to its backward: only what backward
+  /// uses (the graph keeps what autograd needs).
+  struct Stash {
+    Tensors leaves;  // the received activations that need a gradient: theirs go back
+    Tensors roots;   // the outputs that need a gradient; on the last stage, loss * samples
+    std::optional<pipeline::detail::SplitBackward> split;
+  };
+
+  /// One step's state.
+  struct Run {
+    std::span<const Batch> micro;
+    at::Tensor loss_sum = at::zeros({}, at::kDouble);  // summed on the loss's device: read once, after the step
+    std::map<std::pair<int, int>, Stash> stash;     // (stage, micro)
+  };
+
+  // Note [Same micro-batches]
+  // The ranks of one replica run one schedule on one set of micro-batches: given different
+  // counts they would run different schedules whose messages never match (a hang until the
+  // watchdog's timeout), and given different sizes the last stage's loss would fail on one
+  // rank only. So each step begins with one MAX all-reduce over the world of 5 numbers per
+  // replica: each rank fills its replica's (count, -count, h, -h, bad), h a hash of the
+  // sizes and bad 1 when a micro-batch is malformed (detail::batch_problem), and the lowest
+  // value elsewhere. A replica whose ranks disagree, or a malformed micro-batch anywhere,
+  // makes every rank throw; replicas may differ from each other (the last, short batch; join).
+
+  StepResult join_checked(bool has_next) {
+    inner_->begin_external_step();
+    return inner_->end_external_step(0, has_next);
+  }
+
+  /// Note [Same micro-batches]: throws on every rank when a replica's ranks were given
+  /// different micro-batches, or one a micro-batch it cannot use.
+  void check_same_micro_batches(std::span<const Batch> micro) {
+    std::string problem;  // first: Batch::size() itself throws on a scalar input
+    for (std::size_t i = 0; i < micro.size() && problem.empty(); ++i)
+      if (auto p = detail::batch_problem(micro[i]); !p.empty()) problem = "micro-batch " + std::to_string(i) + ": " + p;
+    detail::Fnv1a sizes;
+    if (problem.empty())
+      for (const auto& b : micro) sizes.mix(static_cast<std::uint64_t>(b.size()));
+    const auto m = static_cast<std::int64_t>(micro.size()), hash = sizes.value62();
+    auto t = at::full({replicas_, 5}, std::numeric_limits<std::int64_t>::min(), at::kLong);
+    t[replica_].copy_(at::tensor({m, -m, hash, -hash, problem.empty() ? 0L : 1L}, at::kLong));
+    detail::all_reduce_on(world_, t, device_, reduce_op::max);
+    const auto* v = t.data_ptr<std::int64_t>();
+    if (!problem.empty()) throw error("Pipeline::step", world_.rank(), problem);
+    for (int r = 0; r < replicas_; ++r)
+      if (v[5 * r + 4] > 0)
+        throw error("Pipeline::step", world_.rank(),
+                    "a rank of pipeline replica " + std::to_string(r) +
+                        " was given a micro-batch it cannot use (see its message)");
+    for (int r = 0; r < replicas_; ++r, v += 5)
+      if (v[0] != -v[1] || v[2] != -v[3])
+        throw error("Pipeline::step", world_.rank(),
+                    "the ranks of pipeline replica " + std::to_string(r) + " were given different micro-batches (" +
+                        (v[0] != -v[1] ? "from " + std::to_string(-v[1]) + " to " + std::to_string(v[0]) + " of them"
+                                       : std::string("as many, of different sizes")) +
+                        "): every stage of one replica runs on the same micro-batches (fit gives them so; Note "
+                        "[Same micro-batches])");
+  }
+
+  /// K, the pipeline ranks; or the error, the same on every rank, when the stages do not fit.
+  static int pipeline_ranks(const Comm& world, const Options& options) {
+    const int v = options.virtual_stages, W = world.size();
+    if (v < 1 || S % v != 0)
+      throw error("Pipeline", world.rank(),
+                  std::to_string(S) + " stages cannot be dealt out " + std::to_string(v) +
+                      " to a rank; set PipelineOptions::virtual_stages to a divisor of the stage count");
+    if (v > 1 && options.schedule != pipeline::Kind::interleaved_1f1b)
+      throw error("Pipeline", world.rank(),
+                  "virtual_stages > 1 needs the interleaved 1F1B schedule (PipelineOptions::schedule)");
+    if (options.schedule == pipeline::Kind::zero_bubble_h1 && stage == 3)
+      throw error("Pipeline", world.rank(),
+                  "ZB-H1 computes a stage's weight gradients after ZeRO-3 has freed its gathered parameters; use "
+                  "1F1B or GPipe with zero::stage3, or ZB-H1 with stages 0-2");
+    const int K = S / v;
+    if (W % K != 0)
+      throw error("Pipeline", world.rank(),
+                  "a pipeline of " + std::to_string(S) + " stages, " + std::to_string(v) + " per rank, runs on " +
+                      std::to_string(K) + " ranks (or a multiple of it, for replicas); this run has " +
+                      std::to_string(W) + " ranks: launch a multiple of " + std::to_string(K) +
+                      " or change the stage count");
+    return K;
+  }
+
+  template <std::size_t... I>
+  void build(const Pipeline<Stage...>& stages, std::index_sequence<I...>) {
+    // Module::register_module takes a TORCH_MODULE holder or a std::shared_ptr alike.
+    ((owns(static_cast<int>(I)) ? (void)(std::get<I>(stages_) = stages.template make<I>(),
+                                         group_->register_module(stages.names()[I], std::get<I>(stages_)))
+                                : void()),
+     ...);
+  }
+
+  /// Stage s's forward on `in`, as a list of tensors.
+  Tensors forward(int s, const Tensors& in) {
+    Tensors out;
+    [&]<std::size_t... I>(std::index_sequence<I...>) {
+      ((s == static_cast<int>(I) ? (void)(out = as_tensors(detail::forward(std::get<I>(stages_), in))) : void()), ...);
+    }(std::index_sequence_for<Stage...>{});
+    return out;
+  }
+
+  static Tensors as_tensors(at::Tensor t) { return {std::move(t)}; }
+  template <class... T>
+  static Tensors as_tensors(std::tuple<T...> t) {
+    return std::apply([](auto&&... x) { return Tensors{std::move(x)...}; }, std::move(t));
+  }
+
+
+  /// Sends to the rank of stage `to` (or keeps it, when that is this rank). A gradient goes
+  /// without a header: its receiver holds the outputs it is shaped like (Note [Stage messages]).
+  void deliver(pipeline::detail::Message kind, int to, int micro, const Tensors& t, const Flags& needs) {
+    if (owns(to)) {
+      Tensors copy;
+      for (const auto& x : t) copy.push_back(x.detach());
+      local_[{static_cast<int>(kind), to, micro}] = {std::move(copy), needs};
+      return;
+    }
+    const int peer = to % K_, tag = pipeline::detail::tag_of(kind, to, micro, S);
+    if (kind == pipeline::detail::Message::gradient) link_->send_known(t, peer, tag);
+    else link_->send(t, needs, peer, tag);
+  }
+
+  /// The gradients stage `at + 1` sent back for stage `at`'s `outputs` of `micro`.
+  Tensors receive_gradients(int at, int micro, const Tensors& outputs) {
+    if (owns(at + 1)) return receive(pipeline::detail::Message::gradient, at, micro).first;
+    return link_->recv_like(outputs, (at + 1) % K_, pipeline::detail::tag_of(pipeline::detail::Message::gradient, at, micro, S));
+  }
+
+  /// What stage `at`'s neighbour sent it for `micro`.
+  std::pair<Tensors, Flags> receive(pipeline::detail::Message kind, int at, int micro) {
+    const int from = kind == pipeline::detail::Message::gradient ? at + 1 : at - 1;
+    if (owns(from)) {
+      auto node = local_.extract({static_cast<int>(kind), at, micro});
+      if (node.empty())
+        throw error("Pipeline", world_.rank(), "internal: a message to this rank itself is missing");
+      return std::move(node.mapped());
+    }
+    return link_->recv(from % K_, pipeline::detail::tag_of(kind, at, micro, S), device_);
+  }
+
+  template <class Loss>
+  void run_forward(const pipeline::Action& a, Run& run, Loss& loss) {
+    const auto& batch = run.micro[static_cast<std::size_t>(a.micro)];
+    Stash st;
+    Tensors inputs;
+    if (a.stage == 0) {
+      inputs = detail::to_device(batch.inputs, device_);
+    } else {
+      auto [in, needs] = receive(pipeline::detail::Message::activation, a.stage, a.micro);
+      for (std::size_t i = 0; i < in.size(); ++i)
+        if (needs[i]) st.leaves.push_back(in[i].requires_grad_(true));
+      inputs = std::move(in);
+    }
+    const auto begin = clock::now();
+    observe::PhaseTimer timer(timeline_, observe::Phase::forward);
+    // Note [Mixed precision]: the stage's forward, and the loss, under autocast.
+    std::optional<detail::AutocastScope> autocast(std::in_place, options_.data_parallel.precision.autocast, device_);
+    const auto outputs = forward(a.stage, inputs);
+    Flags needs;
+    if (a.stage == S - 1) {
+      at::Tensor l = loss(outputs.front(), batch.target.to(outputs.front().device()));
+      const auto n = static_cast<double>(batch.size());
+      st.roots = {l * n};  // Note [Exact averaging]: the gradient of the sum over the samples
+      run.loss_sum = run.loss_sum.to(l.device()) + l.detach().to(at::kDouble) * n;
+    } else {
+      for (const auto& y : outputs) {
+        needs.push_back(y.requires_grad());
+        if (y.requires_grad()) st.roots.push_back(y);
+      }
+    }
+    autocast.reset();
+    timer.stop();
+    record(a, begin);
+    if (a.stage != S - 1) deliver(pipeline::detail::Message::activation, a.stage + 1, a.micro, outputs, needs);
+    run.stash.emplace(std::pair{a.stage, a.micro}, std::move(st));
+    stats_.peak_stashed = std::max(stats_.peak_stashed, static_cast<int>(run.stash.size()));
+  }
+
+  /// The gradients of the stage's roots: none for the loss, else what the next stage sent
+  /// (nothing when no output needs one: a frozen stage).
+  Tensors root_gradients(const pipeline::Action& a, const Stash& st) {
+    if (a.stage == S - 1) return {at::Tensor()};
+    if (st.roots.empty()) return {};
+    auto grads = receive_gradients(a.stage, a.micro, st.roots);
+    if (grads.size() != st.roots.size())
+      throw error("Pipeline", world_.rank(), "stage " + std::to_string(a.stage + 1) + " sent " +
+                                                 std::to_string(grads.size()) + " gradients; stage " +
+                                                 std::to_string(a.stage) + " has " + std::to_string(st.roots.size()) +
+                                                 " outputs that need one");
+    return grads;
+  }
+
+  void send_input_grads(const pipeline::Action& a, Tensors grads) {
+    if (a.stage == 0 || grads.empty()) return;
+    deliver(pipeline::detail::Message::gradient, a.stage - 1, a.micro, grads, Flags(grads.size(), false));
+  }
+
+  void run_backward(const pipeline::Action& a, Run& run, bool last) {
+    auto node = run.stash.extract({a.stage, a.micro});
+    auto& st = node.mapped();
+    const auto grads = root_gradients(a, st);
+    const auto begin = clock::now();
+    observe::PhaseTimer timer(timeline_, observe::Phase::backward);
+    inner_->before_backward(last);
+    if (!st.roots.empty()) torch::autograd::backward(st.roots, grads);
+    Tensors in_grads;
+    for (auto& x : st.leaves) in_grads.push_back(x.grad().defined() ? x.grad() : at::zeros_like(x));
+    timer.stop();
+    record(a, begin);
+    send_input_grads(a, std::move(in_grads));
+  }
+
+  void run_backward_input(const pipeline::Action& a, Run& run) {
+    auto& st = run.stash.at({a.stage, a.micro});
+    auto grads = root_gradients(a, st);
+    const auto begin = clock::now();
+    observe::PhaseTimer timer(timeline_, observe::Phase::backward);
+    st.split.emplace(std::exchange(st.roots, {}), std::move(grads), std::exchange(st.leaves, {}));
+    auto in_grads = st.split->input_gradients();
+    timer.stop();
+    record(a, begin);
+    send_input_grads(a, std::move(in_grads));
+  }
+
+  void run_backward_weight(const pipeline::Action& a, Run& run, bool last) {
+    auto node = run.stash.extract({a.stage, a.micro});
+    const auto begin = clock::now();
+    observe::PhaseTimer timer(timeline_, observe::Phase::backward);
+    inner_->before_backward(last);
+    node.mapped().split->weight_gradients();
+    timer.stop();
+    record(a, begin);
+  }
+
+  template <class Loss>
+  void run_schedule(const pipeline::Schedule& schedule, Run& run, Loss& loss) {
+    const auto& actions = schedule.actions[static_cast<std::size_t>(p_)];
+    // The last pass over the parameters completes the gradient buckets: it is the one
+    // whose backward DataParallel overlaps with the replicas' reduction.
+    std::size_t last = actions.size();
+    for (std::size_t i = 0; i < actions.size(); ++i)
+      if (actions[i].op == pipeline::Op::backward || actions[i].op == pipeline::Op::backward_weight) last = i;
+    stats_ = {};
+    const auto begin = clock::now();
+    group_->train();
+    for (std::size_t i = 0; i < actions.size(); ++i) {
+      const auto& a = actions[i];
+      switch (a.op) {
+        case pipeline::Op::forward: run_forward(a, run, loss); break;
+        case pipeline::Op::backward: run_backward(a, run, i == last); break;
+        case pipeline::Op::backward_input: run_backward_input(a, run); break;
+        case pipeline::Op::backward_weight: run_backward_weight(a, run, i == last); break;
+      }
+    }
+    link_->flush();
+    stats_.span_seconds = seconds_since(begin);
+    if (!run.stash.empty() || !local_.empty())
+      throw error("Pipeline", world_.rank(), "internal: the schedule left activations behind");
+  }
+
+  using clock = std::chrono::steady_clock;
+  static double seconds_since(clock::time_point t) {
+    return std::chrono::duration<double>(clock::now() - t).count();
+  }
+  void record(const pipeline::Action& a, clock::time_point begin) {
+    const double t = seconds_since(begin);
+    const auto op = static_cast<std::size_t>(a.op);
+    stats_.seconds[op] += t;
+    ++stats_.count[op];
+  }
+
+  Comm world_;
+  Options options_;
+  int K_ = 1, replicas_ = 1, p_ = 0, replica_ = 0;
+  Comm pipe_;  // this replica's pipeline ranks
+  std::tuple<Stage...> stages_{Stage(nullptr)...};
+  detail::StageGroup group_;
+  at::Device device_{at::kCPU};  // where this rank's stages live: received tensors go there
+  std::unique_ptr<Inner> inner_;
+  std::unique_ptr<pipeline::detail::Link<Comm>> link_;
+  std::map<int, pipeline::Schedule> schedules_;
+  std::map<std::tuple<int, int, int>, std::pair<Tensors, Flags>> local_;  // messages to this rank itself
+  PipelineStepStats stats_;
+  observe::StepTimeline* timeline_ = nullptr;  // Note [Zero-cost timeline]
+};
+
+}  // namespace paratrain

@@ -1,0 +1,319 @@
+#pragma once
+/// \file
+/// paratrain::plan — how many bytes of model state each rank holds under DDP and the
+/// three ZeRO stages (Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward
+/// Training Trillion Parameter Models", arXiv:1910.02054). Standard library only: no
+/// LibTorch, so a planning tool builds in a second. docs/plan.md.
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <iomanip>
+#include <sstream>
+#include <string>
+#include <string_view>
+
+#include "paratrain/core/error.hpp"
+
+namespace paratrain::plan {
+
+// Note [ZeRO memory model]
+// ZeRO-DP counts three kinds of model state per parameter: B_p bytes of parameters, B_g
+// bytes of gradients and K bytes of optimizer state (mixed-precision Adam: an fp32 master
+// copy, momentum and variance, K = 12). With Ψ parameters and N_d data-parallel ranks,
+// each rank holds
+//   DDP                  (B_p + B_g + K) Ψ
+//   stage 1   (P_os)     (B_p + B_g) Ψ + K Ψ / N_d
+//   stage 2   (P_os+g)   B_p Ψ + (B_g + K) Ψ / N_d
+//   stage 3   (P_os+g+p) (B_p + B_g + K) Ψ / N_d
+// These are the paper's continuous formulas, kept exact so its Table 1 can be checked.
+// Real shards are whole elements: a flat buffer of E elements split N_d ways is padded to
+// a multiple of N_d, at most N_d − 1 elements more; a rank holding the whole padded
+// buffer holds those, a rank holding one shard ceil(E / N_d) holds at most (N_d − 1) / N_d
+// of an element more. Model::buckets bounds that (Memory::padding), apart from the paper's
+// numbers. Activations are not sharded by ZeRO-DP: every rank holds its own, as estimated.
+// Not counted: temporary communication buffers (DDP's buckets, ZeRO's all-gather
+// prefetch), the allocator's fragmentation, the CUDA context.
+//
+// Under autocast (paratrain::Precision::autocast, Note [Mixed precision]) parameters,
+// gradients and optimizer state stay fp32, and each rank also holds autocast's
+// low-precision copies of the weights from forward to backward: Model::autocast_bytes
+// per parameter (2 for bf16), for the whole model at every stage (at stage 3 the copies
+// outlive the gathered units), unless units recompute their activations. The gradients
+// a rank hands to the step's collectives (gradient_traffic) are Model::reduce_bytes per
+// parameter: 2 where Precision::reduce is bf16.
+
+/// The four ways of placing model state, in the paper's order (ZeRO Fig. 1).
+///
+///   ddp     nothing sharded: every rank holds parameters, gradients and optimizer state
+///   stage1  P_os:      optimizer state sharded
+///   stage2  P_os+g:    optimizer state and gradients sharded
+///   stage3  P_os+g+p:  optimizer state, gradients and parameters sharded
+enum class stage { ddp, stage1, stage2, stage3 };
+
+/// Every stage, in order: what `per_rank(model)` reports.
+inline constexpr std::array<stage, 4> stages{stage::ddp, stage::stage1, stage::stage2, stage::stage3};
+
+/// "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3".
+[[nodiscard]] constexpr std::string_view to_string(stage s) noexcept {
+  switch (s) {
+    case stage::ddp: return "DDP";
+    case stage::stage1: return "ZeRO-1";
+    case stage::stage2: return "ZeRO-2";
+    case stage::stage3: return "ZeRO-3";
+  }
+  return "?";
+}
+
+/// The paper's name for what a stage shards: "-", "P_os", "P_os+g", "P_os+g+p".
+[[nodiscard]] constexpr std::string_view paper_name(stage s) noexcept {
+  switch (s) {
+    case stage::ddp: return "-";
+    case stage::stage1: return "P_os";
+    case stage::stage2: return "P_os+g";
+    case stage::stage3: return "P_os+g+p";
+  }
+  return "?";
+}
+
+/// How parameters and gradients are stored: bytes per parameter.
+///
+///   fp32   B_p = B_g = 4; the optimizer updates the parameters themselves (LibTorch's default)
+///   mixed  B_p = B_g = 2 (fp16 or bf16); the optimizer keeps an fp32 master copy,
+///          4 bytes per parameter that ZeRO counts in K (so mixed Adam has K = 4 + 8 = 12)
+struct Precision {
+  double param_bytes = 4;   ///< B_p
+  double grad_bytes = 4;    ///< B_g
+  double master_bytes = 0;  ///< the optimizer's own copy of the parameters, part of K
+};
+
+inline constexpr Precision fp32{.param_bytes = 4, .grad_bytes = 4, .master_bytes = 0};
+inline constexpr Precision mixed{.param_bytes = 2, .grad_bytes = 2, .master_bytes = 4};
+
+/// What is being trained, and on how many ranks. Sizes are in bytes.
+///
+/// \code
+///   // ZeRO Table 1's first model: 7.5B parameters, mixed-precision Adam, 64 ranks.
+///   plan::Model m{.parameters = 7.5e9, .param_bytes = 2, .grad_bytes = 2,
+///                 .optimizer_bytes = plan::optimizer_bytes("adam", plan::mixed), .ranks = 64};
+///   plan::per_rank(m, plan::stage::stage2).total();   // 16.64e9 bytes
+/// \endcode
+struct Model {
+  double parameters = 0;        ///< Ψ, the number of parameters
+  double param_bytes = 4;       ///< B_p, bytes per parameter
+  double grad_bytes = 4;        ///< B_g, bytes per gradient element
+  double optimizer_bytes = 0;   ///< K, optimizer-state bytes per parameter: optimizer_bytes(name)
+  std::int64_t ranks = 1;       ///< N_d, the data-parallel degree
+  double activation_bytes = 0;  ///< per rank, the user's estimate; never sharded by ZeRO-DP
+  std::int64_t buckets = 0;     ///< flat buffers each padded to a multiple of N_d; 0: no bound
+  /// Autocast's copies of the weights, bytes per parameter: 2 under bf16 or fp16
+  /// autocast (Precision::autocast), 0 without. Never sharded.
+  double autocast_bytes = 0;
+  /// Bytes per gradient element summed across ranks: 2 with Precision::reduce = bf16;
+  /// 0: grad_bytes.
+  double reduce_bytes = 0;
+};
+
+/// Bytes of each kind one rank holds under one stage.
+///
+/// `parameters`, `gradients` and `optimizer_state` are the paper's formulas exactly;
+/// `padding` is the upper bound of Note [ZeRO memory model] (0 when Model::buckets is 0).
+struct Memory {
+  stage strategy = stage::ddp;
+  double parameters = 0;
+  double gradients = 0;
+  double optimizer_state = 0;
+  double activations = 0;
+  double padding = 0;
+  double autocast_copies = 0;  ///< Model::autocast_bytes × Ψ, at every stage
+
+  [[nodiscard]] constexpr double total() const noexcept {
+    return parameters + gradients + optimizer_state + activations + padding + autocast_copies;
+  }
+};
+
+namespace detail {
+
+inline constexpr std::string_view operation = "plan::per_rank";
+
+inline void require_non_negative(double value, std::string_view field, std::string_view fix) {
+  if (std::isfinite(value) && value >= 0) return;
+  std::ostringstream s;
+  s << "Model::" << field << " is " << value << "; it must be a finite number >= 0 (" << fix << ")";
+  throw error(operation, -1, s.str());
+}
+
+inline void validate(const Model& m) {
+  require_non_negative(m.parameters, "parameters", "the parameter count Psi, e.g. 7.5e9");
+  require_non_negative(m.param_bytes, "param_bytes", "bytes per parameter: 4 for fp32, 2 for fp16/bf16");
+  require_non_negative(m.grad_bytes, "grad_bytes", "bytes per gradient element: 4 for fp32, 2 for fp16/bf16");
+  require_non_negative(m.optimizer_bytes, "optimizer_bytes",
+                       "K, e.g. plan::optimizer_bytes(\"adam\") = 8, or 12 for mixed-precision Adam");
+  require_non_negative(m.activation_bytes, "activation_bytes", "an estimate in bytes, or 0 to leave activations out");
+  require_non_negative(m.autocast_bytes, "autocast_bytes", "2 under bf16 or fp16 autocast, 0 without");
+  require_non_negative(m.reduce_bytes, "reduce_bytes", "2 where gradients are summed in bf16, 0 for grad_bytes");
+  if (m.ranks < 1)
+    throw error(operation, -1,
+                "Model::ranks is " + std::to_string(m.ranks) +
+                    "; the data-parallel degree N_d must be at least 1 (set it to the number of processes)");
+  if (m.buckets < 0)
+    throw error(operation, -1,
+                "Model::buckets is " + std::to_string(m.buckets) +
+                    "; it must be >= 0 (the number of flat buffers, or 0 to leave padding out)");
+}
+
+}  // namespace detail
+
+/// The bytes one rank holds under stage `s`: Note [ZeRO memory model].
+///
+/// Throws paratrain::error, naming the field and the fix, for a negative or non-finite
+/// size or for `ranks < 1`.
+[[nodiscard]] inline Memory per_rank(const Model& m, stage s) {
+  detail::validate(m);
+  const double n = static_cast<double>(m.ranks);
+  const double psi = m.parameters;
+  const bool params_sharded = s == stage::stage3;
+  const bool grads_sharded = s == stage::stage2 || s == stage::stage3;
+  const bool state_sharded = s != stage::ddp;
+
+  Memory out{.strategy = s, .activations = m.activation_bytes, .autocast_copies = m.autocast_bytes * psi};
+  out.parameters = params_sharded ? m.param_bytes * psi / n : m.param_bytes * psi;
+  out.gradients = grads_sharded ? m.grad_bytes * psi / n : m.grad_bytes * psi;
+  out.optimizer_state = state_sharded ? m.optimizer_bytes * psi / n : m.optimizer_bytes * psi;
+
+  // DDP all-reduces whole buffers, which need no padding; the ZeRO stages pad every flat
+  // buffer so it splits evenly.
+  if (s != stage::ddp) {
+    const double whole = (n - 1) * static_cast<double>(m.buckets);  // elements per rank
+    const double shard = whole / n;
+    out.padding = m.param_bytes * (params_sharded ? shard : whole) +
+                  m.grad_bytes * (grads_sharded ? shard : whole) + m.optimizer_bytes * shard;
+  }
+  return out;
+}
+
+/// The bytes of gradients each rank hands to one step's collectives under stage `s`
+/// (DDP and stage 1 all-reduce them, stages 2 and 3 reduce-scatter them): Ψ elements of
+/// Model::reduce_bytes (grad_bytes where 0), plus at most (N_d − 1) elements of padding
+/// per bucket at the ZeRO stages (Model::buckets). DataParallel::
+/// gradient_bytes_sent() measures it.
+[[nodiscard]] inline double gradient_traffic(const Model& m, stage s) {
+  detail::validate(m);
+  const double bytes = m.reduce_bytes > 0 ? m.reduce_bytes : m.grad_bytes;
+  const bool padded = s != stage::ddp;  // the ZeRO stages pad each bucket to a multiple of N_d
+  return bytes * (m.parameters + (padded ? static_cast<double>(m.ranks - 1) * static_cast<double>(m.buckets) : 0.0));
+}
+
+/// `per_rank(m, s)` for every stage, in the order of `stages`.
+[[nodiscard]] inline std::array<Memory, 4> per_rank(const Model& m) {
+  return {per_rank(m, stage::ddp), per_rank(m, stage::stage1), per_rank(m, stage::stage2),
+          per_rank(m, stage::stage3)};
+}
+
+/// K, the optimizer-state bytes per parameter, of a LibTorch optimizer on fp32 parameters,
+/// plus `precision.master_bytes` (the fp32 master copy mixed precision keeps).
+///
+///   "sgd"               0   torch::optim::SGD, momentum = 0
+///   "sgd_momentum"      4   SGD's momentum_buffer
+///   "adam", "adamw"     8   exp_avg and exp_avg_sq (amsgrad adds max_exp_avg_sq: 12)
+///   "adagrad"           4   sum
+///   "rmsprop"           4   square_avg (centered adds grad_avg: +4)
+///   "rmsprop_momentum"  8   square_avg and momentum_buffer
+///
+/// Per-parameter scalars (Adam's step) are left out. Throws paratrain::error, listing the
+/// names, for any other name.
+[[nodiscard]] inline double optimizer_bytes(std::string_view optimizer, const Precision& precision = fp32) {
+  struct Entry {
+    std::string_view name;
+    double bytes;
+  };
+  static constexpr std::array<Entry, 7> table{{{"sgd", 0},
+                                               {"sgd_momentum", 4},
+                                               {"adam", 8},
+                                               {"adamw", 8},
+                                               {"adagrad", 4},
+                                               {"rmsprop", 4},
+                                               {"rmsprop_momentum", 8}}};
+  for (const auto& e : table)
+    if (e.name == optimizer) return e.bytes + precision.master_bytes;
+  std::string names;
+  for (const auto& e : table) names += (names.empty() ? "" : ", ") + std::string(e.name);
+  throw error("plan::optimizer_bytes", -1,
+              "unknown optimizer \"" + std::string(optimizer) + "\"; use one of " + names +
+                  ", or set Model::optimizer_bytes (K) yourself");
+}
+
+namespace detail {
+
+// Rounded half away from zero, as the paper rounds (41.25 GB is printed 41.3): iostreams
+// round half to even.
+inline std::string fixed(double x, int decimals) {
+  const double scale = std::pow(10.0, decimals);
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(decimals) << std::round(x * scale) / scale;
+  return s.str();
+}
+
+// At least `digits` significant digits and never an exponent: 120, 31.4, 1.88, 0.117.
+inline std::string significant(double x, int digits = 3) {
+  if (x == 0) return "0";
+  const int magnitude = static_cast<int>(std::floor(std::log10(std::fabs(x))));
+  return fixed(x, magnitude >= digits - 1 ? 0 : digits - 1 - magnitude);
+}
+
+}  // namespace detail
+
+/// A table of `per_rank(m)`: one row per stage, sizes in GB (1e9 bytes, as ZeRO's
+/// tables), each to three significant digits, and the total also in MiB (2^20 bytes);
+/// then each stage's `gradient_traffic(m, s)`.
+///
+/// \code
+///   std::cout << plan::format_table({.parameters = 7.5e9, .param_bytes = 2, .grad_bytes = 2,
+///                                    .optimizer_bytes = 12, .ranks = 64});
+/// \endcode
+[[nodiscard]] inline std::string format_table(const Model& m) {
+  const auto rows = per_rank(m);
+  std::ostringstream s;
+  s << "Per-rank model state (ZeRO, Rajbhandari et al. 2019): Psi = " << std::setprecision(6) << m.parameters
+    << " parameters, B_p = " << m.param_bytes << ", B_g = " << m.grad_bytes << ", K = " << m.optimizer_bytes
+    << " bytes/parameter, N_d = " << m.ranks;
+  if (m.buckets > 0) s << ", " << m.buckets << " buckets";
+  s << "\nGB = 1e9 bytes, MiB = 2^20 bytes\n\n";
+
+  constexpr std::array<int, 8> width{8, 10, 11, 11, 11, 11, 11, 12};
+  auto row = [&](const std::array<std::string, 8>& cells) {
+    for (std::size_t i = 0; i < cells.size(); ++i) {
+      if (i < 2)
+        s << std::left << std::setw(width[i]) << cells[i] << ' ';
+      else
+        s << std::right << std::setw(width[i]) << cells[i];
+    }
+    s << '\n';
+  };
+  row({"strategy", "shards", "params GB", "grads GB", "optim GB", "activ. GB", "total GB", "total MiB"});
+  const auto gb = [](double bytes) { return detail::significant(bytes / 1e9); };
+  for (const Memory& r : rows) {
+    row({std::string(to_string(r.strategy)), std::string(paper_name(r.strategy)), gb(r.parameters),
+         gb(r.gradients), gb(r.optimizer_state), gb(r.activations), gb(r.total()),
+         detail::fixed(r.total() / (1024.0 * 1024.0), 1)});
+  }
+  if (m.buckets > 0) {
+    s << "\ntotals include bucket padding, at most";
+    for (const Memory& r : rows)
+      if (r.strategy != stage::ddp)
+        s << (r.strategy == stage::stage1 ? ": " : ", ") << to_string(r.strategy) << ' ' << detail::fixed(r.padding, 0)
+          << " bytes";
+    s << '\n';
+  }
+  if (m.autocast_bytes > 0)
+    s << "\ntotals include autocast's copies of the weights at every stage: " << gb(rows[0].autocast_copies)
+      << " GB (" << m.autocast_bytes << " bytes/parameter)\n";
+  s << "\ngradients each rank sends per step (" << (m.reduce_bytes > 0 ? m.reduce_bytes : m.grad_bytes)
+    << " bytes/element" << (m.buckets > 0 ? ", padding included" : "") << "):";
+  for (const stage st : stages)
+    s << (st == stage::ddp ? " " : ", ") << to_string(st) << ' ' << gb(gradient_traffic(m, st)) << " GB";
+  s << '\n';
+  return s.str();
+}
+
+}  // namespace paratrain::plan
