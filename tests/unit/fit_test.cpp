@@ -97,6 +97,37 @@ TEST_CASE("fit evaluates every sample exactly once and reports the single-device
   CHECK(e.eval_loss == doctest::Approx(loss).epsilon(1e-5));
 }
 
+TEST_CASE_TEMPLATE("evaluate, called alone, reports the single-device loss and accuracy of every sample once", C,
+                   comm::SingleDevice, comm::Mpi) {
+  C c;
+  const auto test = make_data(97, 2);  // 97: prime, so no world of 2-4 ranks divides it
+  paratrain::DataParallel<Net, C, torch::optim::SGD> s(make_net(), std::move(c), torch::optim::SGDOptions(0.1));
+  const auto e = paratrain::evaluate(s, test, {.batch_size = 6});
+  torch::NoGradGuard no_grad;
+  auto net = make_net();  // the same weights, on one device
+  const auto out = net->forward(test.inputs());
+  CHECK(e.samples == 97);
+  CHECK(e.accuracy == doctest::Approx(out.argmax(1).eq(test.targets()).to(torch::kDouble).mean().item<double>()));
+  CHECK(e.loss == doctest::Approx(torch::nn::functional::cross_entropy(out, test.targets()).item<double>()).epsilon(1e-6));
+  CHECK_THROWS_WITH_AS(paratrain::evaluate(s, test, {.batch_size = 0}), doctest::Contains("batch_size must be >= 1"),
+                       paratrain::error);
+}
+
+TEST_CASE("LrSchedule: the linear scaling rule's warm-up times the user's schedule (Goyal et al., 2.2)") {
+  // Global batch 128 against a reference of 32: the target factor is 4, reached over 2
+  // epochs of 10 steps; the user halves the rate from epoch 1 on.
+  const paratrain::LrSchedule lr({.reference_batch = 32, .warmup_epochs = 2}, [](double epoch) { return epoch < 1 ? 1.0 : 0.5; },
+                                 128);
+  CHECK(lr.active());
+  CHECK(lr.factor(0, 0.0, 10) == doctest::Approx(1.0));
+  CHECK(lr.factor(5, 0.5, 10) == doctest::Approx(1.0 + 3.0 * 5 / 20));
+  CHECK(lr.factor(15, 1.5, 10) == doctest::Approx((1.0 + 3.0 * 15 / 20) * 0.5));
+  CHECK(lr.factor(40, 4.0, 10) == doctest::Approx(4.0 * 0.5));
+  const paratrain::LrSchedule off({}, {}, 128);
+  CHECK_FALSE(off.active());
+  CHECK(off.factor(7, 0.7, 10) == doctest::Approx(1.0));
+}
+
 TEST_CASE("fit's epoch loss is the mean over every step of the epoch, whatever log_every") {
   comm::Mpi c;
   const auto train = make_data(120, 1);

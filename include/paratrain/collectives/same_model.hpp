@@ -57,7 +57,7 @@ inline std::int64_t hash_lines(const std::vector<std::string>& lines) {
 }
 
 /// The first difference between two ranks' descriptions, as a sentence.
-inline std::string first_difference(const std::vector<std::string>& a, int rank_a, const std::vector<std::string>& b,
+inline std::string first_different_entry(const std::vector<std::string>& a, int rank_a, const std::vector<std::string>& b,
                                     int rank_b) {
   const auto on = [](int r) { return "rank " + std::to_string(r) + "'s"; };
   const auto n = std::min(a.size(), b.size());
@@ -86,7 +86,7 @@ void check_same_model(Group& group, const torch::nn::Module& model, const char* 
     if (all[r] != all[0])
       throw error(operation, group.rank(),
                   "the ranks built different models, and replicas must be the same model: " +
-                      first_difference(all[0], 0, all[r], static_cast<int>(r)) +
+                      first_different_entry(all[0], 0, all[r], static_cast<int>(r)) +
                       " (build the model the same way on every rank; only its initial values may differ)");
   throw error(operation, group.rank(), "the ranks built different models (their descriptions hash differently)");
 }

@@ -117,7 +117,7 @@ namespace detail {
 }
 
 /// "forward(stage 1, micro 0)": how every message names an action.
-[[nodiscard]] inline std::string describe(const Action& a) {
+[[nodiscard]] inline std::string describe_action(const Action& a) {
   return std::string(name_of(a.op)) + "(stage " + std::to_string(a.stage) + ", micro " + std::to_string(a.micro) + ")";
 }
 
@@ -238,7 +238,7 @@ struct Replay {
     const auto held =
         static_cast<std::size_t>(std::find(list.begin() + next[holder], list.end(), wanted) - list.begin());
     out.deadlock +=
-        on_rank(waiter, next[waiter]) + ", " + describe(blocked) + ", waits for " + describe(wanted) +
+        on_rank(waiter, next[waiter]) + ", " + describe_action(blocked) + ", waits for " + describe_action(wanted) +
         (holder == waiter ? ", which it runs itself later" : ", which rank " + std::to_string(holder) + " holds") +
         " (" + on_rank(holder, held) + "); ";
   }
@@ -427,7 +427,7 @@ inline void check(const Schedule& s) {
       const auto op = static_cast<unsigned>(a.op);
       if (op > 3)
         throw error(operation, -1, detail::on_rank(r, i) + " has Op value " + std::to_string(op) + ", which is no Op");
-      const std::string what = detail::on_rank(r, i) + ", " + detail::describe(a);
+      const std::string what = detail::on_rank(r, i) + ", " + detail::describe_action(a);
       if (a.stage < 0 || a.stage >= stages)
         throw error(operation, -1,
                     what + ": the stage is out of range; stages run 0.." + std::to_string(stages - 1) +
@@ -443,7 +443,7 @@ inline void check(const Schedule& s) {
       std::size_t& first = seen[static_cast<std::size_t>(a.stage) * m_count + a.micro].at[op];
       if (first != absent)
         throw error(operation, -1,
-                    detail::describe(a) + " appears twice on rank " + std::to_string(r) + " (actions #" +
+                    detail::describe_action(a) + " appears twice on rank " + std::to_string(r) + " (actions #" +
                         std::to_string(first) + " and #" + std::to_string(i) + "); run each action exactly once");
       first = i;
     }
@@ -453,7 +453,7 @@ inline void check(const Schedule& s) {
     for (int m = 0; m < m_count; ++m) {
       const auto& at = seen[static_cast<std::size_t>(stage) * m_count + m].at;
       const auto has = [&](Op op) { return at[static_cast<unsigned>(op)] != absent; };
-      const auto name = [&](Op op) { return detail::describe({op, m, stage}); };
+      const auto name = [&](Op op) { return detail::describe_action({op, m, stage}); };
       const std::string rank = "rank " + std::to_string(s.rank_of(stage));
       if (!has(Op::forward))
         throw error(operation, -1, name(Op::forward) + " is missing; add it to " + rank + "'s list");

@@ -96,7 +96,7 @@ struct OperationRecord {
 };
 
 /// "all_reduce #12 (Float, 676 elements)"; without the number when `numbered` is false.
-inline std::string describe(const OperationRecord& r, bool numbered = true) {
+inline std::string describe_operation(const OperationRecord& r, bool numbered = true) {
   std::string s(operation_name(r.op));
   if (numbered) {
     s += " #";
@@ -183,7 +183,7 @@ class Ledger {
 };
 
 /// The first collective that two histories (oldest first) record differently, as the pair.
-inline std::optional<std::pair<OperationRecord, OperationRecord>> first_difference(
+inline std::optional<std::pair<OperationRecord, OperationRecord>> first_divergence(
     const std::array<OperationRecord, history_length>& a, const std::array<OperationRecord, history_length>& b) {
   for (const auto& x : a) {
     if (x.seq == 0) continue;
@@ -213,7 +213,7 @@ inline std::string fingerprint_mismatch(const Ledger& ledger,
                                         const std::vector<std::array<OperationRecord, history_length>>& histories) {
   std::int64_t first = INT64_MAX;
   for (std::size_t i = 1; i < histories.size(); ++i)
-    if (auto d = first_difference(histories[0], histories[i])) first = std::min(first, d->first.seq);
+    if (auto d = first_divergence(histories[0], histories[i])) first = std::min(first, d->first.seq);
   std::string s = "the ranks of communicator " + ledger.name() + " issued different collectives";
   if (first == INT64_MAX) return s + " before the last " + std::to_string(history_length) + " (their fingerprints differ)";
   // Group the ranks by what they issued as collective `first`.
@@ -230,7 +230,7 @@ inline std::string fingerprint_mismatch(const Ledger& ledger,
   s.append(": the first that differs is #").append(std::to_string(first)).append(":");
   for (const auto& [record, ranks] : sides)
     s.append(" ")
-        .append(record.op == 0 ? std::string("none") : describe(record, false))
+        .append(record.op == 0 ? std::string("none") : describe_operation(record, false))
         .append(ranks.size() > 1 ? " on world ranks " : " on world rank ")
         .append(rank_list(ranks))
         .append(";");
@@ -445,7 +445,7 @@ class Watchdog {
     const int me = ledger.members()[static_cast<std::size_t>(ledger.rank())];
     const auto timeout = ms(p.deadline - p.started);
     const std::string prefix = "paratrain: watchdog on rank " + std::to_string(me) + ": ";
-    std::string what = describe(p.operation);
+    std::string what = describe_operation(p.operation);
     if (p.peer >= 0)
       what = std::string(operation_name(p.operation.op)) + (p.operation.op == operation_code("send") ? " to" : " from") +
              " rank " + std::to_string(ledger.members()[static_cast<std::size_t>(p.peer)]) + " (tag " +
@@ -474,15 +474,15 @@ class Watchdog {
         line += "no answer within " + std::to_string(grace.count()) + " ms: stopped, dead, or stuck where paratrain cannot answer";
       } else {
         const auto& s = it->second;
-        if (auto d = first_difference(mine.history, s.history); d && (!difference || d->first.seq < difference->first.seq))
+        if (auto d = first_divergence(mine.history, s.history); d && (!difference || d->first.seq < difference->first.seq))
           difference = d, differing_rank = r;
         if (s.pending == 1 && p.peer < 0 && s.operation == p.operation) {
           arrived.push_back(r);
-          line += "waiting in the same " + describe(s.operation) + " for " + seconds(s.age_ms);
+          line += "waiting in the same " + describe_operation(s.operation) + " for " + seconds(s.age_ms);
         } else {
           missing.push_back(r);
-          line += s.pending == 1   ? "waiting in " + describe(s.operation) + " on this communicator for " + seconds(s.age_ms)
-                  : s.pending == 2 ? "waiting in " + describe(s.operation) + " on another communicator for " + seconds(s.age_ms)
+          line += s.pending == 1   ? "waiting in " + describe_operation(s.operation) + " on this communicator for " + seconds(s.age_ms)
+                  : s.pending == 2 ? "waiting in " + describe_operation(s.operation) + " on another communicator for " + seconds(s.age_ms)
                                    : "busy outside communication for " + seconds(s.idle_ms);
           line += "; it has issued " + std::to_string(s.count) + " collectives on this communicator";
         }
@@ -492,8 +492,8 @@ class Watchdog {
     std::string summary = prefix + "arrived: " + rank_list(arrived) + "; not arrived: " + rank_list(missing);
     if (difference)
       summary += "; the ranks issued different collectives: #" + std::to_string(difference->first.seq) + " is " +
-                 describe(difference->first, false) + " on rank " + std::to_string(me) + " but " +
-                 describe(difference->second, false) + " on rank " + std::to_string(differing_rank);
+                 describe_operation(difference->first, false) + " on rank " + std::to_string(me) + " but " +
+                 describe_operation(difference->second, false) + " on rank " + std::to_string(differing_rank);
     std::fprintf(stderr, "%s%s; ending the job (exit %d)\n", details.c_str(), summary.c_str(), watchdog_exit_code);
     std::fflush(nullptr);
     if (channel != nullptr) channel->end_job(watchdog_exit_code);

@@ -1,0 +1,108 @@
+#pragma once
+/// \file
+/// What fit is told and what it reports: FitOptions, LrScaling, StepInfo, EpochInfo,
+/// FitResult, and CrossEntropy, its default loss.
+
+#include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "paratrain/data/dataset_ref.hpp"
+#include "paratrain/data/loader.hpp"
+#include "paratrain/fit/checkpoints.hpp"
+#include "paratrain/fit/metrics.hpp"
+#include "paratrain/observe/observer.hpp"
+#include "paratrain/observe/step_times.hpp"
+
+namespace paratrain {
+
+/// The linear scaling rule with gradual warm-up (Goyal et al. 2017, "Accurate, Large
+/// Minibatch SGD"): the optimizer's learning rate was tuned for a global batch of
+/// `reference_batch`; with a global batch of B it becomes lr * B / reference_batch,
+/// reached linearly from lr over the first `warmup_epochs`.
+struct LrScaling {
+  std::int64_t reference_batch = 0;  ///< 0: off
+  double warmup_epochs = 0;
+};
+
+/// After each optimizer step.
+struct StepInfo {
+  int epoch = 0;                 ///< from 0
+  std::int64_t step = 0;         ///< optimizer steps since fit began
+  double loss = 0;               ///< this rank's mean loss in this step (0 without has_loss)
+  double lr = 0;                 ///< of the first parameter group
+  double global_samples = 0;     ///< the step's effective batch
+  double seconds = 0;            ///< this step's wall time on this rank
+  /// Of `seconds`, the time this rank waited for the step's batches: what of reading and
+  /// collating them the loader's workers did not hide (the trace's "data" phase).
+  double data_seconds = 0;
+  Metrics* metrics = nullptr;    ///< log your own values here; fit reduces them safely
+  bool has_loss = true;          ///< false where this rank computes no loss (a pipeline's earlier stages, a skipped step)
+};
+
+/// After each epoch; the losses, accuracy and metrics are reduced over all ranks.
+struct EpochInfo {
+  int epoch = 0;
+  double train_loss = 0;         ///< mean over the epoch's samples (of steps not skipped)
+  double eval_loss = 0;          ///< when an evaluation set was given
+  double eval_accuracy = 0;      ///< when targets are class indices
+  std::int64_t eval_samples = 0; ///< evaluated once each, never duplicated
+  double seconds = 0;            ///< training time of the epoch on this rank (evaluation excluded)
+  double samples_per_second = 0; ///< over all ranks
+  std::map<std::string, double> metrics;  ///< everything logged, reduced (Note [Safe metric reduction])
+  /// Steps whose optimizer step was skipped for NaN or Inf gradients (NonFinite::skip).
+  std::int64_t skipped_steps = 0;
+};
+
+struct FitResult {
+  std::vector<EpochInfo> epochs;
+  double train_seconds = 0;       ///< all epochs' training time
+  double samples_per_second = 0;  ///< over all ranks and epochs
+  /// Every rank's step-time statistics and the stragglers, with ObserveOptions::straggler_report.
+  std::optional<observe::StepTimeReport> step_times;
+  /// The checkpoint this run resumed from (FitOptions::checkpoint); `epochs` then holds
+  /// only the epochs it finished, the first of them possibly begun before.
+  std::optional<std::filesystem::path> resumed_from;
+};
+
+struct FitOptions {
+  int epochs = 1;
+  std::int64_t batch_size = 32;  ///< per data-parallel replica, per micro-batch
+  int accumulation = 1;          ///< micro-batches per optimizer step (a pipeline's M)
+  bool shuffle = true;           ///< the sampler's shuffle, seed and drop_last (data::SamplerOptions)
+  std::uint64_t seed = 0;
+  bool drop_last = false;
+  /// Any paratrain::dataset (`.eval = &test`), evaluated after each epoch, exactly sharded.
+  data::DatasetRef eval{};
+  std::int64_t eval_batch_size = 1000;
+  /// Worker threads reading the next batches while a step computes, training and evaluation.
+  data::LoaderOptions loader{};
+  LrScaling lr_scaling{};
+  /// A multiplier of the learning rate at a fractional epoch (2.5: half-way through the
+  /// third), on top of lr_scaling; e.g. a cosine decay. Empty: constant.
+  std::function<double(double epoch)> lr_schedule{};
+  std::int64_t log_every = 100;  ///< steps between progress lines and metric reductions
+  bool progress = true;          ///< rank 0 reports progress on stdout
+  std::function<void(const StepInfo&)> on_step{};
+  std::function<void(const EpochInfo&)> on_epoch{};
+  /// TensorBoard, trace, metrics files, straggler report: all off by default (observe/observer.hpp).
+  observe::ObserveOptions observe{};
+  /// Save checkpoints while training and resume from them: off by default (fit/checkpoints.hpp).
+  CheckpointOptions checkpoint{};
+};
+
+/// Cross-entropy over class indices: fit's default loss.
+struct CrossEntropy {
+  at::Tensor operator()(const at::Tensor& output, const at::Tensor& target) const {
+    return torch::nn::functional::cross_entropy(output, target);
+  }
+};
+
+}  // namespace paratrain

@@ -1,0 +1,382 @@
+#pragma once
+/// \file
+/// paratrain::detail::Trainer — fit's loop, in named steps: epochs, an epoch's steps, a
+/// step, what follows a step (evaluation, metrics, checkpoints, progress).
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "paratrain/collectives/agree.hpp"
+#include "paratrain/concepts/dataset.hpp"
+#include "paratrain/concepts/sampler.hpp"
+#include "paratrain/concepts/strategy.hpp"
+#include "paratrain/core/batch.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/data/batches.hpp"
+#include "paratrain/data/loader.hpp"
+#include "paratrain/data/sampler_options.hpp"
+#include "paratrain/fit/checkpoints.hpp"
+#include "paratrain/fit/evaluate.hpp"
+#include "paratrain/fit/lr_schedule.hpp"
+#include "paratrain/fit/metrics.hpp"
+#include "paratrain/fit/options.hpp"
+#include "paratrain/fit/progress.hpp"
+#include "paratrain/observe/observer.hpp"
+
+namespace paratrain::detail {
+
+inline std::string format(const char* fmt, auto... args) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, fmt, args...);
+  return buf;
+}
+
+// Note [One loop for every strategy]
+// fit knows three things of a strategy: which replica's samples a rank trains on
+// (data_shard: all stages of one pipeline are one replica), that a step takes the step's
+// micro-batches at once (a pipeline schedules them; DDP accumulates them), and that a
+// rank may have no loss (a pipeline's earlier stages) or no output (evaluation). Losses
+// are logged only where there is one, weighted by their samples, so the reduced mean is
+// over real samples; nothing is averaged in as 0.
+
+/// The options fit builds a sampler type with: the strategy's replicas, FitOptions' order.
+template <strategy S>
+data::SamplerOptions sampler_options(S& s, const FitOptions& o) {
+  const auto shard = s.data_shard();
+  return {.num_replicas = shard.count, .rank = shard.index, .shuffle = o.shuffle, .seed = o.seed,
+          .drop_last = o.drop_last};
+}
+
+/// Why a sampler built by the caller does not fit this rank's replica or the training set,
+/// as far as it says (options() with num_replicas and rank, dataset_size()); "" when it does.
+template <strategy S, class D, class Sampler>
+std::string sampler_mismatch(S& s, const D& train, const Sampler& order) {
+  const auto shard = s.data_shard();
+  if constexpr (requires { order.options().num_replicas; order.options().rank; }) {
+    if (order.options().num_replicas != shard.count || order.options().rank != shard.index)
+      return "the sampler was built for replica " + std::to_string(order.options().rank) + " of " +
+             std::to_string(order.options().num_replicas) + ", but this rank trains replica " +
+             std::to_string(shard.index) + " of " + std::to_string(shard.count) +
+             "; build it with {.num_replicas = s.data_shard().count, .rank = s.data_shard().index}";
+  }
+  if constexpr (requires { order.dataset_size(); }) {
+    if (static_cast<std::int64_t>(order.dataset_size()) != static_cast<std::int64_t>(train.size()))
+      return "the sampler deals out indices of " + std::to_string(order.dataset_size()) +
+             " samples, but the training set holds " + std::to_string(train.size());
+  }
+  return {};
+}
+
+/// A sampler whose epoch can begin part-way through its order (DistributedSampler,
+/// WeightedSampler): a resumed run then starts where the whole job stopped, at any world
+/// size. Other samplers resume by skipping what this replica visited, at the same number
+/// of replicas (Note [Resuming mid-epoch]).
+template <class T>
+concept resumable_sampler = requires(T& t, std::int64_t n) { t.set_epoch(n, n); };
+
+/// fit, in named steps: the loop over epochs, an epoch's steps, a step, what follows a step.
+template <strategy S, dataset D, sampler Sampler, loss_function Loss>
+class Trainer {
+  using clock = std::chrono::steady_clock;
+
+ public:
+  Trainer(S& s, const D& train, Sampler sampler, const FitOptions& options, Loss& loss)
+      : s_(s),
+        train_(train),
+        options_(validated(options, s.rank())),
+        loss_(loss),
+        progress_(options.progress && s.rank() == 0, stdout),
+        shard_(s.data_shard()),
+        sampler_(std::move(sampler)),
+        base_lrs_(LrSchedule::rates(s.optimizer())),
+        observer_(s, options.observe),
+        checkpoints_(s, options.checkpoint),
+        lr_(options.lr_scaling, options.lr_schedule,
+            double(options.batch_size) * options.accumulation * shard_.count) {
+    start_ = {.dataset_size = static_cast<std::int64_t>(train.size()),
+              .seed = static_cast<std::int64_t>(options.seed),
+              .shuffle = options.shuffle,
+              .drop_last = options.drop_last,
+              .replicas = shard_.count};
+  }
+
+  FitResult run() {
+    resume();
+    for (int epoch = static_cast<int>(start_.epoch); epoch < options_.epochs; ++epoch) train_epoch(epoch);
+    checkpoints_.wait();
+    result_.step_times = observer_.finish();
+    result_.samples_per_second = result_.train_seconds > 0 ? total_samples_ / result_.train_seconds : 0;
+    if (lr_.active()) LrSchedule::apply(s_.optimizer(), base_lrs_, 1.0);  // as found: a second fit starts alike
+    return std::move(result_);
+  }
+
+ private:
+  static const FitOptions& validated(const FitOptions& o, int rank) {
+    if (o.epochs < 0 || o.batch_size < 1 || o.accumulation < 1 || o.log_every < 1 || o.eval_batch_size < 1)
+      throw error("fit", rank, "epochs must be >= 0 and batch_size, accumulation, log_every and eval_batch_size >= 1");
+    return o;
+  }
+
+  /// What one epoch's loop keeps.
+  struct Epoch {
+    int index = 0;
+    std::int64_t begin = 0;         ///< places of the epoch's order visited before a resume, over all replicas
+    std::int64_t visiting = 0;      ///< this replica's indices in what remains of the epoch
+    std::size_t micro = 0;          ///< the micro-batches they make
+    std::int64_t done = 0;          ///< steps of the epoch done before a resume
+    std::int64_t steps = 0;         ///< steps of the epoch in all, on this rank
+    std::int64_t longest = 0;       ///< on the rank with the most: the epoch's length for the schedule
+    double samples = 0;             ///< trained on, over all replicas
+    std::int64_t skipped = 0;       ///< steps skipped for non-finite gradients
+    clock::time_point start;
+    bool save_at_end = false;
+  };
+
+  void resume() {
+    const auto resumed = checkpoints_.resume(metrics_);
+    if (!resumed) return;
+    if (resumed->dataset_size != start_.dataset_size || resumed->seed != start_.seed ||
+        resumed->shuffle != start_.shuffle || resumed->drop_last != start_.drop_last)
+      throw error("fit", s_.rank(),
+                  "the checkpoint " + checkpoints_.resumed_from()->string() +
+                      " was saved with another data set size, seed, shuffle or drop_last, so its place in the sample "
+                      "order means nothing here; resume with the options it was saved with");
+    if constexpr (!resumable_sampler<Sampler>) {
+      if (resumed->epoch_step > 0 && resumed->replicas != shard_.count)
+        throw error("fit", s_.rank(),
+                    "the checkpoint " + checkpoints_.resumed_from()->string() + " was saved mid-epoch by " +
+                        (resumed->replicas > 0 ? std::to_string(resumed->replicas) : std::string("another number of")) +
+                        " data-parallel replicas, and this sampler can only resume an epoch where each replica left "
+                        "it, so resume with as many replicas (or from a checkpoint saved at an epoch's end, or with a "
+                        "sampler that has set_epoch(epoch, start), as DistributedSampler does)");
+    }
+    start_ = *resumed;
+    start_.replicas = shard_.count;
+    base_lrs_ = start_.base_lrs;  // the loaded optimizer holds the scheduled rates of its step
+    step_ = start_.step;
+    result_.resumed_from = checkpoints_.resumed_from();
+  }
+
+  // Note [Resuming mid-epoch]
+  // A checkpoint records how many places of the epoch's order all replicas together had
+  // visited (FitPosition::position: steps x accumulation x batch_size x replicas). A
+  // sampler that can start part-way (set_epoch(epoch, start): DistributedSampler,
+  // WeightedSampler) deals out only what remains, so the next global batches are the
+  // same samples at any number of replicas: the order is the same, and so is the cut
+  // into global batches when the global batch is. Any other sampler gives each replica
+  // its whole share again, and fit skips the first position / replicas indices of it:
+  // position then counts steps x accumulation x batch_size per replica, unclipped, since
+  // shares may differ in length (SequentialSampler's blocks) and each replica took that
+  // many or all of its share. They are the indices that replica visited only when the
+  // number of replicas is the same; resume() checks that it is.
+  void train_epoch(int index) {
+    const bool resumed = index == start_.epoch;
+    Epoch e{.index = index,
+            .begin = resumed ? start_.position : 0,
+            .done = resumed ? start_.epoch_step : 0,
+            .save_at_end = options_.checkpoint.every_epoch};
+    std::int64_t skip = 0;
+    if constexpr (resumable_sampler<Sampler>) {
+      sampler_.set_epoch(index, e.begin);
+    } else {
+      sampler_.set_epoch(index);
+      skip = e.begin / shard_.count;
+    }
+    std::vector<at::Tensor> micro;
+    {
+      const auto indices = this_epoch(skip);
+      e.visiting = static_cast<std::int64_t>(indices.size());
+      for (auto&& chunk : data::batches(indices, options_.batch_size)) micro.push_back(data::to_tensor(chunk));
+    }
+    e.micro = micro.size();
+    const auto per_step = static_cast<std::size_t>(options_.accumulation);
+    e.steps = e.done + static_cast<std::int64_t>((e.micro + per_step - 1) / per_step);
+    // A sampler may give replicas shares of different lengths (SequentialSampler's blocks):
+    // the learning-rate schedule must follow one clock on every rank, the longest epoch's,
+    // or replicas that step together would step with different rates.
+    auto longest = at::full({1}, static_cast<double>(e.steps), at::kDouble);
+    s_.all_reduce(longest, reduce_op::max);
+    e.longest = static_cast<std::int64_t>(longest.item<double>());
+    data::Loader<D> loader(train_, std::move(micro), options_.loader);
+    e.start = clock::now();
+    for (std::int64_t k = e.done;; ++k, ++step_) {
+      schedule_learning_rate(e, k);
+      const auto begin = clock::now();
+      double data_seconds = 0;
+      const auto r = k < e.steps ? train_step(e, k, loader, data_seconds) : s_.join(false);
+      if (after_step(e, k, r, begin, clock::now(), data_seconds)) {
+        ++step_;  // the next epoch's first step is a new one
+        break;
+      }
+    }
+    end_epoch(e);
+  }
+
+  /// This replica's indices of the epoch, less the first `skip`, whatever range type the
+  /// sampler returns them in.
+  std::vector<std::int64_t> this_epoch(std::int64_t skip) const {
+    std::vector<std::int64_t> out;
+    std::int64_t seen = 0;
+    for (auto&& i : sampler_.indices())
+      if (seen++ >= skip) out.push_back(static_cast<std::int64_t>(i));
+    return out;
+  }
+
+  /// Step k of the epoch: its micro-batches, from the loader (the data phase: what of
+  /// loading the workers did not hide), to the strategy.
+  StepResult train_step(const Epoch& e, std::int64_t k, data::Loader<D>& loader, double& data_seconds) {
+    const auto per_step = static_cast<std::size_t>(options_.accumulation);
+    const auto first = static_cast<std::size_t>(k - e.done) * per_step;
+    const auto last = std::min(e.micro, first + per_step);
+    std::vector<Batch> batches;
+    std::string failed;  // why this rank could not load a micro-batch
+    const auto begin = clock::now();
+    for (auto m = first; m < last; ++m) {
+      try {
+        batches.push_back(*loader.next());
+      } catch (const std::exception& e) {
+        if (failed.empty()) failed = inner_message(e);
+        batches.push_back(paratrain::detail::unusable_batch());
+      }
+    }
+    const auto end = clock::now();
+    // One interval for both: StepInfo::data_seconds and the trace's data phase.
+    data_seconds = std::chrono::duration<double>(end - begin).count();
+    if (auto* timeline = observer_.timeline()) timeline->add(observe::Phase::data, begin, end);
+    if (!failed.empty()) {
+      // The step refuses the unusable batch on every rank (Note [Unusable batches]), so no
+      // rank waits for this one; this rank then says why.
+      try {
+        s_.step(std::span<const Batch>(batches), loss_, k + 1 < e.steps);
+      } catch (const error&) {
+      }
+      throw error("fit", s_.rank(), failed);
+    }
+    auto r = s_.step(std::span<const Batch>(batches), loss_, k + 1 < e.steps);
+    if (r.has_loss && !r.skipped) {  // a skipped step's loss is usually NaN too
+      metrics_.log("loss", r.loss, double(r.samples));
+      window_.log("loss", r.loss, double(r.samples));
+    }
+    return r;
+  }
+
+  /// Reports the step, saves a checkpoint when one is due, logs; true after the epoch's last step.
+  bool after_step(Epoch& e, std::int64_t k, const StepResult& r, clock::time_point begin, clock::time_point end,
+                  double data_seconds) {
+    e.samples += r.global_samples;
+    e.skipped += r.skipped ? 1 : 0;
+    const bool has_loss = r.has_loss && !r.skipped;  // a skipped step's loss is usually NaN
+    const StepInfo info{.epoch = e.index,
+                        .step = step_,
+                        .loss = has_loss ? r.loss : 0.0,
+                        .lr = s_.optimizer().param_groups().front().options().get_lr(),
+                        .global_samples = r.global_samples,
+                        .seconds = std::chrono::duration<double>(end - begin).count(),
+                        .data_seconds = data_seconds,
+                        .metrics = &metrics_,
+                        .has_loss = has_loss};
+    observer_.step(step_, begin, end, info.loss, has_loss ? r.samples : 0);
+    if (options_.on_step) options_.on_step(info);
+    const bool last = r.ranks_with_next == 0;
+    checkpoints_.poll();
+    if (options_.checkpoint.every_steps > 0 && (step_ + 1) % options_.checkpoint.every_steps == 0) {
+      if (last) {
+        e.save_at_end = true;  // after the epoch's evaluation, as the next epoch's start
+      } else {
+        // Indices each replica took in this epoch's steps so far (fewer where its share ran
+        // out, which matters only to a sampler that starts part-way: Note [Resuming mid-epoch]).
+        const auto taken = (k + 1 - e.done) * options_.accumulation * options_.batch_size;
+        const auto visited = resumable_sampler<Sampler> ? std::min<std::int64_t>(e.visiting, taken) : taken;
+        checkpoints_.save(position(step_ + 1, e.index, k + 1, e.begin + visited * shard_.count), metrics_);
+      }
+    }
+    const auto loss_text = [&](double loss) {
+      return r.skipped ? std::string("skipped: NaN or Inf gradients") : has_loss ? format("loss %.4f", loss) : std::string();
+    };
+    if ((k + 1) % options_.log_every == 0 && !last) {
+      const auto m = window_.sync(s_);  // Note [Safe metric reduction]: every rank is here
+      const double seconds = std::chrono::duration<double>(clock::now() - e.start).count();
+      observer_.log(step_ + 1, e.index, m, info.lr, e.samples / seconds);
+      progress_.step(e.index + 1, options_.epochs, k + 1, e.longest,
+                     format("loss %.4f lr %.3g %.0f samples/s", m.count("loss") ? m.at("loss") : 0.0, info.lr,
+                            e.samples / seconds),
+                     true);
+    } else {
+      progress_.step(e.index + 1, options_.epochs, k + 1, e.longest, loss_text(r.loss), false);
+    }
+    return last;
+  }
+
+  /// Reduces the epoch's metrics, evaluates, reports and saves.
+  void end_epoch(const Epoch& e) {
+    EpochInfo info{.epoch = e.index, .skipped_steps = e.skipped};
+    info.seconds = std::chrono::duration<double>(clock::now() - e.start).count();
+    info.samples_per_second = e.samples / info.seconds;
+    window_ = Metrics{};
+    info.metrics = metrics_.sync(s_);
+    metrics_ = Metrics{};
+    info.train_loss = info.metrics.count("loss") ? info.metrics.at("loss") : 0.0;
+    if (options_.eval) {
+      const auto e = detail::evaluate(s_, options_.eval, {options_.eval_batch_size, options_.loader}, loss_, "fit");
+      info.eval_loss = e.loss, info.eval_accuracy = e.accuracy, info.eval_samples = e.samples;
+    }
+    observer_.epoch(info, step_, bool(options_.eval));
+    progress_.line(format("epoch %d/%d: train loss %.4f, %s%.0f samples/s, %.1f s", e.index + 1, options_.epochs,
+                          info.train_loss,
+                          options_.eval ? format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss,
+                                                 100 * info.eval_accuracy)
+                                              .c_str()
+                                        : "",
+                          info.samples_per_second, info.seconds));
+    if (e.save_at_end && checkpoints_.saving())
+      checkpoints_.save(position(step_, e.index + 1, 0, 0), Metrics{});  // step_ counts the epoch's last step
+    if (options_.on_epoch) options_.on_epoch(info);
+    result_.train_seconds += info.seconds;
+    total_samples_ += e.samples;
+    result_.epochs.push_back(std::move(info));
+  }
+
+  /// The linear scaling rule's warm-up and the user's schedule, at step k of the epoch.
+  void schedule_learning_rate(const Epoch& e, std::int64_t k) {
+    if (!lr_.active()) return;
+    const double steps = double(std::max<std::int64_t>(e.longest, 1));
+    LrSchedule::apply(s_.optimizer(), base_lrs_, lr_.factor(step_, e.index + double(k) / steps, steps));
+  }
+
+  /// The loop's position for a checkpoint: `steps_done` optimizer steps in all, `epoch_step`
+  /// of them in `epoch`, which visited `visited` places of the epoch's sample order.
+  FitPosition position(std::int64_t steps_done, int epoch, std::int64_t epoch_step, std::int64_t visited) const {
+    FitPosition p = start_;
+    p.step = steps_done, p.epoch = epoch, p.epoch_step = epoch_step, p.position = visited, p.base_lrs = base_lrs_;
+    return p;
+  }
+
+  S& s_;
+  const D& train_;
+  const FitOptions& options_;
+  Loss& loss_;
+  Progress progress_;
+  DataShard shard_;
+  Sampler sampler_;
+  std::vector<double> base_lrs_;
+  observe::Observer<S> observer_;
+  FitCheckpoints<S> checkpoints_;
+  LrSchedule lr_;
+  FitPosition start_;
+  FitResult result_;
+  Metrics metrics_;  // the epoch's: reduced at its end into EpochInfo::metrics
+  Metrics window_;   // fit's loss since the last progress line
+  std::int64_t step_ = 0;
+  double total_samples_ = 0;
+};
+
+}  // namespace paratrain::detail
