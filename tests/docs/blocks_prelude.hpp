@@ -60,11 +60,19 @@ void train_step(const torch::Tensor& inputs, const torch::Tensor& targets);  // 
 extern int rank, world_size, epochs;
 extern std::int64_t step;
 
-// Strategies: DDP (strategy, ddp, s) and a pipeline (pipeline_strategy).
+// Strategies: DDP (strategy, ddp) and a pipeline (s, as docs/pipeline.md names it; what
+// docs/checkpoints.md says of any strategy is then checked on the less common kind).
 using DocsStrategy = paratrain::DataParallel<Net, paratrain::comm::Mpi, torch::optim::Adam>;
-extern DocsStrategy strategy, ddp, s;
+extern DocsStrategy strategy, ddp;
 using DocsPipeline = paratrain::DataParallel<paratrain::Pipeline<Encoder, Decoder>, paratrain::comm::Mpi, torch::optim::Adam>;
-extern DocsPipeline pipeline_strategy;
+extern DocsPipeline s;
+// The aliases the pages define once and use in later blocks.
+using Strategy = DocsStrategy;
+using ZeRO2 = paratrain::DataParallel<Net, paratrain::comm::Mpi,
+                                      paratrain::Sharded<torch::optim::AdamW, paratrain::zero::stage2>>;
+#if PARATRAIN_HAS_NCCL
+extern paratrain::comm::Nccl gpus;  // docs/communicators.md
+#endif
 extern paratrain::Pipeline<Encoder, Decoder> stages;
 extern Net net;
 extern paratrain::CrossEntropy loss;
