@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Seed 003's I/O experiment, side by side: the seed's Transformer (torch.nn.Transformer's
+# Reading the Transformer's data from HDF5, side by side: the Transformer example (torch.nn.Transformer's
 # defaults, 44.1M parameters, DDP on 2 ranks, batch 32 per rank, Adam) trained from data in
 # memory and from the same data in an HDF5 file, with 0, 1 and 2 loader workers, by
 # paratrain (examples/transformer's transformer_ddp: data::Hdf5Dataset through
-# data::Loader's worker threads) and by the seed's PyTorch program (DataLoader(num_workers=
+# data::Loader's worker threads) and by the PyTorch reference program (DataLoader(num_workers=
 # ...) over an h5py Dataset read one sample per __getitem__). Prints, for each, the step time,
 # the wait for data within it, that wait's share of the step, and what reading from the file
 # adds to the step against memory; then the ratio of the two data waits, torch / paratrain.
 # Builds nothing: cmake --build build --target transformer_ddp transformer_single.
 #
 # Usage: benchmarks/io_vs_torch.sh [steps in all, 8] [warm-up steps left out of the timing, 2] [rounds, 1]
-# (at most 32 steps: one epoch of the seed's 2048 samples at 2 x 32 per step).
+# (at most 32 steps: one epoch of the reference's 2048 samples at 2 x 32 per step).
 # Needs python3-torch, python3-h5py, jq and /usr/bin/time (PARATRAIN_WITH_PEER=1 scripts/deps.sh).
 #
 # Both sides: one intra-op thread per rank, rank r pinned to core r (its loader workers,
 # threads or processes, inherit that core), and the same glibc allocator settings, set here
 # for both: MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647 (paratrain's
 # defaults, Note [Allocator]). The file is written once by transformer_single --write-data
-# (the seed's torch.rand data, datasets src [2048, 1, 512] and tgt [2048, 20, 512], float32,
+# (the reference's torch.rand data, datasets src [2048, 1, 512] and tgt [2048, 20, 512], float32,
 # 84 MiB) and read by both sides; after the first run it is in the page cache, as a data
 # set that fits in memory is after its first epoch: this measures the cost of the format
 # and the loading path, not of the disk. Each figure is the slowest rank's mean over the
@@ -34,7 +34,7 @@ require_built "$build" transformer_ddp transformer_single
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 same_environment "$0" "$steps" "$warmup" "$rounds"
-"$build/examples/transformer_single" --write-data "$tmp/seed.h5" >&2
+"$build/examples/transformer_single" --write-data "$tmp/data.h5" >&2
 
 export RUN_CLEAN_TRIES=3
 for ((round = 1; round <= rounds; ++round)); do
@@ -42,7 +42,7 @@ for ((round = 1; round <= rounds; ++round)); do
     for data in memory hdf5; do
       echo "-- round $round of $rounds: $data, $workers worker(s)" >&2
       file=()
-      [[ $data == hdf5 ]] && file=(--data "$tmp/seed.h5")
+      [[ $data == hdf5 ]] && file=(--data "$tmp/data.h5")
       run_clean scripts/mpirun.sh 2 "$build/examples/transformer_ddp" --steps "$steps" --warmup "$warmup" \
         --workers "$workers" "${file[@]}"
       run_clean "$python" benchmarks/transformer_vs_torch.py --ranks 2 --steps "$steps" --warmup "$warmup" --bind \

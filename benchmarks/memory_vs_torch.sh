@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Mixed precision and activation checkpointing on the seed's Transformer, side by side:
+# Mixed precision and activation checkpointing on the Transformer example, side by side:
 # examples/transformer's transformer_ddp in fp32, with --recompute (paratrain::Recompute
 # around every encoder and decoder layer), with --bf16 (forward under bf16 autocast,
-# gradients summed in bf16) and with both, beside the seed's PyTorch DDP program doing the
+# gradients summed in bf16) and with both, beside the PyTorch DDP reference program (benchmarks/transformer_vs_torch.py) doing the
 # same (torch.utils.checkpoint(use_reentrant=False) around the same layers;
 # torch.autocast("cpu", torch.bfloat16); its DDP sums gradients in fp32, since PyTorch
 # 1.13's bf16_compress_hook needs NCCL and this machine has gloo), 2 ranks each, batch
-# 32 per rank, Adam; at the seed's target length (20) and at a longer one (100, where
+# 32 per rank, Adam; at the reference's target length (20) and at a longer one (100, where
 # activations weigh more). Prints each run's step time, its peak memory (the largest
 # resident set of any rank's process, which includes the model state, ~700 MiB, and the
 # data) and paratrain's bytes of gradients sent per step and rank (measured:

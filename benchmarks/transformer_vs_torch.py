@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""The seed's program: torch.nn.Transformer trained with PyTorch's own DDP (gloo).
+"""The PyTorch reference program: torch.nn.Transformer trained with PyTorch's own DDP (gloo).
 
 The model and data of examples/transformer (its transformer_ddp build is the other side
 of benchmarks/transformer_vs_torch.sh): torch.nn.Transformer(batch_first=True) in its
@@ -29,7 +29,7 @@ port. Prints one JSON line: ms_per_step is the slowest rank's mean over the time
 data_ms_per_step the slowest rank's mean wait for the next batch within them.
 
   OMP_NUM_THREADS=1 /usr/bin/python3 benchmarks/transformer_vs_torch.py --ranks 2 --steps 8 --warmup 2 [--bind]
-      [--data seed.h5] [--workers N]
+      [--data data.h5] [--workers N]
 """
 import argparse
 import functools

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# examples/transformer's DDP build beside the seed's program, PyTorch's own DDP (gloo),
+# examples/transformer's DDP build beside the PyTorch reference program (transformer_vs_torch.py), PyTorch's own DDP (gloo),
 # same model (torch.nn.Transformer(), 44.1M parameters), data, batch (32 per rank), Adam
 # and machine, 2 ranks each: prints both step times and the ratio torch / paratrain.
 # Builds nothing: build transformer_ddp first (cmake --build build --target transformer_ddp).
 #
 # Usage: benchmarks/transformer_vs_torch.sh [steps in all, 8] [warm-up steps left out of the timing, 2] [rounds, 1]
-# (at most 32 steps: one epoch of the seed's 2048 samples at 2 x 32 per step).
+# (at most 32 steps: one epoch of the reference's 2048 samples at 2 x 32 per step).
 # Needs python3-torch, jq and /usr/bin/time (PARATRAIN_WITH_PEER=1 scripts/deps.sh).
 #
 # Both sides run with one intra-op thread per rank, rank r pinned to core r, and the same
@@ -43,7 +43,7 @@ jq -rs -L benchmarks 'include "table";
   | (map(select(.example == "transformer")) | min_by(.ms_per_step)) as $ours
   | "| implementation | ranks | batch/rank | parameters | timed steps | ms/step | others'"'"' CPU | ratio torch/paratrain |",
     "|---|---:|---:|---:|---:|---:|---:|---:|",
-    "| PyTorch DDP (gloo), the seed program | \($torch.world_size) | \($torch.batch_per_replica) | \($torch.parameters)"
+    "| PyTorch DDP (gloo), the reference program | \($torch.world_size) | \($torch.batch_per_replica) | \($torch.parameters)"
     + " | \($torch.steps - $torch.warmup) | \($torch.ms_per_step | f(1)) | \($torch.others_cpu) | — |",
     "| paratrain DataParallel (comm::Mpi), transformer_ddp | \($ours.world_size) | \($ours.batch_per_replica)"
     + " | \($ours.parameters) | \($ours.steps - $ours.warmup) | \($ours.ms_per_step | f(1)) | \($ours.others_cpu)"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Generates the API reference from the headers' comments into build/docs/api/html,
-# and the plots of docs/plots from a short observed run (scripts/plot.py).
+# Generates the API reference from the headers' comments into build/docs/api/html (the
+# plots of docs/plots are scripts/plot.py's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARATRAIN_WITH_DOCS=1 scripts/deps.sh

@@ -10,7 +10,7 @@
 // recompute its activations in backward instead of keeping them (Config::recompute:
 // paratrain::Recompute, activation checkpointing).
 //
-// Shapes, as the seed's batch_first model: src (N, S, E), tgt (N, T, E), out (N, T, E).
+// Shapes, as the reference program's batch_first model: src (N, S, E), tgt (N, T, E), out (N, T, E).
 // LibTorch's layers take (sequence, batch, feature), so each stage transposes at its
 // edges (views, no copies) and what passes between the stages is batch-first too.
 #include <torch/torch.h>
@@ -24,7 +24,7 @@
 
 namespace transformer {
 
-/// torch.nn.Transformer()'s defaults, and the seed program's data.
+/// torch.nn.Transformer()'s defaults, and the reference program's data.
 struct Config {
   std::int64_t d_model = 512;
   std::int64_t nhead = 8;
@@ -33,8 +33,8 @@ struct Config {
   std::int64_t dim_feedforward = 2048;
   double dropout = 0.1;
   std::int64_t samples = 2048;  ///< the synthetic data set: src = rand(samples, src_len, d_model)
-  std::int64_t src_len = 1;     ///< the seed's torch.rand(2048, 1, 512)
-  std::int64_t tgt_len = 20;    ///< the seed's torch.rand(2048, 20, 512)
+  std::int64_t src_len = 1;     ///< the reference's torch.rand(2048, 1, 512)
+  std::int64_t tgt_len = 20;    ///< the reference's torch.rand(2048, 20, 512)
   bool recompute = false;       ///< each layer's activations recomputed in backward, not kept
 };
 

@@ -1,4 +1,4 @@
-// torch.nn.Transformer trained as the seed's PyTorch DDP program trains it (synthetic
+// torch.nn.Transformer trained as the PyTorch DDP reference program (benchmarks/transformer_vs_torch.py) trains it (synthetic
 // src (N, 1, 512) and tgt (N, 20, 512), tgt also the target of a cross-entropy over
 // dim 1, Adam at 0.001 × replicas), built five ways from this one source: the strategy
 // is the one alias below, chosen by a compile definition (examples/CMakeLists.txt). The
@@ -13,9 +13,9 @@
 //
 //   mpirun -n 2 transformer_ddp --steps 8 --warmup 2
 //   mpirun -n 2 transformer_pipeline --micro-batches 4 --schedule gpipe
-//   transformer_single --write-data seed.h5 && mpirun -n 2 transformer_ddp --data seed.h5 --workers 2
+//   transformer_single --write-data data.h5 && mpirun -n 2 transformer_ddp --data data.h5 --workers 2
 //
-// The data is the seed's, made in memory, or read from an HDF5 file (--data) by the
+// The data is the reference program's, made in memory, or read from an HDF5 file (--data) by the
 // library's data::Hdf5Dataset through its loader's worker threads (--workers); --write-data
 // writes the in-memory data to such a file (datasets "src" and "tgt", float32).
 //
@@ -88,7 +88,7 @@ constexpr const char* strategy_name() {
 
 struct Args {
   Config model;
-  std::int64_t batch = 32;                         // per data-parallel replica, per step (the seed's)
+  std::int64_t batch = 32;                         // per data-parallel replica, per step (the reference's)
   std::int64_t micro_batches = pipelined ? 4 : 1;  // a pipeline's M; batch / M samples each
   std::int64_t steps = 0;                          // 0: one epoch over all samples
   std::int64_t warmup = 1;                         // first steps left out of ms_per_step
@@ -99,7 +99,7 @@ struct Args {
   int workers = paratrain::data::LoaderOptions{}.workers;
   bool bf16 = false;  // forward under bf16 autocast, gradients summed in bf16
   std::uint64_t seed = 0;
-  double lr = 0.001;         // Adam's, times the replicas (the seed's 0.001 x world size)
+  double lr = 0.001;         // Adam's, times the replicas (the reference's 0.001 x world size)
   double adam_eps = 1e-8;    // Adam's epsilon (LibTorch's default)
   std::int64_t reference = 0;  // transformer_single: plain LibTorch for this many replicas
 };
@@ -136,7 +136,8 @@ constexpr std::string_view usage = R"(usage: transformer_<build> [options]
                      the other builds are compared with (needs --steps and --dropout 0)
 )";
 
-// By hand, as tools/plan does: CLI11 is not among paratrain's dependencies (scripts/deps.sh).
+// By hand, as tools/plan does (the Fashion-MNIST examples use CLI11, which scripts/deps.sh
+// installs): this example builds with the library's dependencies alone.
 Args parse(int argc, char** argv) {
   Args a;
   auto& m = a.model;
@@ -254,8 +255,8 @@ std::unique_ptr<S> make_strategy(const Args& a, std::int64_t& parameters) {
   }
 }
 
-/// The seed's data: src = rand(samples, src_len, d_model), tgt = rand(samples, tgt_len,
-/// d_model), from `seed`, the same on every rank (and as the seed's torch.rand makes them).
+/// The reference program's data: src = rand(samples, src_len, d_model), tgt = rand(samples, tgt_len,
+/// d_model), from `seed`, the same on every rank (and as the reference's torch.rand makes them).
 std::pair<torch::Tensor, torch::Tensor> synthetic(const Config& c, std::uint64_t seed) {
   torch::manual_seed(seed);
   auto src = torch::rand({c.samples, c.src_len, c.d_model});
@@ -263,7 +264,7 @@ std::pair<torch::Tensor, torch::Tensor> synthetic(const Config& c, std::uint64_t
   return {src, tgt};
 }
 
-/// The seed's batches from `rows` (input src, target tgt): inputs (src, tgt) and target
+/// The reference program's batches from `rows` (input src, target tgt): inputs (src, tgt) and target
 /// tgt, each read once.
 struct SeedBatches {
   paratrain::data::DatasetRef rows;
@@ -297,7 +298,7 @@ void write_hdf5(const std::string& path, const torch::Tensor& src, const torch::
   }
 }
 
-/// The seed's data read from `path`; sets the configuration's samples, src_len and tgt_len
+/// The reference program's data read from `path`; sets the configuration's samples, src_len and tgt_len
 /// from the file, which must match its d_model.
 paratrain::data::Hdf5Dataset open_hdf5(const std::string& path, Config& c) {
   paratrain::data::Hdf5Dataset file(path, {"src"}, "tgt");
@@ -393,7 +394,7 @@ int run(int argc, char** argv) {
   const int pipeline_ranks = world / shard.count;
   // The rank that computes replica 0's loss reports: the last pipeline rank of replica 0.
   const bool reporter = rank == pipeline_ranks - 1;
-  // The seed's Adam(lr=0.001 * world_size): one replica per process there, so replicas here.
+  // The reference's Adam(lr=0.001 * world_size): one replica per process there, so replicas here.
   for (auto& g : s.optimizer().param_groups()) g.options().set_lr(a.lr * shard.count);
 
   const std::int64_t per_step = a.batch * shard.count;
@@ -461,7 +462,7 @@ int run(int argc, char** argv) {
              }
            },
        .observe = {.trace_file = a.trace}},
-      paratrain::CrossEntropy{});  // float targets: class probabilities over dim 1, as the seed's
+      paratrain::CrossEntropy{});  // float targets: class probabilities over dim 1, as the reference's
 
   // Step time and the wait for data in it: the slowest rank's means over the steps after
   // the warm-up.

@@ -1,6 +1,6 @@
-// expect: paratrain: this communicator cannot overlap sharding: it needs `iall_gather
-// Overlapped sharding needs the non-blocking all-gather; the message names it and the
-// communicators that have it.
+// expect: paratrain: this communicator cannot overlap sharding: it needs `iall_gather\(const at::Tensor& in, at::Tensor& out\)` returning a request; see docs/communicators\.md
+// Overlapped sharding needs the non-blocking all-gather; the message names it and the page
+// that says which communicators have it (a list in the message went stale when Gloo came).
 #include "paratrain/concepts/communicator.hpp"
 
 struct BlockingGather {

@@ -1,4 +1,4 @@
-// expect: paratrain: ZeRO stage 3 gathers parameters on a communicator of its own and needs `Comm split
+// expect: paratrain: ZeRO stage 3 gathers parameters on a communicator of its own and needs `Comm split\(int color, int key\) const`; see docs/communicators\.md \(or use stage 2\)
 // Stage 3 needs split() for its gather communicator; stages 1 and 2 do not.
 #include <torch/torch.h>
 

@@ -1,6 +1,7 @@
-// expect: paratrain: this communicator cannot overlap sharding: it needs `ireduce_scatter
+// expect: paratrain: this communicator cannot overlap sharding: it needs `ireduce_scatter\(const at::Tensor& in, at::Tensor& out, paratrain::reduce_op\)` returning a request; see docs/communicators\.md
 // A communicator with blocking reduce-scatter and all-gather only cannot overlap ZeRO's
-// gradient reduction with backward: the message names the member and who has it.
+// gradient reduction with backward: the message names the member and the page that says who
+// has it.
 #include <torch/torch.h>
 
 #include "paratrain/comm/single_device.hpp"

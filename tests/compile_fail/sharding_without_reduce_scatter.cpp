@@ -1,5 +1,5 @@
-// expect: paratrain: this communicator cannot shard: it needs `reduce_scatter
-// Sharding needs reduce_scatter; the message names it and the communicators that have it.
+// expect: paratrain: this communicator cannot shard: it needs `reduce_scatter\(const at::Tensor& in, at::Tensor& out, paratrain::reduce_op\)`; see docs/communicators\.md
+// Sharding needs reduce_scatter; the message names it and the page that says who has it.
 #include "paratrain/concepts/communicator.hpp"
 
 struct OnlyReduces {

@@ -99,10 +99,10 @@ consteval bool explain_sharding_communicator() {
   static_assert(explain_communicator<C>());
   static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.reduce_scatter(in, out, reduce_op::sum); },
                 "paratrain: this communicator cannot shard: it needs `reduce_scatter(const at::Tensor& in, "
-                "at::Tensor& out, paratrain::reduce_op)`; use comm::Mpi, comm::Nccl or comm::SingleDevice");
+                "at::Tensor& out, paratrain::reduce_op)`; see docs/communicators.md");
   static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.all_gather(in, out); },
                 "paratrain: this communicator cannot shard: it needs `all_gather(const at::Tensor& in, at::Tensor& out)`;"
-                " use comm::Mpi, comm::Nccl or comm::SingleDevice");
+                " see docs/communicators.md");
   return true;
 }
 
@@ -113,22 +113,20 @@ consteval bool explain_async_sharding_communicator() {
   static_assert(explain_sharding_communicator<C>());
   static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.ireduce_scatter(in, out, reduce_op::sum); },
                 "paratrain: this communicator cannot overlap sharding: it needs `ireduce_scatter(const at::Tensor& "
-                "in, at::Tensor& out, paratrain::reduce_op)` returning a request; use comm::Mpi, comm::Gloo, "
-                "comm::Nccl or comm::SingleDevice");
+                "in, at::Tensor& out, paratrain::reduce_op)` returning a request; see docs/communicators.md");
   static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) {
                   { c.ireduce_scatter(in, out, reduce_op::sum) } -> request;
                 },
                 "paratrain: this communicator cannot overlap sharding: its ireduce_scatter must return a request "
-                "(a movable handle with `wait()` and `bool test()`)");
+                "(a movable handle with `wait()` and `bool test()`); see docs/communicators.md");
   static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.iall_gather(in, out); },
                 "paratrain: this communicator cannot overlap sharding: it needs `iall_gather(const at::Tensor& in, "
-                "at::Tensor& out)` returning a request; use comm::Mpi, comm::Gloo, comm::Nccl or "
-                "comm::SingleDevice");
+                "at::Tensor& out)` returning a request; see docs/communicators.md");
   static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) {
                   { c.iall_gather(in, out) } -> request;
                 },
                 "paratrain: this communicator cannot overlap sharding: its iall_gather must return a request "
-                "(a movable handle with `wait()` and `bool test()`)");
+                "(a movable handle with `wait()` and `bool test()`); see docs/communicators.md");
   return true;
 }
 

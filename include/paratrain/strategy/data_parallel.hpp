@@ -98,8 +98,7 @@ class DataParallel {
   static_assert(explain_communicator<Comm>());
   static_assert(async_communicator<Comm>,
                 "paratrain: DataParallel overlaps communication with backward and needs a communicator with "
-                "`iall_reduce(at::Tensor&, reduce_op)` returning a request; comm::Mpi, comm::Nccl and "
-                "comm::SingleDevice have it");
+                "`iall_reduce(at::Tensor&, reduce_op)` returning a request; see docs/communicators.md");
   static_assert(update_policy<Update>,
                 "paratrain: DataParallel's third argument is an optimizer type (torch::optim::Adam, ...) or "
                 "paratrain::Sharded<Optimizer, paratrain::zero::stageN>");
@@ -109,8 +108,7 @@ class DataParallel {
   static_assert(!sharded || explain_async_sharding_communicator<Comm>());
   static_assert(detail::zero_stage_of<Update> < 3 || requires(const Comm& c) { { c.split(0, 0) } -> std::same_as<Comm>; },
                 "paratrain: ZeRO stage 3 gathers parameters on a communicator of its own and needs `Comm split(int "
-                "color, int key) const`; comm::Mpi, comm::Gloo and comm::SingleDevice have it (use stage 2 with "
-                "comm::Nccl)");
+                "color, int key) const`; see docs/communicators.md (or use stage 2)");
   using Hook = std::conditional_t<(detail::zero_stage_of<Update> >= 2), ReduceScatterGradients, AllReduceGradients>;
 
  public:
