@@ -15,6 +15,7 @@
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
+#include "paratrain/strategy/step_agreement.hpp"
 #include "support/doctest.hpp"
 #include "support/equivalence.hpp"
 
@@ -146,4 +147,88 @@ TEST_CASE("LocalDataParallel (DP) equals single-device training on the whole bat
     check_local<torch::optim::Adam>(replicas, 8, 2, torch::optim::AdamOptions(1e-2));
   }
   check_local<torch::optim::SGD>(4, 2, 1, torch::optim::SGDOptions(0.1));  // fewer samples than replicas
+}
+
+namespace {
+
+std::vector<double> entries(paratrain::StepAgreement& a) {
+  const auto& v = a.values();
+  return {v.data_ptr<double>(), v.data_ptr<double>() + v.numel()};
+}
+
+}  // namespace
+
+// Note [Step agreement], alone: three ranks' vectors built, summed as the all-reduce would
+// and read back, against sums worked out by hand.
+TEST_CASE("StepAgreement packs each rank's facts and reads their sums") {
+  // 3 parameters, use tracked. Rank 0: 4 samples, a next batch, used parameters 0 and 2.
+  // Rank 1: 3 samples, a next batch, found an unused parameter, used parameter 2.
+  // Rank 2: joined (0 samples), no next batch, used nothing.
+  std::vector<paratrain::StepAgreement> ranks;
+  for (int r = 0; r < 3; ++r) ranks.emplace_back(3, /*track_use=*/true);
+  ranks[0].set(4, /*has_next=*/true, /*unused=*/false, /*failed=*/false);
+  ranks[0].mark_used(0);
+  ranks[0].mark_used(2);
+  ranks[1].set(3, true, true, false);
+  ranks[1].mark_used(2);
+  ranks[2].set(0, false, false, false);
+  // [samples, has_next, unused, failed, used 0, used 1, used 2]
+  CHECK(entries(ranks[0]) == std::vector<double>{4, 1, 0, 0, 1, 0, 1});
+  CHECK(entries(ranks[1]) == std::vector<double>{3, 1, 1, 0, 0, 0, 1});
+  CHECK(entries(ranks[2]) == std::vector<double>{0, 0, 0, 0, 0, 0, 0});
+
+  SUBCASE("summed") {
+    const auto sum = ranks[0].values() + ranks[1].values() + ranks[2].values();
+    for (auto& a : ranks) {
+      a.values().copy_(sum);
+      CHECK(a.samples() == 7);
+      CHECK(a.ranks_with_next() == 2);
+      CHECK(a.ranks_with_unused() == 1);
+      CHECK(a.ranks_failed() == 0);
+      CHECK(a.used_anywhere(0));
+      CHECK_FALSE(a.used_anywhere(1));
+      CHECK(a.used_anywhere(2));
+      const auto s = a.status();
+      CHECK(s.samples == 7);
+      CHECK(s.ranks_with_next == 2);
+      CHECK(s.ranks_failed == 0);
+    }
+  }
+  SUBCASE("a rank that failed: the status says only how many did") {
+    ranks[2].set(0, false, false, /*failed=*/true);
+    const auto sum = ranks[0].values() + ranks[1].values() + ranks[2].values();
+    ranks[1].values().copy_(sum);
+    const auto s = ranks[1].status();
+    CHECK(s.ranks_failed == 1);
+    CHECK(s.samples == 7);
+    CHECK(s.ranks_with_next == 2);
+  }
+  SUBCASE("without tracking, no per-parameter entries, and every parameter counts as used") {
+    paratrain::StepAgreement a(3, /*track_use=*/false);
+    a.set(5, false, false, false);
+    a.mark_used(1);  // ignored
+    CHECK(entries(a) == std::vector<double>{5, 0, 0, 0});
+    CHECK(a.used_anywhere(0));
+    CHECK(a.used_anywhere(2));
+  }
+}
+
+TEST_CASE("StepAgreement summed over the ranks of comm::Mpi") {
+  comm::Mpi c;
+  const int n = c.size(), r = c.rank();
+  CAPTURE(n);
+  // Rank r: r + 1 samples, a next batch on even ranks, the last rank of several found an
+  // unused parameter, parameter 0 used by rank 0 only, parameter 1 by none.
+  paratrain::StepAgreement a(2, /*track_use=*/true);
+  a.set(r + 1, r % 2 == 0, n > 1 && r == n - 1, false);
+  if (r == 0) a.mark_used(0);
+  c.all_reduce(a.values(), paratrain::reduce_op::sum);
+  // Closed forms: 1 + 2 + ... + n samples; ceil(n / 2) even ranks; one unused parameter
+  // once there are several ranks (np 1, 2, 4: samples 1, 3, 10; next 1, 1, 2; unused 0, 1, 1).
+  CHECK(a.samples() == n * (n + 1) / 2);
+  CHECK(a.ranks_with_next() == (n + 1) / 2);
+  CHECK(a.ranks_with_unused() == (n > 1 ? 1 : 0));
+  CHECK(a.ranks_failed() == 0);
+  CHECK(a.used_anywhere(0));
+  CHECK_FALSE(a.used_anywhere(1));
 }

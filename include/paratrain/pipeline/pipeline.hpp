@@ -114,7 +114,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
                                      options.data_parallel);
     link_ = std::make_unique<pipeline::detail::Link<Comm>>(pipe_);
     // Clipping takes the norm of the whole model's gradients: every stage's.
-    if (K_ > 1) inner_->set_norm_elsewhere([this](at::Tensor& squares) { pipe_.all_reduce(squares, reduce_op::sum); });
+    if (K_ > 1)
+      inner_->set_norm_elsewhere(PipelineDriver{}, [this](at::Tensor& squares) { pipe_.all_reduce(squares, reduce_op::sum); });
   }
 
   /// With a default-constructed communicator (comm::Mpi: the world).
@@ -132,12 +133,12 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
     check_same_micro_batches(micro_batches);
     if (micro_batches.empty()) return join_checked(has_next);
-    inner_->begin_external_step();
+    inner_->begin_external_step(PipelineDriver{});
     Run run{micro_batches};
     run_schedule(schedule_for(static_cast<int>(micro_batches.size())), run, loss);
     std::int64_t samples = 0;
     for (const auto& b : micro_batches) samples += b.size();
-    auto r = inner_->end_external_step(samples, has_next);
+    auto r = inner_->end_external_step(PipelineDriver{}, samples, has_next);
     r.has_loss = r.has_loss && owns(S - 1);  // the loss is the last stage's
     if (r.has_loss) r.loss = run.loss_sum.template item<double>() / static_cast<double>(samples);
     return r;
@@ -277,8 +278,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   // makes every rank throw; replicas may differ from each other (the last, short batch; join).
 
   StepResult join_checked(bool has_next) {
-    inner_->begin_external_step();
-    return inner_->end_external_step(0, has_next);
+    inner_->begin_external_step(PipelineDriver{});
+    return inner_->end_external_step(PipelineDriver{}, 0, has_next);
   }
 
   /// Note [Same micro-batches]: throws on every rank when a replica's ranks were given
@@ -455,7 +456,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const auto grads = root_gradients(a, st);
     const auto begin = clock::now();
     observe::PhaseTimer timer(timeline_, observe::Phase::backward);
-    inner_->before_backward(last);
+    inner_->before_backward(PipelineDriver{}, last);
     if (!st.roots.empty()) torch::autograd::backward(st.roots, grads);
     Tensors in_grads;
     for (auto& x : st.leaves) in_grads.push_back(x.grad().defined() ? x.grad() : at::zeros_like(x));
@@ -480,7 +481,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     auto node = run.stash.extract({a.stage, a.micro});
     const auto begin = clock::now();
     observe::PhaseTimer timer(timeline_, observe::Phase::backward);
-    inner_->before_backward(last);
+    inner_->before_backward(PipelineDriver{}, last);
     node.mapped().split->weight_gradients();
     timer.stop();
     record(a, begin);

@@ -12,6 +12,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "paratrain/comm/single_device.hpp"
@@ -30,10 +31,11 @@
 #include "paratrain/core/timeline.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
+#include "paratrain/strategy/parameter_store.hpp"
 #include "paratrain/strategy/precision.hpp"
+#include "paratrain/strategy/replicated_parameters.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/sharded_parameters.hpp"
-#include "paratrain/strategy/detail/state_slices.hpp"
 
 namespace paratrain {
 
@@ -73,6 +75,18 @@ struct DataParallelOptions {
   Precision precision{};
 };
 
+template <class Model, class Comm, class Update>
+class DataParallel;
+
+/// The key to DataParallel's driver hooks (Note [Steps driven from outside]): only a
+/// DataParallel can make one, and only the pipeline's (`DataParallel<Pipeline<...>>`, which
+/// drives one DataParallel per stage) does, so user code cannot call the hooks.
+class PipelineDriver {
+  template <class, class, class>
+  friend class DataParallel;
+  PipelineDriver() = default;  // a pipeline's key: train with step() and join() instead
+};
+
 /// Data parallelism across the ranks of `Comm`: every rank holds a replica of `Model`,
 /// trains it on its own samples, and gradients are averaged so that the replicas stay
 /// identical and equal to single-device training on all ranks' samples together
@@ -104,12 +118,17 @@ class DataParallel {
                 "paratrain::Sharded<Optimizer, paratrain::zero::stageN>");
   static_assert(explain_optimizer<typename detail::optimizer_of<Update>::type>());
 
-  static constexpr bool sharded = detail::zero_stage_of<Update> > 0;
-  static_assert(!sharded || explain_async_sharding_communicator<Comm>());
+  static_assert(detail::zero_stage_of<Update> == 0 || explain_async_sharding_communicator<Comm>());
   static_assert(detail::zero_stage_of<Update> < 3 || requires(const Comm& c) { { c.split(0, 0) } -> std::same_as<Comm>; },
                 "paratrain: ZeRO stage 3 gathers parameters on a communicator of its own and needs `Comm split(int "
                 "color, int key) const`; see docs/communicators.md (or use stage 2)");
-  using Hook = std::conditional_t<(detail::zero_stage_of<Update> >= 2), ReduceScatterGradients, AllReduceGradients>;
+  // Note [Parameter stores]: who holds the parameters and who steps them.
+  using Store = std::conditional_t<(detail::zero_stage_of<Update> > 0),
+                                   ShardedParameters<Comm, typename detail::optimizer_of<Update>::type,
+                                                     detail::zero_stage_of<Update>>,
+                                   ReplicatedParameters<Comm, typename detail::optimizer_of<Update>::type>>;
+  static_assert(parameter_store<Store, Comm>);
+  using Grads = GradientBuckets<Comm, typename Store::gradient_hook>;
 
  public:
   using model_type = Model;
@@ -139,31 +158,11 @@ class DataParallel {
     detail::check_same_model(*this, *model_, "DataParallel");  // Note [Same model]
     detail::broadcast_coalesced(comm_, model_->parameters(), 0);
     detail::broadcast_coalesced(comm_, model_->buffers(), 0);
-    const BucketOptions bucketing{options.bucket_cap_bytes, options.first_bucket_cap_bytes, sharded ? comm_.size() : 1};
-    if constexpr (!sharded) {
-      layout_ = std::make_unique<BucketLayout>(*model_, bucketing, [](auto&, auto&) { return -1; }, comm_.rank());
-      grads_ = std::make_unique<Grads>(*layout_, comm_, options.find_unused_parameters, nullptr,
-                                       options.precision.reduce);
-      optimizer_ = std::make_unique<optimizer_type>(std::move(groups), std::move(defaults));
-    } else {
-      // Units matter at stage 3 only (Note [Units]); below, every parameter is resident.
-      const auto units = stage == 3 ? detail::find_units(*model_) : detail::UnitMap{};
-      if (stage == 3 && units.units.empty())
-        throw error("DataParallel", comm_.rank(),
-                    "ZeRO stage 3 gathers parameters unit by unit, and this model declares no unit: declare its "
-                    "layers or blocks as paratrain::Unit<Layer> (Note [Units], docs/sharding.md), or use stage 2");
-      layout_ = std::make_unique<BucketLayout>(
-          *model_, bucketing,
-          [&](auto&, const at::Tensor& p) {
-            const auto it = units.owner.find(p.unsafeGetTensorImpl());
-            return it != units.owner.end() ? it->second : -1;
-          },
-          comm_.rank());
-      shards_ = std::make_unique<Shards>(*layout_, comm_, groups, std::move(defaults), units.units);
-      grads_ = std::make_unique<Grads>(*layout_, comm_, options.find_unused_parameters,
-                                       [s = shards_.get()](std::size_t b) { s->on_gradients_complete(b); },
-                                       options.precision.reduce);
-    }
+    const BucketOptions bucketing{options.bucket_cap_bytes, options.first_bucket_cap_bytes};  // padding: the store's
+    store_ = std::make_unique<Store>(*model_, comm_, bucketing, std::move(groups), std::move(defaults));
+    grads_ = std::make_unique<Grads>(store_->layout(), comm_, options.find_unused_parameters,
+                                     [s = store_.get()](std::size_t b) { s->on_gradients_complete(b); },
+                                     options.precision.reduce);
   }
 
   /// With a default-constructed communicator (comm::Mpi: the world; comm::SingleDevice),
@@ -188,7 +187,7 @@ class DataParallel {
     std::string problem;
     for (std::size_t i = 0; i < micro_batches.size() && problem.empty(); ++i)
       problem = detail::batch_problem(micro_batches[i]);
-    agree_at_stage3(problem);
+    agree_before_forward(problem);
     if (!problem.empty()) {  // joins, then every rank throws
       begin_step();
       grads_->prepare(/*sync=*/true);
@@ -213,7 +212,7 @@ class DataParallel {
   /// error on every rank, named by the rank that has it (Note [Unusable batches]).
   template <loss_function Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
-    agree_at_stage3(detail::batch_problem(batch));
+    agree_before_forward(detail::batch_problem(batch));
     return step_agreed(batch, loss, has_next);
   }
 
@@ -227,7 +226,7 @@ class DataParallel {
     if (!accumulating_) new_step();
     accumulating_ = true;
     if (auto problem = detail::batch_problem(batch); !problem.empty()) {
-      if constexpr (stage == 3) throw error("DataParallel::accumulate", rank(), problem);
+      if constexpr (Store::gathers_in_forward) throw error("DataParallel::accumulate", rank(), problem);
       if (pending_problem_.empty()) pending_problem_ = std::move(problem);
       return 0.0;
     }
@@ -240,7 +239,7 @@ class DataParallel {
   /// For a rank that has no batch this step while others do: takes part in their
   /// collectives with no samples, and applies the same update, so replicas stay equal.
   StepResult join(bool has_next = false) {
-    agree_at_stage3({});
+    agree_before_forward({});
     begin_step();
     grads_->prepare(/*sync=*/true);
     return end_step(0, 0.0, has_next, /*joined=*/true);
@@ -252,18 +251,22 @@ class DataParallel {
   // (averaged over the stage's replicas, overlapped with the last backward), ZeRO's
   // sharding and the optimizer step. It calls begin_external_step() once, before_backward()
   // before each backward pass (true before the rank's last one, whose gradients complete
-  // the buckets), and end_external_step() with the samples of the passes.
+  // the buckets), and end_external_step() with the samples of the passes. The hooks take a
+  // PipelineDriver, which only the pipeline makes: called otherwise, they would break the
+  // step protocol (a step begun twice, buckets never launched).
 
   /// Note [Steps driven from outside]: clipping (max_grad_norm) then takes the norm over
   /// this model's gradients and those `reduce` adds (a pipeline's other stages).
-  void set_norm_elsewhere(std::function<void(at::Tensor&)> reduce) { norm_elsewhere_ = std::move(reduce); }
+  void set_norm_elsewhere(PipelineDriver, std::function<void(at::Tensor&)> reduce) {
+    norm_elsewhere_ = std::move(reduce);
+  }
   /// Note [Steps driven from outside]: before the step's first forward.
-  void begin_external_step() { begin_step(); }
+  void begin_external_step(PipelineDriver) { begin_step(); }
   /// Note [Steps driven from outside]: before each backward pass over model()'s parameters.
-  void before_backward(bool last) { grads_->prepare(/*sync=*/last); }
+  void before_backward(PipelineDriver, bool last) { grads_->prepare(/*sync=*/last); }
   /// Note [Steps driven from outside]: after the last backward; `samples` were this rank's.
   /// The result's loss is the caller's to fill in.
-  StepResult end_external_step(std::int64_t samples, bool has_next) {
+  StepResult end_external_step(PipelineDriver, std::int64_t samples, bool has_next) {
     if (samples == 0) grads_->prepare(/*sync=*/true);  // no backward ran: nothing is pending
     return end_step(samples, 0.0, has_next, /*joined=*/samples == 0);
   }
@@ -285,8 +288,7 @@ class DataParallel {
     const auto copy = [&] {
       for (const auto& p : model_->parameters()) out.push_back(p.detach().clone());
     };
-    if constexpr (sharded) shards_->with_gathered(copy);
-    else copy();
+    store_->with_gathered(copy);
     return out;
   }
 
@@ -309,15 +311,12 @@ class DataParallel {
   [[nodiscard]] Model& model() noexcept { return model_; }
   /// The optimizer; when sharded, the one over this rank's pieces (Note [Optimizer on
   /// pieces]), with the same parameter groups as given, so schedules work alike.
-  [[nodiscard]] optimizer_type& optimizer() noexcept {
-    if constexpr (sharded) return shards_->optimizer();
-    else return *optimizer_;
-  }
+  [[nodiscard]] optimizer_type& optimizer() noexcept { return store_->optimizer(); }
   [[nodiscard]] Comm& communicator() noexcept { return comm_; }
   [[nodiscard]] const Options& options() const noexcept { return options_; }
   [[nodiscard]] std::size_t bucket_count() const noexcept { return grads_->bucket_count(); }
   /// The parameter names of bucket `i`, in the order they are laid out.
-  [[nodiscard]] std::vector<std::string> bucket_names(std::size_t i) const { return layout_->names(i); }
+  [[nodiscard]] std::vector<std::string> bucket_names(std::size_t i) const { return store_->layout().names(i); }
   /// Seconds the last step waited for communication after backward (not overlapped).
   [[nodiscard]] double exposed_communication_seconds() const noexcept { return grads_->exposed_seconds(); }
   /// Bytes of gradients this rank handed to the last step's collectives: the padded
@@ -327,23 +326,14 @@ class DataParallel {
   /// Bytes this rank holds for parameters, gradients and optimizer state between steps:
   /// what paratrain::plan predicts (docs/sharding.md).
   [[nodiscard]] ModelStateBytes model_state_bytes() const {
-    ModelStateBytes out;
-    if constexpr (sharded) {
-      out = shards_->bytes();
-    } else {
-      for (const auto& p : layout_->params()) out.parameters += detail::bytes_of(p.tensor);
-      out.optimizer_state = detail::optimizer_state_bytes(*optimizer_);
-    }
+    ModelStateBytes out = store_->bytes();
     out.gradients = grads_->bytes();
     return out;
   }
   /// Where this rank keeps the model's and optimizer's state (paratrain::checkpointable):
   /// DDP holds everything whole; ZeRO's optimizer steps pieces of the parameters, and
   /// at stage 3 the unit parameters at rest are this rank's pieces too.
-  [[nodiscard]] CheckpointLayout checkpoint_layout() {
-    if constexpr (sharded) return shards_->checkpoint_layout(*model_);
-    else return detail::whole_model_layout(*model_);
-  }
+  [[nodiscard]] CheckpointLayout checkpoint_layout() { return store_->checkpoint_layout(*model_); }
   /// After a checkpoint was loaded into checkpoint_layout()'s slices: nothing derives
   /// from them here (every rank loaded its own). Collective, by the concept.
   void loaded() noexcept {}
@@ -370,7 +360,7 @@ class DataParallel {
   void new_step() {
     pending_problem_.clear();
     grads_->zero_grad();
-    if constexpr (sharded) shards_->begin_step();
+    store_->begin_step();
   }
 
   void begin_step() {
@@ -402,14 +392,12 @@ class DataParallel {
     const double local = std::exchange(pending_samples_, 0.0) + static_cast<double>(samples);
     // A step with no forward on this rank (join(), or step() with an empty batch) still
     // takes part in the others' unit gathers: Note [Joining at stage 3].
-    if constexpr (sharded)
-      if (local == 0) shards_->replay_gathers(rank());
+    if (local == 0) store_->replay_gathers(rank());
     observe::PhaseTimer sync(timeline_, observe::Phase::sync);
     const auto status = grads_->finish(local, has_next, joined, !failure.empty());
     sync.stop();
     if (status.ranks_failed > 0) {
-      if constexpr (sharded)
-        if (!joined) shards_->end_step();
+      if (!joined) store_->end_step();
       throw error("DataParallel::step", rank(),
                   !failure.empty() ? failure
                                    : std::to_string(status.ranks_failed) +
@@ -430,11 +418,9 @@ class DataParallel {
     if (status.samples > 0 && finite) {
       if (clip) norm = grads_->clip_grad_norm(options_.max_grad_norm, totals.squares);
       observe::PhaseTimer step(timeline_, observe::Phase::optimizer);
-      if constexpr (sharded) shards_->step(*grads_);
-      else optimizer_->step();
+      store_->step(*grads_);
     }
-    if constexpr (sharded)
-      if (!joined) shards_->end_step();
+    if (!joined) store_->end_step();
     if (!finite && !skipped) stop_on_nonfinite();
     return {loss, samples, status.samples, status.ranks_with_next, norm, /*has_loss=*/samples > 0, skipped};
   }
@@ -448,9 +434,10 @@ class DataParallel {
   // last step, so there the ranks agree on their batches before the step: one scalar
   // all-reduce in every step(), and in join().
 
-  /// Note [Unusable batches]: at stage 3, throws on every rank when one has a `problem`.
-  void agree_at_stage3(const std::string& problem) {
-    if constexpr (stage == 3) detail::agree(*this, "DataParallel::step", problem);
+  /// Note [Unusable batches]: where forward gathers parameters (stage 3), throws on every
+  /// rank when one has a `problem`.
+  void agree_before_forward(const std::string& problem) {
+    if constexpr (Store::gathers_in_forward) detail::agree(*this, "DataParallel::step", problem);
   }
 
   /// NonFinite::stop: the error every rank throws (all_finite's answer is global).
@@ -468,12 +455,8 @@ class DataParallel {
   Comm comm_;
   Options options_;
   at::Device device_;  // the model's, where the communicator reduces (comm::Nccl: CUDA only)
-  using Grads = GradientBuckets<Comm, Hook>;
-  using Shards = ShardedParameters<Comm, optimizer_type, stage>;
-  std::unique_ptr<BucketLayout> layout_;
-  std::unique_ptr<Shards> shards_;  // ZeRO only
-  std::unique_ptr<Grads> grads_;    // its hooks point at it: a stable address
-  std::unique_ptr<optimizer_type> optimizer_;  // DDP only
+  std::unique_ptr<Store> store_;  // before grads_, which points at its layout
+  std::unique_ptr<Grads> grads_;  // its hooks point at it: a stable address
   bool accumulating_ = false;
   double pending_samples_ = 0;
   std::int64_t steps_ = 0;  // optimizer steps taken or skipped, for messages

@@ -24,6 +24,7 @@
 #include "paratrain/core/error.hpp"
 #include "paratrain/core/timeline.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
+#include "paratrain/strategy/step_agreement.hpp"
 
 namespace paratrain {
 
@@ -110,17 +111,10 @@ struct ReduceScatterGradients {
   }
 };
 
-/// Collective facts about one step, the same on every rank.
-struct StepStatus {
-  double samples = 0;       ///< samples across all ranks this step
-  int ranks_with_next = 0;  ///< ranks that have another batch after this one
-  int ranks_failed = 0;     ///< ranks that could not take part (finish's `failed`); nothing else is valid then
-};
-
 /// Gradients of a model's parameters in the buckets of a BucketLayout: hooks that see
 /// each gradient become ready, launch each complete bucket through `Hook` in bucket
 /// order (Note [Bucket order]) while backward goes on, and at the end of the step wait,
-/// agree on the step's status and average exactly (Note [Exact averaging]).
+/// agree on the step's status (Note [Step agreement]) and average exactly (Note [Exact averaging]).
 template <class Comm, bucket_hook<Comm> Hook>
 class GradientBuckets {
  public:
@@ -190,21 +184,15 @@ class GradientBuckets {
   /// launches what is left, waits, and divides by the global sample count. A rank that
   /// `failed` joins, and every rank's status then says how many failed, and nothing else.
   StepStatus finish(double local_samples, bool has_next, bool joined = false, bool failed = false) {
-    // [samples, ranks with a next batch, ranks with an unexpected unused parameter, ranks
-    //  that failed, then with find_unused_parameters: for each parameter, the ranks that used it]
-    const auto n = static_cast<std::int64_t>(params_.size());
-    auto status = at::zeros({4 + (find_unused_ ? n : 0)}, at::kDouble);
-    auto* s = status.data_ptr<double>();
+    // Note [Step agreement]: per parameter, the ranks that used it, with find_unused_parameters.
+    StepAgreement agreement(params_.size(), find_unused_);
     std::optional<std::string> unused;
     for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (find_unused_ && params_[i].used) s[4 + i] = 1;
+      if (params_[i].used) agreement.mark_used(i);
       if (!params_[i].used && !joined && !find_unused_ && !unused) unused = layout_->params()[i].name;
       mark_ready(i);
     }
-    s[0] = local_samples;
-    s[1] = has_next ? 1 : 0;
-    s[2] = unused ? 1 : 0;
-    s[3] = failed ? 1 : 0;
+    agreement.set(local_samples, has_next, unused.has_value(), failed);
     const auto start = std::chrono::steady_clock::now();
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       if (auto& r = buckets_[b].request) {
@@ -214,29 +202,29 @@ class GradientBuckets {
       buckets_[b].request.reset();
       if constexpr (shards) release(b);
     }
-    all_reduce_on_device(status);
+    all_reduce_on_device(agreement.values());
     exposed_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (s[3] > 0) return {s[0], static_cast<int>(s[1]), static_cast<int>(s[3])};
+    const auto status = agreement.status();
+    if (status.ranks_failed > 0) return status;
     used_anywhere_.assign(params_.size(), true);
-    if (find_unused_)
-      for (std::size_t i = 0; i < params_.size(); ++i) used_anywhere_[i] = s[4 + i] > 0;
+    for (std::size_t i = 0; i < params_.size(); ++i) used_anywhere_[i] = agreement.used_anywhere(i);
     // A parameter no rank used has no gradient, so the optimizer leaves it alone
     // (weight decay and momentum included), exactly as on a single device.
     if constexpr (!shards)
       for (std::size_t i = 0; i < params_.size(); ++i)
         if (!used_anywhere_[i]) tensor(i).mutable_grad() = at::Tensor();
-    if (s[2] > 0)
+    if (agreement.ranks_with_unused() > 0)
       throw error("DataParallel", comm_->rank(),
                   unused ? "parameter '" + *unused +
                                "' received no gradient in this step; enable "
                                "DataParallel::Options::find_unused_parameters if some parameters are legitimately "
                                "unused in some steps, or make every parameter take part in the loss"
-                         : std::to_string(static_cast<int>(s[2])) +
+                         : std::to_string(agreement.ranks_with_unused()) +
                                " other rank(s) found a parameter without gradient (see their message); enable "
                                "DataParallel::Options::find_unused_parameters if that is expected");
-    if (s[0] > 0)
-      for (auto& b : buckets_) reduced(b).div_(s[0]);
-    return {s[0], static_cast<int>(s[1])};
+    if (status.samples > 0)
+      for (auto& b : buckets_) reduced(b).div_(status.samples);
+    return status;
   }
 
   /// What Totals adds up over every gradient element.

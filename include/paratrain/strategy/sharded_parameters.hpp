@@ -12,15 +12,16 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
-#include "paratrain/strategy/optimizer_state.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/strategy/detail/tensor_bytes.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
+#include "paratrain/strategy/parameter_store.hpp"
 #include "paratrain/strategy/detail/state_slices.hpp"
 #include "paratrain/strategy/unit.hpp"
 
@@ -40,32 +41,7 @@ namespace paratrain {
 // elements of a parameter (LAMB's trust ratio, Shampoo) would need the whole parameter
 // and is not supported sharded.
 
-/// Bytes a strategy holds between steps for the model's states on this rank.
-struct ModelStateBytes {
-  std::size_t parameters = 0;
-  std::size_t gradients = 0;
-  std::size_t optimizer_state = 0;
-  [[nodiscard]] std::size_t total() const noexcept { return parameters + gradients + optimizer_state; }
-};
-
-/// The parameter groups of an optimizer, as LibTorch spells them.
-using ParamGroups = std::vector<torch::optim::OptimizerParamGroup>;
-
 namespace detail {
-
-/// The bytes of an optimizer's state tensors, for the optimizers checkpoints know
-/// (checkpoint::optimizer_schema lists their state); 0 for others.
-template <class Optim>
-std::size_t optimizer_state_bytes(const Optim& o) {
-  std::size_t n = 0;
-  if constexpr (checkpoint::known_optimizer<Optim>) {
-    using Schema = checkpoint::schema_of<Optim>;
-    for (const auto& [key, state] : o.state())
-      for (const auto& [field, t] : Schema::get(static_cast<const typename Schema::state_type&>(*state)).tensors)
-        n += bytes_of(t);
-  }
-  return n;
-}
 
 /// The units of `model` (Note [Units]) in registration order, and for each parameter
 /// that requires a gradient the innermost unit that holds it.
@@ -108,52 +84,20 @@ inline std::map<const void*, std::size_t> group_of(const BucketLayout& layout, c
 template <class Comm, class Optim, int Stage>
 class ShardedParameters final : public detail::UnitObserver {
  public:
-  /// `layout` must outlive this object. Collective (stage 3 splits off the communicator
-  /// its gathers use: Note [Two communicators]).
+  using optimizer_type = Optim;
+  /// Stages 2 and 3 keep only this rank's shard of the summed gradients.
+  using gradient_hook = std::conditional_t<(Stage >= 2), ReduceScatterGradients, AllReduceGradients>;
+  /// At stage 3 forward gathers each Unit's parameters: Note [Unusable batches].
+  static constexpr bool gathers_in_forward = Stage == 3;
+
+  /// Buckets `model`'s parameters, padded to the number of ranks (Note [Shard layout]),
+  /// each Unit's in buckets of its own at stage 3 (Note [Units]); moves them into the flat
+  /// buffers and builds the optimizer over this rank's pieces. Collective (stage 3 splits
+  /// off the communicator its gathers use: Note [Two communicators]).
   template <class OptimOptions>
-  ShardedParameters(const BucketLayout& layout, Comm& comm, const ParamGroups& groups, OptimOptions defaults,
-                    std::vector<detail::UnitBase*> units)
-      : layout_(&layout), comm_(&comm), gather_comm_(gather_communicator(comm)), units_(std::move(units)) {
-    const auto rank = comm.rank();
-    const auto& buckets = layout.buckets();
-    at::NoGradGuard no_grad;
-    for (std::size_t b = 0; b < buckets.size(); ++b) {
-      auto& s = shards_.emplace_back();
-      s.full = layout.zeros(b);
-      for (auto i : buckets[b].params) {
-        const auto& p = layout.params()[i];
-        auto view = layout.view(s.full, i);
-        view.copy_(p.tensor.detach());
-        p.tensor.set_data(view);  // the parameter now lives in the flat buffer
-      }
-      const auto n = layout.shard_numel(b);
-      s.resident = Stage < 3 || buckets[b].unit < 0;
-      s.shard = s.resident ? s.full.narrow(0, rank * n, n) : s.full.narrow(0, rank * n, n).clone();
-      if (!s.resident) {
-        release_storage(s.full);
-        units_state_.at(static_cast<std::size_t>(buckets[b].unit)).buckets.push_back(b);
-      }
-    }
-    make_pieces();
-    // Note [Optimizer on pieces]: the user's groups and options, over this rank's pieces.
-    const auto group = detail::group_of(layout, groups, rank);
-    std::vector<std::vector<at::Tensor>> pieces_of(groups.size());
-    for (const auto& piece : pieces_)
-      pieces_of[group.at(layout.params()[piece.param].tensor.unsafeGetTensorImpl())].push_back(piece.tensor);
-    ParamGroups shard_groups;
-    for (std::size_t g = 0; g < groups.size(); ++g) {
-      // A group with nothing in this shard still exists, so that group indices and the
-      // learning-rate schedule mean the same on every rank; its one empty tensor never
-      // has a gradient, so the optimizer skips it.
-      if (pieces_of[g].empty()) pieces_of[g].push_back(at::empty({0}, buckets.front().options));
-      if (groups[g].has_options())
-        shard_groups.emplace_back(pieces_of[g], groups[g].options().clone());
-      else
-        shard_groups.emplace_back(pieces_of[g]);
-    }
-    optimizer_ = std::make_unique<Optim>(std::move(shard_groups), std::move(defaults));
-    for (std::size_t u = 0; u < units_.size(); ++u) units_[u]->attach(this, u);
-  }
+  ShardedParameters(torch::nn::Module& model, Comm& comm, BucketOptions bucketing, const ParamGroups& groups,
+                    OptimOptions defaults)
+      : ShardedParameters(units_of(model, comm.rank()), model, comm, bucketing, groups, std::move(defaults)) {}
 
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
@@ -161,6 +105,7 @@ class ShardedParameters final : public detail::UnitObserver {
     for (auto* u : units_) u->attach(nullptr, 0);
   }
 
+  [[nodiscard]] const BucketLayout& layout() const noexcept { return layout_; }
   [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }
 
   /// Steps this rank's pieces with the reduced gradients in `grads`, then rebuilds the
@@ -221,7 +166,7 @@ class ShardedParameters final : public detail::UnitObserver {
   /// Called when every gradient of bucket `b` is ready: a stage-3 unit whose buckets are
   /// all complete has finished its backward, and its parameters are freed.
   void on_gradients_complete(std::size_t b) {
-    const int unit = layout_->buckets()[b].unit;
+    const int unit = layout_.buckets()[b].unit;
     if (Stage < 3 || unit < 0) return;
     auto& u = units_state_[static_cast<std::size_t>(unit)];
     if (++u.complete == static_cast<int>(u.buckets.size())) {
@@ -243,29 +188,29 @@ class ShardedParameters final : public detail::UnitObserver {
   [[nodiscard]] CheckpointLayout checkpoint_layout(const torch::nn::Module& model) const {
     CheckpointLayout out;
     std::map<const void*, std::size_t> index;  // TensorImpl -> layout param
-    for (std::size_t i = 0; i < layout_->params().size(); ++i)
-      index.emplace(layout_->params()[i].tensor.unsafeGetTensorImpl(), i);
+    for (std::size_t i = 0; i < layout_.params().size(); ++i)
+      index.emplace(layout_.params()[i].tensor.unsafeGetTensorImpl(), i);
     std::map<std::size_t, const Piece*> piece_of;  // layout param -> this rank's piece (one at most)
     for (const auto& piece : pieces_) piece_of.emplace(piece.param, &piece);
     const auto slice_of = [&](const std::string& name, const at::Tensor& whole, std::size_t i) {
       TensorSlice s{name, whole.sizes().vec(), 0, at::empty({0}, whole.options()), /*replicated=*/false};
       if (auto it = piece_of.find(i); it != piece_of.end()) {
         const auto& piece = *it->second;
-        s.begin = shard_begin(piece.bucket) + piece.begin - layout_->params()[i].offset;
+        s.begin = shard_begin(piece.bucket) + piece.begin - layout_.params()[i].offset;
         s.tensor = piece.tensor;
       }
       return s;
     };
     for (const auto& p : model.named_parameters(/*recurse=*/true)) {
       const auto it = index.find(p.value().unsafeGetTensorImpl());
-      if (it != index.end() && !shards_[layout_->params()[it->second].bucket].resident)
+      if (it != index.end() && !shards_[layout_.params()[it->second].bucket].resident)
         out.model.push_back(slice_of(p.key(), p.value(), it->second));
       else
         out.model.push_back(detail::whole_slice(p.key(), p.value()));
     }
     detail::add_buffers(model, out);
     for (const auto& piece : pieces_) {
-      const auto& p = layout_->params()[piece.param];
+      const auto& p = layout_.params()[piece.param];
       out.optimized.push_back(slice_of(p.name, p.tensor, piece.param));
     }
     return out;
@@ -283,6 +228,78 @@ class ShardedParameters final : public detail::UnitObserver {
   }
 
  private:
+  // Units matter at stage 3 only (Note [Units]); below, every parameter is resident.
+  static detail::UnitMap units_of(torch::nn::Module& model, int rank) {
+    if constexpr (Stage < 3) {
+      return {};
+    } else {
+      auto units = detail::find_units(model);
+      if (units.units.empty())
+        throw error("DataParallel", rank,
+                    "ZeRO stage 3 gathers parameters unit by unit, and this model declares no unit: declare its "
+                    "layers or blocks as paratrain::Unit<Layer> (Note [Units], docs/sharding.md), or use stage 2");
+      return units;
+    }
+  }
+  static BucketOptions padded(BucketOptions bucketing, const Comm& comm) {
+    bucketing.pad_to = comm.size();
+    return bucketing;
+  }
+
+  template <class OptimOptions>
+  ShardedParameters(detail::UnitMap units, torch::nn::Module& model, Comm& comm, BucketOptions bucketing,
+                    const ParamGroups& groups, OptimOptions defaults)
+      : layout_(model, padded(bucketing, comm),
+                [&](auto&, const at::Tensor& p) {
+                  const auto it = units.owner.find(p.unsafeGetTensorImpl());
+                  return it != units.owner.end() ? it->second : -1;
+                },
+                comm.rank()),
+        comm_(&comm),
+        gather_comm_(gather_communicator(comm)),
+        units_(std::move(units.units)) {
+    const auto& layout = layout_;
+    const auto rank = comm.rank();
+    const auto& buckets = layout.buckets();
+    at::NoGradGuard no_grad;
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      auto& s = shards_.emplace_back();
+      s.full = layout.zeros(b);
+      for (auto i : buckets[b].params) {
+        const auto& p = layout.params()[i];
+        auto view = layout.view(s.full, i);
+        view.copy_(p.tensor.detach());
+        p.tensor.set_data(view);  // the parameter now lives in the flat buffer
+      }
+      const auto n = layout.shard_numel(b);
+      s.resident = Stage < 3 || buckets[b].unit < 0;
+      s.shard = s.resident ? s.full.narrow(0, rank * n, n) : s.full.narrow(0, rank * n, n).clone();
+      if (!s.resident) {
+        release_storage(s.full);
+        units_state_.at(static_cast<std::size_t>(buckets[b].unit)).buckets.push_back(b);
+      }
+    }
+    make_pieces();
+    // Note [Optimizer on pieces]: the user's groups and options, over this rank's pieces.
+    const auto group = detail::group_of(layout, groups, rank);
+    std::vector<std::vector<at::Tensor>> pieces_of(groups.size());
+    for (const auto& piece : pieces_)
+      pieces_of[group.at(layout.params()[piece.param].tensor.unsafeGetTensorImpl())].push_back(piece.tensor);
+    ParamGroups shard_groups;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      // A group with nothing in this shard still exists, so that group indices and the
+      // learning-rate schedule mean the same on every rank; its one empty tensor never
+      // has a gradient, so the optimizer skips it.
+      if (pieces_of[g].empty()) pieces_of[g].push_back(at::empty({0}, buckets.front().options));
+      if (groups[g].has_options())
+        shard_groups.emplace_back(pieces_of[g], groups[g].options().clone());
+      else
+        shard_groups.emplace_back(pieces_of[g]);
+    }
+    optimizer_ = std::make_unique<Optim>(std::move(shard_groups), std::move(defaults));
+    for (std::size_t u = 0; u < units_.size(); ++u) units_[u]->attach(this, u);
+  }
+
   struct Shard {
     at::Tensor full;   // the whole bucket, padded; stage 3 units: storage only while gathered
     at::Tensor shard;  // this rank's part: a view of `full` when resident, else its own storage
@@ -315,14 +332,14 @@ class ShardedParameters final : public detail::UnitObserver {
   }
 
   [[nodiscard]] std::int64_t shard_begin(std::size_t b) const {
-    return comm_->rank() * layout_->shard_numel(b);
+    return comm_->rank() * layout_.shard_numel(b);
   }
 
   void make_pieces() {
     for (std::size_t b = 0; b < shards_.size(); ++b) {
-      const auto begin = shard_begin(b), end = begin + layout_->shard_numel(b);
-      for (auto i : layout_->buckets()[b].params) {
-        const auto& p = layout_->params()[i];
+      const auto begin = shard_begin(b), end = begin + layout_.shard_numel(b);
+      for (auto i : layout_.buckets()[b].params) {
+        const auto& p = layout_.params()[i];
         const auto lo = std::max(begin, p.offset), hi = std::min(end, p.offset + p.tensor.numel());
         if (lo >= hi) continue;
         pieces_.push_back({shards_[b].shard.narrow(0, lo - begin, hi - lo), i, b, lo - begin});
@@ -381,7 +398,7 @@ class ShardedParameters final : public detail::UnitObserver {
     state.gathered = false;
   }
 
-  const BucketLayout* layout_;
+  BucketLayout layout_;  // first: everything below is laid out by it
   Comm* comm_;
   Comm gather_comm_;
   std::vector<detail::UnitBase*> units_;
