@@ -374,7 +374,9 @@ class Nccl {
 
   void check_dtype(const char* op, at::ScalarType t) const {
     if (!detail::is_supported_dtype(t))
-      skeleton().fail(op, "dtype " + std::string(c10::toString(t)) + " is not supported by comm::Nccl");
+      skeleton().fail(op, "dtype " + std::string(c10::toString(t)) +
+                              " is not supported by comm::Nccl; supported are float32, float64, bfloat16, float16, "
+                              "int32 and int64");
   }
   void check_reduce_dtype(const char* op, at::ScalarType t, reduce_op r) const {
     check_dtype(op, t);
