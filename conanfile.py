@@ -19,7 +19,7 @@ component, exactly as the `cmake --install` package does (docs/packaging.md):
 Components and targets
 ----------------------
 paratrain (paratrain::paratrain, the core), mpi (paratrain::mpi), nccl (paratrain::nccl;
-with mpi too for comm/nccl/mpi_bootstrap.hpp), gloo (paratrain::gloo), hdf5 (paratrain::hdf5). CMakeDeps makes the package's own target link every
+with mpi too for comm/nccl/bootstrap_over_mpi.hpp), gloo (paratrain::gloo), hdf5 (paratrain::hdf5). CMakeDeps makes the package's own target link every
 component, so that target is paratrain::all rather than paratrain::paratrain, which
 must stay the core alone.
 

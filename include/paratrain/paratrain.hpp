@@ -68,7 +68,7 @@
 #include "paratrain/comm/nccl/nccl.hpp"
 #endif
 #if PARATRAIN_HAS_NCCL && PARATRAIN_HAS_MPI
-#include "paratrain/comm/nccl/mpi_bootstrap.hpp"  // comm::Nccl(comm::Mpi&)
+#include "paratrain/comm/nccl/bootstrap_over_mpi.hpp"  // comm::Nccl(comm::Mpi&)
 #endif
 
 #if PARATRAIN_HAS_GLOO

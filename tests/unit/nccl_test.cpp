@@ -1,5 +1,5 @@
 // comm::Nccl. Its bootstrap (NCCL's unique id, broadcast over MPI by
-// comm/nccl/mpi_bootstrap.hpp, or given as a Nccl::Bootstrap) and its refusal to start without
+// comm/nccl/bootstrap_over_mpi.hpp, or given as a Nccl::Bootstrap) and its refusal to start without
 // a GPU run on every machine. The collectives, tagged [gpu], skip
 // themselves where no CUDA device is visible; they use comm_test.cpp's formula (rank r
 // holds f(r, i) = i % 7 + r + 1, the expectation is computed on the host). Debian's
@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "paratrain/checkpoint/checkpoint.hpp"
-#include "paratrain/comm/nccl/mpi_bootstrap.hpp"
+#include "paratrain/comm/nccl/bootstrap_over_mpi.hpp"
 #include "paratrain/comm/nccl/nccl.hpp"
 #include "paratrain/data/tensor_dataset.hpp"
 #include "paratrain/fit/fit.hpp"

@@ -35,7 +35,7 @@ namespace paratrain::comm {
 // NCCL's ranks meet through a 128-byte unique id that one rank makes (ncclGetUniqueId, which
 // needs no GPU) and every other rank receives before ncclCommInitRank. How it travels is not
 // NCCL's business, so it is not comm::Nccl's either: Nccl is made from a Bootstrap, the id
-// already agreed plus this rank's place, and needs no MPI. comm/nccl/mpi_bootstrap.hpp agrees
+// already agreed plus this rank's place, and needs no MPI. comm/nccl/bootstrap_over_mpi.hpp agrees
 // one over a comm::Mpi (a broadcast, as before); a store (torchrun's TCPStore: rank 0 sets
 // the bytes, the others get them) can do the same. A bootstrap should also agree that every
 // rank has a GPU, as the MPI one does: a rank that throws before ncclCommInitRank leaves the
@@ -45,7 +45,7 @@ namespace paratrain::comm {
 ///
 /// It is made collectively from NCCL's unique id, agreed by a bootstrap (Note [NCCL
 /// bootstrap]): `Nccl(Nccl::Bootstrap{...})`, or `Nccl(world)` over a comm::Mpi with
-/// comm/nccl/mpi_bootstrap.hpp included. Each rank takes the GPU `Options::device`, by
+/// comm/nccl/bootstrap_over_mpi.hpp included. Each rank takes the GPU `Options::device`, by
 /// default its rank among the processes of its node modulo the node's GPU count. Operations
 /// are enqueued on the communicator's own stream, after the work already on the default
 /// stream (Note [Stream order]); the blocking forms wait for them, the `i` forms return a
@@ -108,7 +108,7 @@ class Nccl {
   using Request = detail::BasicRequest<Handles>;
 
   /// NCCL's unique id through a bootstrap found by argument-dependent lookup, as
-  /// `nccl_unique_id(comm::Mpi&)` in comm/nccl/mpi_bootstrap.hpp. Collective over its ranks.
+  /// `nccl_unique_id(comm::Mpi&)` in comm/nccl/bootstrap_over_mpi.hpp. Collective over its ranks.
   template <class B>
     requires requires(B& b) {
       { nccl_unique_id(b) } -> std::same_as<ncclUniqueId>;
@@ -157,7 +157,7 @@ class Nccl {
   }
 
   /// Joins through a bootstrap found by argument-dependent lookup: `nccl_bootstrap(b)`
-  /// returning a Bootstrap, as comm/nccl/mpi_bootstrap.hpp gives for comm::Mpi. Collective
+  /// returning a Bootstrap, as comm/nccl/bootstrap_over_mpi.hpp gives for comm::Mpi. Collective
   /// over its ranks.
   template <class B>
     requires requires(B& b) {
