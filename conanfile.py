@@ -18,8 +18,8 @@ component, exactly as the `cmake --install` package does (docs/packaging.md):
 
 Components and targets
 ----------------------
-paratrain (paratrain::paratrain, the core), mpi (paratrain::mpi), nccl (paratrain::nccl,
-needs mpi), gloo (paratrain::gloo), hdf5 (paratrain::hdf5). CMakeDeps makes the package's own target link every
+paratrain (paratrain::paratrain, the core), mpi (paratrain::mpi), nccl (paratrain::nccl;
+with mpi too for comm/nccl/bootstrap_over_mpi.hpp), gloo (paratrain::gloo), hdf5 (paratrain::hdf5). CMakeDeps makes the package's own target link every
 component, so that target is paratrain::all rather than paratrain::paratrain, which
 must stay the core alone.
 
@@ -105,7 +105,7 @@ class ParatrainConan(ConanFile):
         # full paths: a bare `-lnccl` or `-lmpi` here would fail wherever they are not
         # on the linker's default path (/usr/local/cuda/lib, /opt/openmpi/lib, ...).
         for component, requires, define in (("mpi", ["paratrain"], "PARATRAIN_HAS_MPI=1"),
-                                             ("nccl", ["mpi"], "PARATRAIN_HAS_NCCL=1"),
+                                             ("nccl", ["paratrain"], "PARATRAIN_HAS_NCCL=1"),
                                              ("gloo", ["paratrain"], "PARATRAIN_HAS_GLOO=1"),
                                              ("hdf5", ["paratrain"], "PARATRAIN_HAS_HDF5=1")):
             info = self.cpp_info.components[component]

@@ -57,10 +57,7 @@ endif()
 unset(_paratrain_features)
 set(paratrain_paratrain_FOUND TRUE)
 
-set(_paratrain_components ${paratrain_FIND_COMPONENTS})
-if("nccl" IN_LIST _paratrain_components)  # NCCL's unique id is broadcast over MPI
-  list(PREPEND _paratrain_components mpi)
-endif()
+set(_paratrain_components ${paratrain_FIND_COMPONENTS})  # nccl needs no mpi: Note [NCCL bootstrap]
 set(_paratrain_system_mpi Boost::mpi MPI::MPI_CXX)
 set(_paratrain_system_nccl CUDA::cudart paratrain::libnccl)
 set(_paratrain_system_gloo paratrain::libgloo)
@@ -77,8 +74,6 @@ foreach(_paratrain_component IN ITEMS mpi nccl gloo hdf5)
 
   if(NOT TARGET paratrain::${_paratrain_component})
     set(_paratrain_reason "this Conan package of paratrain declares no component ${_paratrain_component}")
-  elseif(_paratrain_component STREQUAL "nccl" AND NOT paratrain_mpi_FOUND)
-    set(_paratrain_reason "paratrain::nccl needs paratrain::mpi, which was not found")
   else()
     paratrain_find_component_dependencies(${_paratrain_component} _paratrain_reason)
   endif()

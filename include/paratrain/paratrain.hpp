@@ -67,6 +67,9 @@
 #if PARATRAIN_HAS_NCCL
 #include "paratrain/comm/nccl/nccl.hpp"
 #endif
+#if PARATRAIN_HAS_NCCL && PARATRAIN_HAS_MPI
+#include "paratrain/comm/nccl/bootstrap_over_mpi.hpp"  // comm::Nccl(comm::Mpi&)
+#endif
 
 #if PARATRAIN_HAS_GLOO
 #include "paratrain/comm/gloo/gloo.hpp"

@@ -1,5 +1,6 @@
-// comm::Nccl. Its bootstrap (NCCL's unique id, broadcast over MPI) and its refusal to
-// start without a GPU run on every machine. The collectives, tagged [gpu], skip
+// comm::Nccl. Its bootstrap (NCCL's unique id, broadcast over MPI by
+// comm/nccl/bootstrap_over_mpi.hpp, or given as a Nccl::Bootstrap) and its refusal to start without
+// a GPU run on every machine. The collectives, tagged [gpu], skip
 // themselves where no CUDA device is visible; they use comm_test.cpp's formula (rank r
 // holds f(r, i) = i % 7 + r + 1, the expectation is computed on the host). Debian's
 // LibTorch has no CUDA, so device buffers are cudaMalloc'd and filled by cudaMemcpy
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "paratrain/checkpoint/checkpoint.hpp"
+#include "paratrain/comm/nccl/bootstrap_over_mpi.hpp"
 #include "paratrain/comm/nccl/nccl.hpp"
 #include "paratrain/data/tensor_dataset.hpp"
 #include "paratrain/fit/fit.hpp"
@@ -138,6 +140,27 @@ TEST_CASE("comm::Nccl without a GPU throws on every rank, naming the cause and t
     REQUIRE(MPI_Allreduce(&threw, &threw_on, 1, MPI_INT, MPI_SUM, mpi.native()) == MPI_SUCCESS);
     CHECK(threw_on == mpi.size());
   }
+}
+
+TEST_CASE("comm::Nccl made from a Bootstrap checks it before any CUDA call, without MPI") {
+  // On a machine without a GPU, a check after the first CUDA call would say "no CUDA device".
+  comm::Nccl::Bootstrap b;
+  b.rank = 2;
+  b.size = 2;
+  CHECK_THROWS_WITH_AS(comm::Nccl{b}, "paratrain: comm::Nccl on rank 2: Bootstrap::rank 2 is not in a world of 2 (0..1)",
+                       paratrain::error);
+  b.rank = 0;
+  b.size = 0;
+  CHECK_THROWS_WITH_AS(comm::Nccl{b}, doctest::Contains("Bootstrap::size 0 is not at least 1"), paratrain::error);
+  b.size = 2;
+  b.world_ranks = {5};
+  CHECK_THROWS_WITH_AS(comm::Nccl{b}, doctest::Contains("Bootstrap::world_ranks names 1 ranks but size is 2"),
+                       paratrain::error);
+}
+
+TEST_CASE("comm::Nccl made from a Bootstrap of one rank refuses to start without a GPU" * doctest::skip(!no_gpu)) {
+  const comm::Nccl::Bootstrap alone;  // rank 0 of 1: nobody to wait for, no MPI involved
+  CHECK_THROWS_WITH_AS(comm::Nccl{alone}, doctest::Contains("no CUDA device is visible"), paratrain::error);
 }
 
 // ---- every strategy over comm::Nccl compiles --------------------------------------------

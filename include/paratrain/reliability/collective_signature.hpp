@@ -1,6 +1,7 @@
 #pragma once
 /// \file
-/// Checking that every rank issues the same collective: shared by comm::Mpi and comm::Gloo.
+/// Checking that every rank issues the same collective: shared by comm::Mpi, comm::Gloo and comm::Nccl
+/// (through comm/detail/skeleton.hpp).
 
 #include <ATen/ATen.h>
 
@@ -27,9 +28,12 @@ namespace paratrain::detail {
 class CollectiveSignature {
  public:
   CollectiveSignature(std::string_view op, const at::Tensor& t, int detail)
+      : CollectiveSignature(op, t.scalar_type(), t.numel(), detail) {}
+  /// The same for a buffer known by its dtype and element count (comm::Nccl's device pointers).
+  CollectiveSignature(std::string_view op, at::ScalarType dtype, std::int64_t numel, int detail)
       : op_(op),
         mine_{static_cast<std::int64_t>(std::hash<std::string_view>{}(op) & 0xffffffff),
-              static_cast<std::int64_t>(t.scalar_type()), t.numel(), detail} {
+              static_cast<std::int64_t>(dtype), numel, detail} {
     auto* b = packed_.data_ptr<std::int64_t>();
     for (int i = 0; i < 4; ++i) b[i] = mine_[i], b[i + 4] = -mine_[i];
   }

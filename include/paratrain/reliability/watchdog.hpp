@@ -117,11 +117,15 @@ inline std::string describe_operation(const OperationRecord& r, bool numbered = 
   return s;
 }
 
-/// A collective's record, with the seq still to be filled in.
-inline OperationRecord record_of(std::string_view op, const at::Tensor& t, int detail) {
+/// A collective's record, with the seq still to be filled in; dtype -1 for none.
+inline OperationRecord record_of(std::string_view op, std::int64_t dtype, std::int64_t numel, int detail) {
   // iall_reduce and all_reduce match each other across ranks: one name for both.
   const auto code = operation_code(op == "iall_reduce" ? std::string_view("all_reduce") : op);
-  return {0, code, t.defined() ? static_cast<std::int64_t>(t.scalar_type()) : -1, t.defined() ? t.numel() : 0, detail};
+  return {0, code, dtype, numel, detail};
+}
+inline OperationRecord record_of(std::string_view op, const at::Tensor& t, int detail) {
+  return record_of(op, t.defined() ? static_cast<std::int64_t>(t.scalar_type()) : -1, t.defined() ? t.numel() : 0,
+                   detail);
 }
 
 /// What one communicator has done: its collectives' count, fingerprint and recent history.
@@ -522,7 +526,8 @@ using Watch = Watchdog::Watch;
 
 /// A communicator's side of the watchdog and the fingerprint: its ledger, known to the
 /// watchdog, and its timeout (copied from the communicator's options, which do not change).
-/// comm::Mpi, comm::Gloo and comm::Nccl each keep one in their shared state.
+/// comm::Mpi, comm::Gloo and comm::Nccl each keep one in their shared state, inside the
+/// skeleton they share (comm/detail/skeleton.hpp).
 class Watched {
  public:
   Watched() = default;
@@ -540,6 +545,12 @@ class Watched {
   /// Counts a collective and watches it; says whether the fingerprints are due for comparison.
   [[nodiscard]] std::pair<Watch, bool> collective(std::string_view op, const at::Tensor& t, int detail) const {
     const auto [record, due] = ledger_->record(record_of(op, t, detail));
+    return {operation(record), due};
+  }
+  /// The same for a buffer known by its dtype and element count (comm::Nccl's device pointers).
+  [[nodiscard]] std::pair<Watch, bool> collective(std::string_view op, at::ScalarType dtype, std::int64_t numel,
+                                                  int detail) const {
+    const auto [record, due] = ledger_->record(record_of(op, static_cast<std::int64_t>(dtype), numel, detail));
     return {operation(record), due};
   }
   /// Counts and watches a collective without a tensor (barrier, split).

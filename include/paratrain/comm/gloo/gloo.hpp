@@ -35,6 +35,7 @@
 #include "paratrain/reliability/collective_signature.hpp"
 #include "paratrain/comm/gloo/watchdog.hpp"
 #include "paratrain/util/torch_compat.hpp"
+#include "paratrain/comm/detail/skeleton.hpp"
 #include "paratrain/comm/detail/tensor_checks.hpp"
 #include "paratrain/reliability/watchdog.hpp"
 #include "paratrain/collectives/agree.hpp"
@@ -111,87 +112,46 @@ class Gloo {
     bool validate = detail::env_flag("PARATRAIN_VALIDATE");
   };
 
-  /// A pending operation. Dropping one waits for it, except during stack unwinding
-  /// (comm::Mpi's Note [Dropped requests]).
-  class Request {
-   public:
-    Request() = default;
-    Request(Request&& o) noexcept { *this = std::move(o); }
-    Request& operator=(Request&& o) noexcept {
-      if (this != &o) {
-        finish_or_abandon();
-        works_ = std::exchange(o.works_, {});
-        keep_ = std::move(o.keep_);
-        then_ = std::move(o.then_);
-        watch_ = std::move(o.watch_);
-        pollable_ = o.pollable_;
-        op_ = o.op_;
-        rank_ = o.rank_;
-      }
-      return *this;
-    }
-    ~Request() { finish_or_abandon(); }
+  // c10d's handles on one operation, for detail::BasicRequest (comm/detail/request.hpp).
+  struct Handles {
+    using owner = Gloo;
+    // A constructor, not member initialisers: those would make Handles default-constructible
+    // only once Gloo is complete, after BasicRequest<Handles> has checked that it is.
+    Handles() noexcept : can_poll(true) {}
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    bool can_poll;
 
-    /// Blocks until the operation is complete; the buffer is then valid. Throws
-    /// paratrain::error when Gloo failed (a peer died, the timeout passed).
-    void wait() {
-      if (works_.empty()) return;
-      const auto works = std::exchange(works_, {});
-      for (const auto& w : works) {
+    [[nodiscard]] bool pending() const noexcept { return !works.empty(); }
+    void wait(const char* op, int rank) {
+      const auto all = std::exchange(works, {});
+      for (const auto& w : all) {
         try {
           w->wait();
         } catch (...) {
-          watch_.release();
-          rethrow_as_error(op_, rank_);
+          rethrow_as_error(op, rank);
         }
       }
-      watch_.release();
-      if (then_) std::exchange(then_, {})();
-      keep_.clear();
     }
-
+    // Without blocking, for collectives. c10d cannot poll a send or receive, so for those
+    // (isend) it waits and returns true.
+    [[nodiscard]] bool test(const char* op, int rank) {
+      if (can_poll && !std::all_of(works.begin(), works.end(), [](const auto& w) { return w->isCompleted(); }))
+        return false;
+      wait(op, rank);  // complete: collects a failure
+      return true;
+    }
     /// Whether test() answers without blocking: true but for sends, which progress on
     /// c10d's threads and which test() must wait for (c10d cannot poll them). Callers need
     /// not, and between two ranks that send to each other must not, test those.
-    [[nodiscard]] bool pollable() const noexcept { return pollable_; }
-
-    /// Says whether the operation is complete, without blocking, for collectives. c10d
-    /// cannot poll a send or receive, so for those (isend) it waits and returns true.
-    [[nodiscard]] bool test() {
-      if (works_.empty()) return true;
-      if (pollable_ && !std::all_of(works_.begin(), works_.end(), [](const auto& w) { return w->isCompleted(); }))
-        return false;
-      wait();  // complete: collects a failure, and finishes an average
-      return true;
-    }
-
-   private:
-    friend class Gloo;
-    Request(const char* op, int rank, std::vector<at::Tensor> keep) : keep_(std::move(keep)), op_(op), rank_(rank) {}
-
-    void finish_or_abandon() noexcept {
-      if (works_.empty()) return;
-      if (std::uncaught_exceptions() > 0) {
-        // Leaked on purpose, with the buffers they hold: see Mpi's Note [Dropped requests].
-        new std::vector<c10::intrusive_ptr<c10d::Work>>(std::exchange(works_, {}));
-        new std::vector<at::Tensor>(std::move(keep_));
-        watch_.release();
-        return;
-      }
-      try {
-        wait();
-      } catch (...) {  // a destructor cannot report it; the next collective will fail too
-      }
-    }
-
-    std::vector<c10::intrusive_ptr<c10d::Work>> works_;
-    std::vector<at::Tensor> keep_;
-    std::function<void()> then_;
-    detail::Watch watch_;  // Note [Watchdog]
-    bool pollable_ = true;
-    const char* op_ = "";
-    int rank_ = -1;
+    [[nodiscard]] bool pollable() const noexcept { return can_poll; }
+    void abandon() noexcept { new std::vector<c10::intrusive_ptr<c10d::Work>>(std::exchange(works, {})); }
   };
+
+  /// A pending operation: wait() blocks until it is complete and throws paratrain::error
+  /// when Gloo failed (a peer died, the timeout passed); test() says whether it is, without
+  /// blocking where pollable() (not for sends). Dropping one waits for it, except during
+  /// stack unwinding (Note [Dropped requests]).
+  using Request = detail::BasicRequest<Handles>;
 
   /// Joins the group the launcher describes: rank and world size from detect_placement(),
   /// rendezvous at MASTER_ADDR:MASTER_PORT. Collective: blocks until every rank has joined
@@ -199,8 +159,8 @@ class Gloo {
   Gloo() : Gloo(Options{}) {}
   explicit Gloo(Options options) : state_(join(std::move(options))) {}
 
-  [[nodiscard]] int rank() const noexcept { return state_->rank; }
-  [[nodiscard]] int size() const noexcept { return state_->size; }
+  [[nodiscard]] int rank() const noexcept { return state_->skeleton.rank(); }
+  [[nodiscard]] int size() const noexcept { return state_->skeleton.size(); }
   [[nodiscard]] const Options& options() const noexcept { return state_->options; }
   /// The c10d process group underneath, for what paratrain does not wrap.
   [[nodiscard]] c10d::ProcessGroupGloo& native() const noexcept { return *state_->group; }
@@ -223,13 +183,13 @@ class Gloo {
 
   [[nodiscard]] Request ibroadcast(at::Tensor& t, int root) {
     detail::check_buffer("broadcast", rank(), t);
-    check_peer("broadcast", root);
+    skeleton().check_peer("broadcast", root);
     Request r("broadcast", rank(), {t});
     r.watch_ = begin("broadcast", t, root);
     c10d::BroadcastOptions o;
     o.rootRank = root;
     std::vector<at::Tensor> v{bits(t)};
-    r.works_.push_back(run("broadcast", [&] { return group().broadcast(v, o); }));
+    r.native_.works.push_back(run("broadcast", [&] { return group().broadcast(v, o); }));
     return r;
   }
 
@@ -244,7 +204,7 @@ class Gloo {
     Request r("reduce_scatter", rank(), {in, out, whole});
     r.watch_ = std::move(watch);
     std::vector<at::Tensor> v{whole};
-    r.works_.push_back(run("reduce_scatter", [&] { return group().allreduce(v, all_reduce_options(op)); }));
+    r.native_.works.push_back(run("reduce_scatter", [&] { return group().allreduce(v, all_reduce_options(op)); }));
     const auto part = out.numel();
     r.then_ = [whole, out, part, from = rank() * part, n = size(), average = op == reduce_op::average]() mutable {
       auto mine = whole.narrow(0, from, part);
@@ -267,7 +227,7 @@ class Gloo {
     std::vector<std::vector<at::Tensor>> parts(1);
     for (int i = 0; i < size(); ++i) parts[0].push_back(flat.narrow(0, i * n, n));
     std::vector<at::Tensor> v{bits(in).view({-1})};
-    r.works_.push_back(run("all_gather", [&] { return group().allgather(parts, v); }));
+    r.native_.works.push_back(run("all_gather", [&] { return group().allgather(parts, v); }));
     return r;
   }
 
@@ -282,11 +242,11 @@ class Gloo {
     auto header = at::empty({1}, at::kLong);
     header.data_ptr<std::int64_t>()[0] = t.numel() * t.element_size();
     Request r("send", rank(), {t, header});
-    r.watch_ = state_->watched.point_to_point("send", peer, tag);
-    r.pollable_ = false;
+    r.watch_ = skeleton().point_to_point("send", peer, tag);
+    r.native_.can_poll = false;
     std::vector<at::Tensor> h{header}, payload{t};
-    r.works_.push_back(run("send", [&] { return group().send(h, peer, tag); }));
-    if (t.numel() > 0) r.works_.push_back(run("send", [&] { return group().send(payload, peer, tag); }));
+    r.native_.works.push_back(run("send", [&] { return group().send(h, peer, tag); }));
+    if (t.numel() > 0) r.native_.works.push_back(run("send", [&] { return group().send(payload, peer, tag); }));
     return r;
   }
 
@@ -295,7 +255,7 @@ class Gloo {
   /// Note [Length header].
   void recv(at::Tensor& t, int peer, int tag = 0) {
     check_point_to_point("recv", t, peer, tag);
-    const auto watch = state_->watched.point_to_point("recv", peer, tag);
+    const auto watch = skeleton().point_to_point("recv", peer, tag);
     auto header = at::empty({1}, at::kLong);
     receive(header, peer, tag);
     const auto bytes = header.data_ptr<std::int64_t>()[0];
@@ -305,7 +265,7 @@ class Gloo {
         auto discard = at::empty({bytes}, at::kByte);
         receive(discard, peer, tag);
       }
-      fail("recv", "rank " + std::to_string(peer) + " sent " + std::to_string(bytes) + " bytes (tag " +
+      skeleton().fail("recv", "rank " + std::to_string(peer) + " sent " + std::to_string(bytes) + " bytes (tag " +
                        std::to_string(tag) + ") but the receiving tensor holds " + std::to_string(expected) +
                        "; give both sides the same shape and dtype");
     }
@@ -314,20 +274,18 @@ class Gloo {
 
   void barrier() {
     Request r("barrier", rank(), {});
-    r.watch_ = state_->watched.collective("barrier");
-    r.works_.push_back(run("barrier", [&] { return group().barrier(); }));
+    r.watch_ = skeleton().collective("barrier");
+    r.native_.works.push_back(run("barrier", [&] { return group().barrier(); }));
     r.wait();
   }
 
  private:
   struct State {
     Options options;
-    int rank = 0;
-    int size = 1;
     std::string where;                        // "host:port", or "" for a world of one
     c10::intrusive_ptr<c10d::Store> store;    // declared before the group: it outlives it
     c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
-    detail::Watched watched;  // Note [Watchdog], Note [Collective fingerprint]
+    detail::Skeleton skeleton;  // rank, size; Note [Watchdog], Note [Collective fingerprint]
     int splits = 0;  // made so far: names each new group's store prefix, the same on every rank
   };
 
@@ -381,63 +339,65 @@ class Gloo {
 
   static std::shared_ptr<State> join(Options o) {
     auto s = std::make_shared<State>();
+    int rank = 0, size = 1;
     if (!o.rank || !o.world_size) {
       const auto where = detect_placement();
-      s->rank = o.rank.value_or(where.rank);
-      s->size = o.world_size.value_or(where.world_size);
+      rank = o.rank.value_or(where.rank);
+      size = o.world_size.value_or(where.world_size);
     } else {
-      s->rank = *o.rank;
-      s->size = *o.world_size;
+      rank = *o.rank;
+      size = *o.world_size;
     }
-    if (s->size < 1) fail_join(-1, "world size " + std::to_string(s->size) + " is not at least 1");
-    if (s->rank < 0 || s->rank >= s->size)
-      fail_join(-1, "rank " + std::to_string(s->rank) + " is not in a world of " + std::to_string(s->size) +
-                        " (0.." + std::to_string(s->size - 1) + ")");
+    if (size < 1) fail_join(-1, "world size " + std::to_string(size) + " is not at least 1");
+    if (rank < 0 || rank >= size)
+      fail_join(-1, "rank " + std::to_string(rank) + " is not in a world of " + std::to_string(size) +
+                        " (0.." + std::to_string(size - 1) + ")");
     std::string host;
     try {
-      if (s->size == 1) {
+      if (size == 1) {
         s->store = c10::make_intrusive<c10d::HashStore>();  // a world of one meets nobody
       } else {
-        auto at = address(o, s->rank);
+        auto at = address(o, rank);
         if (!at)
-          fail_join(s->rank,
+          fail_join(rank,
                     "no address to meet at: neither MASTER_ADDR nor Options::master_addr is set; the " +
-                        std::to_string(s->size) + " ranks meet at MASTER_ADDR:MASTER_PORT, where rank 0 listens; export both, as torchrun "
+                        std::to_string(size) + " ranks meet at MASTER_ADDR:MASTER_PORT, where rank 0 listens; export both, as torchrun "
                         "does (MASTER_ADDR=<rank 0's host> MASTER_PORT=<a free port>)");
         host = at->first;
         s->where = host + ":" + std::to_string(at->second);
         c10d::TCPStoreOptions store_options;
         store_options.port = static_cast<std::uint16_t>(at->second);
-        store_options.isServer = s->rank == 0;
-        store_options.numWorkers = s->size;
+        store_options.isServer = rank == 0;
+        store_options.numWorkers = size;
         store_options.waitWorkers = true;
         store_options.timeout = o.timeout;
         s->store = c10::make_intrusive<c10d::TCPStore>(host, detail::plain_socket_store(store_options));
       }
-      s->group = make_group(s->store, s->rank, s->size, o, host);
-      if (s->size > 1 && !detail::Watchdog::instance().has_channel())
+      s->group = make_group(s->store, rank, size, o, host);
+      if (size > 1 && !detail::Watchdog::instance().has_channel())
         detail::Watchdog::instance().set_channel(std::make_unique<detail::GlooWatchdogChannel>(
-            host, static_cast<std::uint16_t>(std::stoi(s->where.substr(s->where.rfind(':') + 1))), s->rank, s->size));
+            host, static_cast<std::uint16_t>(std::stoi(s->where.substr(s->where.rfind(':') + 1))), rank, size));
     } catch (const error&) {
       throw;
     } catch (const std::exception& e) {
       auto why = paratrain::detail::message_of(e);
       while (!why.empty() && (why.back() == '.' || why.back() == ' ' || why.back() == '\n')) why.pop_back();
       const std::string hint =
-          s->rank == 0 ? "; if the port is in use, pick another MASTER_PORT"
+          rank == 0 ? "; if the port is in use, pick another MASTER_PORT"
                        : "; check that rank 0 has started, that MASTER_ADDR is its host and that the port is reachable";
-      fail_join(s->rank, "rendezvous at " + s->where + " of " + std::to_string(s->size) + " ranks failed: " + why +
+      fail_join(rank, "rendezvous at " + s->where + " of " + std::to_string(size) + " ranks failed: " + why +
                              hint);
     }
     s->options = std::move(o);
-    std::vector<int> members(static_cast<std::size_t>(s->size));
-    for (int r = 0; r < s->size; ++r) members[static_cast<std::size_t>(r)] = r;
-    s->watched = detail::Watched("world", std::move(members), s->rank, s->options.timeout);
+    std::vector<int> members(static_cast<std::size_t>(size));
+    for (int r = 0; r < size; ++r) members[static_cast<std::size_t>(r)] = r;
+    s->skeleton = detail::Skeleton(rank, size, s->options.validate,
+                                   detail::Watched("world", std::move(members), rank, s->options.timeout));
     return s;
   }
 
   Gloo split_with(int color, int key, Options o) const {
-    if (color < 0) fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
+    if (color < 0) skeleton().fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
     // Every rank's (color, key), gathered over this group.
     auto mine = at::empty({2}, at::kLong);
     mine.data_ptr<std::int64_t>()[0] = color;
@@ -452,25 +412,25 @@ class Gloo {
     const auto me = std::find(members.begin(), members.end(), std::pair<std::int64_t, int>{key, rank()});
 
     auto s = std::make_shared<State>();
-    s->rank = static_cast<int>(me - members.begin());
-    s->size = static_cast<int>(members.size());
+    const auto new_rank = static_cast<int>(me - members.begin()), new_size = static_cast<int>(members.size());
     s->where = state_->where;
-    o.rank = s->rank;
-    o.world_size = s->size;
+    o.rank = new_rank;
+    o.world_size = new_size;
     s->options = std::move(o);
     {
-      const auto& parent = state_->watched.ledger();
+      const auto& parent = skeleton().watched().ledger();
       std::vector<int> world;
       for (const auto& [k, r] : members) world.push_back(parent.members()[static_cast<std::size_t>(r)]);
-      s->watched = detail::Watched("split " + std::to_string(color) + " of " + parent.name(), std::move(world), s->rank,
-                                   s->options.timeout);
+      s->skeleton = detail::Skeleton(new_rank, new_size, s->options.validate,
+                                     detail::Watched("split " + std::to_string(color) + " of " + parent.name(),
+                                                     std::move(world), new_rank, s->options.timeout));
     }
-    const auto watch = state_->watched.collective("split");
+    const auto watch = skeleton().collective("split");
     const auto prefix = "paratrain/split/" + std::to_string(state_->splits++) + "/" + std::to_string(color);
     try {
       s->store = c10::make_intrusive<c10d::PrefixStore>(prefix, state_->store);
       const auto host = state_->where.substr(0, state_->where.rfind(':'));
-      s->group = make_group(s->store, s->rank, s->size, s->options, host);
+      s->group = make_group(s->store, new_rank, new_size, s->options, host);
     } catch (...) {
       rethrow_as_error("split", rank());
     }
@@ -501,19 +461,13 @@ class Gloo {
     }
   }
 
-  [[noreturn]] void fail(const char* op, const std::string& message) const { throw error(op, rank(), message); }
-
-  void check_peer(const char* op, int peer) const {
-    if (peer < 0 || peer >= size())
-      fail(op, "rank " + std::to_string(peer) + " is not in this communicator of " + std::to_string(size()) +
-                   " ranks (0.." + std::to_string(size() - 1) + ")");
-  }
+  [[nodiscard]] const detail::Skeleton& skeleton() const noexcept { return state_->skeleton; }
 
   void check_point_to_point(const char* op, const at::Tensor& t, int peer, int tag) const {
     detail::check_buffer(op, rank(), t);
-    check_peer(op, peer);
-    if (peer == rank()) fail(op, "rank " + std::to_string(peer) + " is this rank; Gloo cannot send to itself");
-    if (tag < 0) fail(op, "tag " + std::to_string(tag) + " is negative; Gloo tags count up from 0");
+    skeleton().check_peer(op, peer);
+    if (peer == rank()) skeleton().fail(op, "rank " + std::to_string(peer) + " is this rank; Gloo cannot send to itself");
+    if (tag < 0) skeleton().fail(op, "tag " + std::to_string(tag) + " is negative; Gloo tags count up from 0");
   }
 
   void receive(at::Tensor& t, int peer, int tag) {
@@ -542,7 +496,7 @@ class Gloo {
     Request request(op, rank(), {t, wire});
     request.watch_ = std::move(watch);
     std::vector<at::Tensor> v{wire};
-    request.works_.push_back(run(op, [&] { return group().allreduce(v, all_reduce_options(r)); }));
+    request.native_.works.push_back(run(op, [&] { return group().allreduce(v, all_reduce_options(r)); }));
     const bool average = r == reduce_op::average, converted = !wire.is_same(t);
     if (average || converted)
       request.then_ = [t, wire, average, converted, n = size()]() mutable {
@@ -552,35 +506,27 @@ class Gloo {
     return request;
   }
 
-  // Every collective passes here: it is counted, the fingerprint compared when due (Note
-  // [Collective fingerprint]), checked in full when asked (Note [Collective validation],
-  // reliability/collective_signature.hpp), and watched (Note [Watchdog]).
+  // Every collective passes the skeleton's preamble: validation, ledger, fingerprint and
+  // watch (comm/detail/skeleton.hpp).
   [[nodiscard]] detail::Watch begin(std::string_view op, const at::Tensor& t, int detail) {
-    if (options().validate) {  // first: a collective refused on every rank is not counted
-      detail::CollectiveSignature signature(op, t, detail);
-      const auto watch = state_->watched.operation(detail::record_of("validate", signature.packed(), 0));
-      reduce_max_now("validate", signature.packed());
-      signature.check(rank());
-    }
-    auto [watch, due] = state_->watched.collective(op, t, detail);
-    if (due)
-      state_->watched.compare_fingerprints(
-          rank(), size(), [&](at::Tensor& words) { reduce_max_now("fingerprint", words); },
-          [&](const at::Tensor& in, at::Tensor& out) {
-            const auto n = in.numel();
-            std::vector<std::vector<at::Tensor>> parts(1);
-            for (int i = 0; i < size(); ++i) parts[0].push_back(out.narrow(0, i * n, n));
-            std::vector<at::Tensor> v{in};
-            wait_for("fingerprint", run("fingerprint", [&] { return group().allgather(parts, v); }));
-          });
-    return std::move(watch);
+    return skeleton().begin(op, t, detail, Words{*this});
   }
 
-  // A blocking MAX all-reduce, neither counted nor watched (the caller watches it).
-  void reduce_max_now(const char* op, at::Tensor& t) {
-    std::vector<at::Tensor> v{t};
-    wait_for(op, run(op, [&] { return group().allreduce(v, all_reduce_options(reduce_op::max)); }));
-  }
+  // The skeleton's word collectives: blocking c10d calls.
+  struct Words {
+    const Gloo& comm;
+    void all_reduce_max(const char* op, at::Tensor& w) const {
+      std::vector<at::Tensor> v{w};
+      comm.wait_for(op, comm.run(op, [&] { return comm.group().allreduce(v, all_reduce_options(reduce_op::max)); }));
+    }
+    void all_gather(const char* op, const at::Tensor& in, at::Tensor& out) const {
+      const auto n = in.numel();
+      std::vector<std::vector<at::Tensor>> parts(1);
+      for (int i = 0; i < comm.size(); ++i) parts[0].push_back(out.narrow(0, i * n, n));
+      std::vector<at::Tensor> v{in};
+      comm.wait_for(op, comm.run(op, [&] { return comm.group().allgather(parts, v); }));
+    }
+  };
 
   void wait_for(const char* op, const c10::intrusive_ptr<c10d::Work>& work) const {
     try {

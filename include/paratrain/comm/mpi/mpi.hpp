@@ -22,6 +22,7 @@
 #include "paratrain/reliability/collective_signature.hpp"
 #include "paratrain/comm/mpi/detail/types.hpp"
 #include "paratrain/comm/mpi/watchdog.hpp"
+#include "paratrain/comm/detail/skeleton.hpp"
 #include "paratrain/comm/detail/tensor_checks.hpp"
 #include "paratrain/reliability/watchdog.hpp"
 #include "paratrain/core/error.hpp"
@@ -165,135 +166,78 @@ class Mpi {
     boost::mpi::environment env_;
   };
 
-  /// A pending non-blocking operation. Dropping one waits for it: Note [Dropped requests].
-  class Request {
-   public:
-    Request() = default;
-    Request(Request&& o) noexcept { *this = std::move(o); }
-    Request& operator=(Request&& o) noexcept {
-      if (this != &o) {
-        finish_or_abandon();
-        requests_ = std::exchange(o.requests_, {});
-        segments_ = std::move(o.segments_);
-        keep_ = std::move(o.keep_);
-        then_ = std::move(o.then_);
-        watch_ = std::move(o.watch_);
-        op_ = o.op_;
-        rank_ = o.rank_;
-      }
-      return *this;
-    }
-    ~Request() { finish_or_abandon(); }
+  // A segmented operation: Note [Segmented reduce-scatter and all-gather]. Shared with
+  // the communicator, which may start the rest: Note [Segment order].
+  struct Segments {
+    std::int64_t count = 0;    // segments in all
+    std::int64_t started = 0;  // segments [0, started) have been started
+    std::size_t window = 2;
+    std::vector<MPI_Request> in_flight;  // oldest first
+    /// Starts segment k and returns MPI's error code. `reuse` says that segment
+    /// k - window is complete, so that its scratch may be reused; it is false when the
+    /// rest are started at once.
+    std::function<int(std::int64_t k, MPI_Request*, bool reuse)> start;
 
-    /// Blocks until the operation is complete; the buffer is then valid.
-    void wait() {
-      if (segments_) {
-        while (!segments_->in_flight.empty()) {
-          check(MPI_Wait(&segments_->in_flight.front(), MPI_STATUS_IGNORE), op_, rank_);
-          segments_->in_flight.erase(segments_->in_flight.begin());
-          segments_->start_some(op_, rank_);
+    void start_some(const char* op, int rank) { start_up_to(window, op, rank); }
+    void start_all(const char* op, int rank) { start_up_to(static_cast<std::size_t>(count), op, rank); }
+    void start_up_to(std::size_t limit, const char* op, int rank) {
+      while (started < count && in_flight.size() < limit) {
+        const bool reuse = in_flight.size() < window;
+        auto& r = in_flight.emplace_back(MPI_REQUEST_NULL);
+        check(start(started++, &r, reuse), op, rank);
+      }
+    }
+  };
+
+  // MPI's handles on one operation, for detail::BasicRequest (comm/detail/request.hpp):
+  // its requests, or its segments.
+  struct Handles {
+    using owner = Mpi;
+    std::vector<MPI_Request> requests;
+    std::shared_ptr<Segments> segments;
+
+    [[nodiscard]] bool pending() const noexcept { return !requests.empty() || segments; }
+    void wait(const char* op, int rank) {
+      if (segments) {
+        while (!segments->in_flight.empty()) {
+          check(MPI_Wait(&segments->in_flight.front(), MPI_STATUS_IGNORE), op, rank);
+          segments->in_flight.erase(segments->in_flight.begin());
+          segments->start_some(op, rank);
         }
-        segments_.reset();
-        complete();
+        segments.reset();
         return;
       }
-      if (requests_.empty()) return;
-      check(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE), op_, rank_);
-      complete();
+      check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), op, rank);
+      requests.clear();
     }
-
-    /// Makes progress (MPI progresses only inside its calls) and says whether the
-    /// operation is complete.
-    [[nodiscard]] bool test() {
-      if (segments_) {
-        while (!segments_->in_flight.empty()) {
+    // MPI progresses only inside its calls: this is one.
+    [[nodiscard]] bool test(const char* op, int rank) {
+      if (segments) {
+        while (!segments->in_flight.empty()) {
           int done = 0;
-          check(MPI_Test(&segments_->in_flight.front(), &done, MPI_STATUS_IGNORE), op_, rank_);
+          check(MPI_Test(&segments->in_flight.front(), &done, MPI_STATUS_IGNORE), op, rank);
           if (!done) return false;
-          segments_->in_flight.erase(segments_->in_flight.begin());
-          segments_->start_some(op_, rank_);
+          segments->in_flight.erase(segments->in_flight.begin());
+          segments->start_some(op, rank);
         }
-        segments_.reset();
-        complete();
+        segments.reset();
         return true;
       }
-      if (requests_.empty()) return true;
       int done = 0;
-      check(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE), op_,
-            rank_);
-      if (done) complete();
+      check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), op, rank);
+      if (done) requests.clear();
       return done != 0;
     }
-
-   private:
-    friend class Mpi;
-    Request(const char* op, int rank, std::vector<at::Tensor> keep) : keep_(std::move(keep)), op_(op), rank_(rank) {}
-
-    // A segmented operation: Note [Segmented reduce-scatter and all-gather]. Shared with
-    // the communicator, which may start the rest: Note [Segment order].
-    struct Segments {
-      std::int64_t count = 0;    // segments in all
-      std::int64_t started = 0;  // segments [0, started) have been started
-      std::size_t window = 2;
-      std::vector<MPI_Request> in_flight;  // oldest first
-      /// Starts segment k and returns MPI's error code. `reuse` says that segment
-      /// k - window is complete, so that its scratch may be reused; it is false when the
-      /// rest are started at once.
-      std::function<int(std::int64_t k, MPI_Request*, bool reuse)> start;
-
-      void start_some(const char* op, int rank) { start_up_to(window, op, rank); }
-      void start_all(const char* op, int rank) { start_up_to(static_cast<std::size_t>(count), op, rank); }
-      void start_up_to(std::size_t limit, const char* op, int rank) {
-        while (started < count && in_flight.size() < limit) {
-          const bool reuse = in_flight.size() < window;
-          auto& r = in_flight.emplace_back(MPI_REQUEST_NULL);
-          check(start(started++, &r, reuse), op, rank);
-        }
-      }
-    };
-
-    void complete() {
-      requests_.clear();
-      watch_.release();
-      if (then_) std::exchange(then_, {})();
-      keep_.clear();
+    void abandon() noexcept {
+      if (segments) new std::shared_ptr<Segments>(std::move(segments));
+      requests.clear();
     }
-
-    // Note [Dropped requests]
-    // MPI forbids freeing a request of a non-blocking collective, and the buffer must
-    // outlive it, so a Request destroyed while pending waits. During stack unwinding
-    // it does not: a peer may have failed, and waiting could hang the rank that is
-    // about to report the error. The buffer is then leaked on purpose.
-    void finish_or_abandon() noexcept {
-      if (requests_.empty() && !segments_) return;
-      if (std::uncaught_exceptions() > 0) {
-        new std::vector<at::Tensor>(std::move(keep_));
-        if (segments_) new std::shared_ptr<Segments>(std::move(segments_));
-        requests_.clear();
-        watch_.release();
-        return;
-      }
-      if (segments_) {
-        try {
-          wait();
-        } catch (...) {  // an error we cannot report from a destructor: leave the rest
-        }
-        return;
-      }
-      MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE);
-      requests_.clear();
-      watch_.release();
-      if (then_) then_();
-    }
-
-    std::vector<MPI_Request> requests_;
-    std::shared_ptr<Segments> segments_;
-    std::vector<at::Tensor> keep_;
-    std::function<void()> then_;
-    detail::Watch watch_;  // Note [Watchdog]
-    const char* op_ = "";
-    int rank_ = -1;
   };
+
+  /// A pending non-blocking operation: wait() blocks until it is complete, test() makes
+  /// progress (MPI progresses only inside its calls) and says whether it is. Dropping one
+  /// waits for it: Note [Dropped requests].
+  using Request = detail::BasicRequest<Handles>;
 
   /// A duplicate of MPI_COMM_WORLD. Throws if MPI is not initialised, or if a
   /// torchrun-style launcher started the ranks: Note [Launched without MPI].
@@ -311,8 +255,8 @@ class Mpi {
       : state_(std::make_shared<State>(boost::mpi::communicator(base, boost::mpi::comm_duplicate), options,
                                        base == boost::mpi::communicator() ? "world" : "a duplicate")) {}
 
-  [[nodiscard]] int rank() const noexcept { return state_->rank; }
-  [[nodiscard]] int size() const noexcept { return state_->size; }
+  [[nodiscard]] int rank() const noexcept { return state_->skeleton.rank(); }
+  [[nodiscard]] int size() const noexcept { return state_->skeleton.size(); }
   [[nodiscard]] const Options& options() const noexcept { return state_->options; }
   [[nodiscard]] MPI_Comm native() const noexcept { return state_->native(); }
   [[nodiscard]] const boost::mpi::communicator& boost() const noexcept { return state_->comm; }
@@ -320,19 +264,19 @@ class Mpi {
   /// An independent communicator over the same ranks.
   [[nodiscard]] Mpi duplicate() const {
     start_pending_segments();
-    const auto watch = state_->watched.collective("split");
+    const auto watch = skeleton().collective("split");
     return Mpi(std::make_shared<State>(boost::mpi::communicator(state_->comm, boost::mpi::comm_duplicate),
-                                       state_->options, "a duplicate of " + state_->watched.ledger().name()));
+                                       state_->options, "a duplicate of " + skeleton().watched().ledger().name()));
   }
 
   /// The ranks that pass the same `color`, ordered by `key` (then by rank).
   /// Collective: every rank of this communicator must call it.
   [[nodiscard]] Mpi split(int color, int key = 0) const {
-    if (color < 0) fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
+    if (color < 0) skeleton().fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
     start_pending_segments();
-    const auto watch = state_->watched.collective("split");
+    const auto watch = skeleton().collective("split");
     return Mpi(std::make_shared<State>(state_->comm.split(color, key), state_->options,
-                                       "split " + std::to_string(color) + " of " + state_->watched.ledger().name()));
+                                       "split " + std::to_string(color) + " of " + skeleton().watched().ledger().name()));
   }
 
   void all_reduce(at::Tensor& t, reduce_op op) {
@@ -354,7 +298,7 @@ class Mpi {
     auto* p = static_cast<char*>(t.data_ptr());
     for (std::int64_t off = 0; off < t.numel(); off += seg)
       check(MPI_Iallreduce(MPI_IN_PLACE, p + off * t.element_size(), static_cast<int>(std::min(seg, t.numel() - off)),
-                           datatype(t), state_->ops.op(t.scalar_type(), op), native(), &r.requests_.emplace_back()),
+                           datatype(t), state_->ops.op(t.scalar_type(), op), native(), &r.native_.requests.emplace_back()),
             "iall_reduce");
     if (op == reduce_op::average) r.then_ = [t, n = size()]() mutable { t.div_(n); };
     return r;
@@ -364,10 +308,10 @@ class Mpi {
 
   [[nodiscard]] Request ibroadcast(at::Tensor& t, int root) {
     detail::check_buffer("broadcast", rank(), t);
-    check_peer("broadcast", root);
+    skeleton().check_peer("broadcast", root);
     Request r("broadcast", rank(), {t});
     r.watch_ = begin("broadcast", t, root);
-    check(MPI_Ibcast(t.data_ptr(), count("broadcast", t), datatype(t), root, native(), &r.requests_.emplace_back()),
+    check(MPI_Ibcast(t.data_ptr(), count("broadcast", t), datatype(t), root, native(), &r.native_.requests.emplace_back()),
           "broadcast");
     return r;
   }
@@ -418,8 +362,8 @@ class Mpi {
   /// itself would accept a shorter one silently.
   void recv(at::Tensor& t, int peer, int tag = 0) {
     detail::check_buffer("recv", rank(), t);
-    check_peer("recv", peer);
-    const auto watch = state_->watched.point_to_point("recv", peer, tag);
+    skeleton().check_peer("recv", peer);
+    const auto watch = skeleton().point_to_point("recv", peer, tag);
     MPI_Message message{};
     MPI_Status status{};
     check(MPI_Mprobe(peer, tag, native(), &message, &status), "recv");
@@ -429,7 +373,7 @@ class Mpi {
     if (bytes != expected) {
       std::vector<char> discard(static_cast<std::size_t>(bytes));
       check(MPI_Mrecv(discard.data(), bytes, MPI_BYTE, &message, MPI_STATUS_IGNORE), "recv");
-      fail("recv", "rank " + std::to_string(peer) + " sent " + std::to_string(bytes) + " bytes (tag " +
+      skeleton().fail("recv", "rank " + std::to_string(peer) + " sent " + std::to_string(bytes) + " bytes (tag " +
                        std::to_string(tag) + ") but the receiving tensor holds " + std::to_string(expected) +
                        "; give both sides the same shape and dtype");
     }
@@ -438,10 +382,10 @@ class Mpi {
 
   [[nodiscard]] Request isend(const at::Tensor& t, int peer, int tag = 0) {
     detail::check_buffer("send", rank(), t);
-    check_peer("send", peer);
+    skeleton().check_peer("send", peer);
     Request r("send", rank(), {t});
-    r.watch_ = state_->watched.point_to_point("send", peer, tag);
-    check(MPI_Isend(t.data_ptr(), count("send", t), datatype(t), peer, tag, native(), &r.requests_.emplace_back()),
+    r.watch_ = skeleton().point_to_point("send", peer, tag);
+    check(MPI_Isend(t.data_ptr(), count("send", t), datatype(t), peer, tag, native(), &r.native_.requests.emplace_back()),
           "send");
     return r;
   }
@@ -450,17 +394,17 @@ class Mpi {
   /// (MPI_ERR_TRUNCATE). The blocking recv also rejects a shorter one.
   [[nodiscard]] Request irecv(at::Tensor& t, int peer, int tag = 0) {
     detail::check_buffer("recv", rank(), t);
-    check_peer("recv", peer);
+    skeleton().check_peer("recv", peer);
     Request r("recv", rank(), {t});
-    r.watch_ = state_->watched.point_to_point("recv", peer, tag);
-    check(MPI_Irecv(t.data_ptr(), count("recv", t), datatype(t), peer, tag, native(), &r.requests_.emplace_back()),
+    r.watch_ = skeleton().point_to_point("recv", peer, tag);
+    check(MPI_Irecv(t.data_ptr(), count("recv", t), datatype(t), peer, tag, native(), &r.native_.requests.emplace_back()),
           "recv");
     return r;
   }
 
   void barrier() {
     start_pending_segments();
-    const auto watch = state_->watched.collective("barrier");
+    const auto watch = skeleton().collective("barrier");
     check(MPI_Barrier(native()), "barrier");
   }
 
@@ -470,19 +414,17 @@ class Mpi {
       // Errors come back as codes that we turn into paratrain::error, rather than
       // aborting the job from inside MPI.
       MPI_Comm_set_errhandler(native(), MPI_ERRORS_RETURN);
-      rank = comm.rank();
-      size = comm.size();
-      watched = detail::Watched(std::move(name), detail::world_ranks(native()), rank, options.timeout);
+      skeleton = detail::Skeleton(comm.rank(), comm.size(), options.validate,
+                                  detail::Watched(std::move(name), detail::world_ranks(native()), comm.rank(),
+                                                  options.timeout));
     }
     [[nodiscard]] MPI_Comm native() const noexcept { return static_cast<MPI_Comm>(comm); }
 
     boost::mpi::communicator comm;
     detail::MpiOps ops;
     Options options;
-    std::weak_ptr<Request::Segments> pending;  // Note [Segment order]
-    detail::Watched watched;                   // Note [Watchdog], Note [Collective fingerprint]
-    int rank = 0;
-    int size = 1;
+    std::weak_ptr<Segments> pending;  // Note [Segment order]
+    detail::Skeleton skeleton;        // rank, size; Note [Watchdog], Note [Collective fingerprint]
   };
 
   explicit Mpi(std::shared_ptr<State> s) : state_(std::move(s)) {}
@@ -506,7 +448,7 @@ class Mpi {
   void check_launcher() const {
     const char* world = std::getenv("WORLD_SIZE");
     if (size() == 1 && world != nullptr && std::atoi(world) > 1)
-      fail("comm::Mpi", "WORLD_SIZE=" + std::string(world) +
+      skeleton().fail("comm::Mpi", "WORLD_SIZE=" + std::string(world) +
                             " says this process is one of several, but MPI sees a world of 1: the ranks were not "
                             "started by mpirun or srun. Start them with `mpirun -n " + std::string(world) +
                             "` (or srun), or use comm::Gloo, which meets at MASTER_ADDR:MASTER_PORT");
@@ -521,17 +463,24 @@ class Mpi {
   }
   void check(int rc, const char* op) const { check(rc, op, rank()); }
 
-  [[noreturn]] void fail(const char* op, const std::string& message) const { throw error(op, rank(), message); }
+  [[nodiscard]] const detail::Skeleton& skeleton() const noexcept { return state_->skeleton; }
 
-  void check_peer(const char* op, int peer) const {
-    if (peer < 0 || peer >= size())
-      fail(op, "rank " + std::to_string(peer) + " is not in this communicator of " + std::to_string(size()) +
-                   " ranks (0.." + std::to_string(size() - 1) + ")");
-  }
+  // The skeleton's word collectives (comm/detail/skeleton.hpp): plain MPI calls.
+  struct Words {
+    const Mpi& comm;
+    void all_reduce_max(const char* op, at::Tensor& w) const {
+      comm.check(MPI_Allreduce(MPI_IN_PLACE, w.data_ptr(), comm.count(op, w), MPI_INT64_T, MPI_MAX, comm.native()), op);
+    }
+    void all_gather(const char* op, const at::Tensor& in, at::Tensor& out) const {
+      comm.check(MPI_Allgather(in.data_ptr(), comm.count(op, in), MPI_INT64_T, out.data_ptr(), comm.count(op, in),
+                               MPI_INT64_T, comm.native()),
+                 op);
+    }
+  };
 
   int count(const char* op, const at::Tensor& t) const {
     if (t.numel() > INT_MAX)
-      fail(op, "tensor has " + std::to_string(t.numel()) + " elements; MPI counts stop at 2^31-1, so split it");
+      skeleton().fail(op, "tensor has " + std::to_string(t.numel()) + " elements; MPI counts stop at 2^31-1, so split it");
     return static_cast<int>(t.numel());
   }
 
@@ -550,31 +499,11 @@ class Mpi {
   }
 
   // Every collective but barrier, split and duplicate passes here first, which is where
-  // the pending segments must start: Note [Segment order]. Then it is counted, and the
-  // fingerprint compared when due: Note [Collective fingerprint]; checked in full when
-  // asked: Note [Collective validation] (reliability/collective_signature.hpp). Returns the
-  // operation's watch: Note [Watchdog].
+  // the pending segments must start: Note [Segment order]. Then the skeleton's preamble:
+  // validation, ledger, fingerprint and watch (comm/detail/skeleton.hpp).
   [[nodiscard]] detail::Watch begin(std::string_view op, const at::Tensor& t, int detail) {
     start_pending_segments();
-    if (options().validate) {  // first: a collective refused on every rank is not counted
-      detail::CollectiveSignature signature(op, t, detail);
-      const auto watch = state_->watched.operation(detail::record_of("validate", signature.packed(), 0));
-      check(MPI_Allreduce(MPI_IN_PLACE, signature.packed().data_ptr(), 8, MPI_INT64_T, MPI_MAX, native()), "validate");
-      signature.check(rank());
-    }
-    auto [watch, due] = state_->watched.collective(op, t, detail);
-    if (due)
-      state_->watched.compare_fingerprints(
-          rank(), size(),
-          [&](at::Tensor& words) {
-            check(MPI_Allreduce(MPI_IN_PLACE, words.data_ptr(), 4, MPI_INT64_T, MPI_MAX, native()), "fingerprint");
-          },
-          [&](const at::Tensor& in, at::Tensor& out) {
-            check(MPI_Allgather(in.data_ptr(), count("fingerprint", in), MPI_INT64_T, out.data_ptr(),
-                                count("fingerprint", in), MPI_INT64_T, native()),
-                  "fingerprint");
-          });
-    return std::move(watch);
+    return skeleton().begin(op, t, detail, Words{*this});
   }
 
   // Starts the segments an earlier request left pending: Note [Segment order].
@@ -609,7 +538,7 @@ class Mpi {
     const auto* whole = static_cast<const char*>(out.data_ptr());
     const bool in_place = bytes > 0 && first == whole + rank() * bytes;
     if (bytes > 0 && !in_place && first < whole + size() * bytes && whole < first + bytes)
-      fail("all_gather", "in overlaps out but is not part rank() of it; pass `out.narrow(0, rank() * n, n)` to "
+      skeleton().fail("all_gather", "in overlaps out but is not part rank() of it; pass `out.narrow(0, rank() * n, n)` to "
                          "gather in place, or a separate tensor");
     return {in_place, begin("all_gather", in, 0)};
   }
@@ -623,33 +552,33 @@ class Mpi {
     const auto part = out.numel(), seg = reduce_scatter_segment(in);
     if (seg >= part) {
       check(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count("reduce_scatter", out), type, mpi_op,
-                                      native(), &r.requests_.emplace_back()),
+                                      native(), &r.native_.requests.emplace_back()),
             "reduce_scatter");
       return r;
     }
     // Each segment packs its size() strided pieces of `in` into scratch, then reduces
     // them into its place in `out`.
     const auto window = static_cast<std::size_t>(std::max(1, options().sharding_window));
-    r.segments_ = std::make_shared<Request::Segments>();
-    r.segments_->count = (part + seg - 1) / seg;
-    r.segments_->window = window;
-    r.segments_->start = [state = state_, in, out, part, seg, type, mpi_op,
+    r.native_.segments = std::make_shared<Segments>();
+    r.native_.segments->count = (part + seg - 1) / seg;
+    r.native_.segments->window = window;
+    r.native_.segments->start = [state = state_, in, out, part, seg, type, mpi_op,
                           slots = std::vector<std::vector<char>>(window),
                           extra = std::vector<std::vector<char>>()](std::int64_t k, MPI_Request* request,
                                                                       bool reuse) mutable {
       const auto size = static_cast<std::size_t>(in.element_size());
       const auto from = k * seg, m = std::min(seg, part - from);
       auto& scratch = reuse ? slots[static_cast<std::size_t>(k) % slots.size()] : extra.emplace_back();
-      scratch.resize(static_cast<std::size_t>(state->size * m) * size);
+      scratch.resize(static_cast<std::size_t>(state->skeleton.size() * m) * size);
       const auto* source = static_cast<const char*>(in.data_ptr());
-      for (int i = 0; i < state->size; ++i)
+      for (int i = 0; i < state->skeleton.size(); ++i)
         std::memcpy(scratch.data() + static_cast<std::size_t>(i * m) * size,
                     source + static_cast<std::size_t>(i * part + from) * size, static_cast<std::size_t>(m) * size);
       return MPI_Ireduce_scatter_block(scratch.data(), static_cast<char*>(out.data_ptr()) + from * in.element_size(),
                                        static_cast<int>(m), type, mpi_op, state->native(), request);
     };
-    r.segments_->start_some("reduce_scatter", rank());
-    state_->pending = r.segments_;
+    r.native_.segments->start_some("reduce_scatter", rank());
+    state_->pending = r.native_.segments;
     return r;
   }
 
@@ -660,7 +589,7 @@ class Mpi {
     const auto part = in.numel(), seg = all_gather_segment(out);
     if (seg >= part) {
       check(MPI_Iallgather(in_place ? MPI_IN_PLACE : in.data_ptr(), count("all_gather", in), type, out.data_ptr(),
-                           count("all_gather", in), type, native(), &r.requests_.emplace_back()),
+                           count("all_gather", in), type, native(), &r.native_.requests.emplace_back()),
             "all_gather");
       return r;
     }
@@ -668,25 +597,25 @@ class Mpi {
     // therefore be addressable with int displacements.
     (void)count("all_gather", out);
     const auto window = static_cast<std::size_t>(std::max(1, options().sharding_window));
-    r.segments_ = std::make_shared<Request::Segments>();
-    r.segments_->count = (part + seg - 1) / seg;
-    r.segments_->window = window;
-    r.segments_->start = [state = state_, in, out, part, seg, type, in_place,
+    r.native_.segments = std::make_shared<Segments>();
+    r.native_.segments->count = (part + seg - 1) / seg;
+    r.native_.segments->window = window;
+    r.native_.segments->start = [state = state_, in, out, part, seg, type, in_place,
                           slots = std::vector<std::vector<int>>(window),
                           extra = std::vector<std::vector<int>>()](std::int64_t k, MPI_Request* request,
                                                                      bool reuse) mutable {
       const auto from = k * seg, m = std::min(seg, part - from);
       // Counts, then displacements: MPI reads them until the segment completes.
       auto& layout = reuse ? slots[static_cast<std::size_t>(k) % slots.size()] : extra.emplace_back();
-      layout.assign(2 * static_cast<std::size_t>(state->size), static_cast<int>(m));
-      for (int i = 0; i < state->size; ++i)
-        layout[static_cast<std::size_t>(state->size + i)] = static_cast<int>(i * part + from);
+      layout.assign(2 * static_cast<std::size_t>(state->skeleton.size()), static_cast<int>(m));
+      for (int i = 0; i < state->skeleton.size(); ++i)
+        layout[static_cast<std::size_t>(state->skeleton.size() + i)] = static_cast<int>(i * part + from);
       const void* source = in_place ? MPI_IN_PLACE : static_cast<const char*>(in.data_ptr()) + from * in.element_size();
       return MPI_Iallgatherv(source, static_cast<int>(m), type, out.data_ptr(), layout.data(),
-                             layout.data() + state->size, type, state->native(), request);
+                             layout.data() + state->skeleton.size(), type, state->native(), request);
     };
-    r.segments_->start_some("all_gather", rank());
-    state_->pending = r.segments_;
+    r.native_.segments->start_some("all_gather", rank());
+    state_->pending = r.native_.segments;
     return r;
   }
 

@@ -4,19 +4,21 @@
 
 #include <ATen/core/Tensor.h>
 #include <cuda_runtime.h>
-#include <mpi.h>
 #include <nccl.h>
 
 #include <chrono>
+#include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/core/reduce_op.hpp"
+#include "paratrain/comm/detail/skeleton.hpp"
 #include "paratrain/comm/detail/tensor_checks.hpp"
+#include "paratrain/reliability/collective_signature.hpp"
 #include "paratrain/reliability/watchdog.hpp"
 #include "paratrain/core/error.hpp"
 
@@ -29,14 +31,28 @@ namespace paratrain::comm {
 // device is CUDA. It thus compiles and links wherever the CUDA toolkit and NCCL are
 // installed, and runs wherever a GPU is.
 
+// Note [NCCL bootstrap]
+// NCCL's ranks meet through a 128-byte unique id that one rank makes (ncclGetUniqueId, which
+// needs no GPU) and every other rank receives before ncclCommInitRank. How it travels is not
+// NCCL's business, so it is not comm::Nccl's either: Nccl is made from a Bootstrap, the id
+// already agreed plus this rank's place, and needs no MPI. comm/nccl/bootstrap_over_mpi.hpp agrees
+// one over a comm::Mpi (a broadcast, as before); a store (torchrun's TCPStore: rank 0 sets
+// the bytes, the others get them) can do the same. A bootstrap should also agree that every
+// rank has a GPU, as the MPI one does: a rank that throws before ncclCommInitRank leaves the
+// others waiting inside it until their timeout.
+
 /// A group of GPU ranks, one device each, communicating through NCCL.
 ///
-/// It is made collectively from a comm::Mpi over the same processes, which carries
-/// NCCL's unique id from rank 0 to the others; after that MPI is not used. Each rank
-/// takes the GPU `Options::device`, by default its rank among the processes of its
-/// node modulo the node's GPU count. Operations are enqueued on the communicator's
-/// own stream, after the work already on the default stream (Note [Stream order]);
-/// the blocking forms wait for them, the `i` forms return a Request.
+/// It is made collectively from NCCL's unique id, agreed by a bootstrap (Note [NCCL
+/// bootstrap]): `Nccl(Nccl::Bootstrap{...})`, or `Nccl(world)` over a comm::Mpi with
+/// comm/nccl/bootstrap_over_mpi.hpp included. Each rank takes the GPU `Options::device`, by
+/// default its rank among the processes of its node modulo the node's GPU count. Operations
+/// are enqueued on the communicator's own stream, after the work already on the default
+/// stream (Note [Stream order]); the blocking forms wait for them, the `i` forms return a
+/// Request. Like comm::Mpi and comm::Gloo, every operation checks its arguments before any
+/// CUDA or NCCL call, is counted and watched (Note [Watchdog]), its collectives' fingerprint
+/// compared every 64 (Note [Collective fingerprint]), and checked in full across ranks when
+/// Options::validate is set (Note [Collective validation]).
 ///
 /// Choose it for: CUDA tensors. Choose comm::Mpi for CPU tensors.
 class Nccl {
@@ -47,66 +63,58 @@ class Nccl {
     /// How long an operation may stay pending (from its start to the end of its wait()
     /// or test()) before the watchdog reports it and ends the job: Note [Watchdog].
     std::chrono::milliseconds timeout = detail::default_timeout();
+    /// As comm::Mpi::Options::validate: check that every rank calls the same collective with
+    /// the same dtype, element count and root, and throw on every rank if not. Costs one
+    /// small all-reduce (and two host-device copies) per collective.
+    bool validate = detail::env_flag("PARATRAIN_VALIDATE");
   };
 
-  /// Completion of operations enqueued so far, through a CUDA event.
-  class Request {
-   public:
-    Request() = default;
-    Request(Request&& o) noexcept
-        : event_(std::exchange(o.event_, nullptr)), rank_(o.rank_), keep_(std::move(o.keep_)), watch_(std::move(o.watch_)) {}
-    Request& operator=(Request&& o) noexcept {
-      std::swap(event_, o.event_);
-      std::swap(keep_, o.keep_);
-      std::swap(watch_, o.watch_);
-      rank_ = o.rank_;
-      return *this;
+  /// What a rank needs to join: NCCL's unique id, the same on every rank, and its place.
+  /// Made by a bootstrap: Note [NCCL bootstrap].
+  struct Bootstrap {
+    ncclUniqueId id{};
+    int rank = 0;
+    int size = 1;
+    /// This rank among the processes of its node: picks the GPU when Options::device is -1.
+    int local_rank = 0;
+    /// The members' ranks in the job's world, in this group's rank order, for the watchdog's
+    /// reports; empty: 0 .. size-1.
+    std::vector<int> world_ranks;
+  };
+
+  // CUDA's handle on one operation, for detail::BasicRequest (comm/detail/request.hpp).
+  struct Handles {
+    using owner = Nccl;
+    Handles() noexcept : event(nullptr) {}  // not a member initialiser: see comm::Gloo's Handles
+    cudaEvent_t event;
+
+    [[nodiscard]] bool pending() const noexcept { return event != nullptr; }
+    void wait(const char* op, int rank) {
+      cuda_check(cudaEventSynchronize(event), op, rank);
+      cudaEventDestroy(std::exchange(event, nullptr));
     }
-    ~Request() {
-      if (event_ != nullptr) {
-        cudaEventSynchronize(event_);
-        cudaEventDestroy(event_);
-      }
-    }
-    void wait() {
-      if (event_ == nullptr) return;
-      cuda_check(cudaEventSynchronize(event_), "wait", rank_);
-      cudaEventDestroy(std::exchange(event_, nullptr));
-      watch_.release();
-      keep_.clear();
-    }
-    [[nodiscard]] bool test() {
-      if (event_ == nullptr) return true;
-      const auto rc = cudaEventQuery(event_);
+    [[nodiscard]] bool test(const char* op, int rank) {
+      const auto rc = cudaEventQuery(event);
       if (rc == cudaErrorNotReady) return false;
-      cuda_check(rc, "test", rank_);
-      cudaEventDestroy(std::exchange(event_, nullptr));
-      watch_.release();
-      keep_.clear();
+      cuda_check(rc, op, rank);
+      cudaEventDestroy(std::exchange(event, nullptr));
       return true;
     }
-
-   private:
-    friend class Nccl;
-    Request(cudaEvent_t e, int rank, detail::Watch watch) : event_(e), rank_(rank), watch_(std::move(watch)) {}
-    cudaEvent_t event_ = nullptr;
-    int rank_ = -1;
-    std::vector<at::Tensor> keep_;  // must outlive the operation (a caching allocator would reuse the memory)
-    detail::Watch watch_;           // Note [Watchdog]
+    void abandon() noexcept { event = nullptr; }  // leaked: Note [Dropped requests]
   };
 
-  /// Rank 0 makes NCCL's unique id and broadcasts it over `bootstrap` (or its failure,
-  /// so that every rank throws rather than waits); works without a GPU, so the
-  /// bootstrap is testable on CPU machines. Collective over `bootstrap`.
-  [[nodiscard]] static ncclUniqueId unique_id(Mpi& bootstrap) {
-    struct {
-      ncclUniqueId id;
-      ncclResult_t rc;
-    } message{{}, ncclSuccess};
-    if (bootstrap.rank() == 0) message.rc = ncclGetUniqueId(&message.id);
-    check_mpi(MPI_Bcast(&message, sizeof message, MPI_BYTE, 0, bootstrap.native()), "unique_id", bootstrap.rank());
-    nccl_check(message.rc, "unique_id", bootstrap.rank());
-    return message.id;
+  /// Completion of operations enqueued so far, through a CUDA event. Dropping one waits for
+  /// it, except during stack unwinding (Note [Dropped requests]).
+  using Request = detail::BasicRequest<Handles>;
+
+  /// NCCL's unique id through a bootstrap found by argument-dependent lookup, as
+  /// `nccl_unique_id(comm::Mpi&)` in comm/nccl/bootstrap_over_mpi.hpp. Collective over its ranks.
+  template <class B>
+    requires requires(B& b) {
+      { nccl_unique_id(b) } -> std::same_as<ncclUniqueId>;
+    }
+  [[nodiscard]] static ncclUniqueId unique_id(B& bootstrap) {
+    return nccl_unique_id(bootstrap);
   }
 
   /// The number of CUDA devices this process sees; 0 where there is no GPU or driver.
@@ -115,77 +123,105 @@ class Nccl {
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
   }
 
-  /// Collective over `bootstrap`'s ranks. Throws paratrain::error where there is no GPU.
-  explicit Nccl(Mpi& bootstrap) : Nccl(bootstrap, Options{}) {}
-  Nccl(Mpi& bootstrap, Options options) : state_(std::make_shared<State>()) {
+  /// Joins the group whose id `b` carries. Collective over its ranks (they all block in
+  /// ncclCommInitRank until every one has joined). Checks `b` before any CUDA call, and
+  /// throws paratrain::error where there is no GPU.
+  explicit Nccl(const Bootstrap& b) : Nccl(b, Options{}) {}
+  Nccl(const Bootstrap& b, Options options) : state_(std::make_shared<State>()) {
+    if (b.size < 1)
+      throw error("comm::Nccl", b.rank, "Bootstrap::size " + std::to_string(b.size) + " is not at least 1");
+    if (b.rank < 0 || b.rank >= b.size)
+      throw error("comm::Nccl", b.rank,
+                  "Bootstrap::rank " + std::to_string(b.rank) + " is not in a world of " + std::to_string(b.size) +
+                      " (0.." + std::to_string(b.size - 1) + ")");
+    if (!b.world_ranks.empty() && b.world_ranks.size() != static_cast<std::size_t>(b.size))
+      throw error("comm::Nccl", b.rank,
+                  "Bootstrap::world_ranks names " + std::to_string(b.world_ranks.size()) + " ranks but size is " +
+                      std::to_string(b.size) + "; give one per rank, or none");
     auto& s = *state_;
-    s.rank = bootstrap.rank();
-    s.size = bootstrap.size();
     const int devices = device_count();
-    const auto id = unique_id(bootstrap);
-    // Ranks without a GPU must not leave the others waiting in ncclCommInitRank.
-    int without = devices == 0 ? 1 : 0;
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &without, 1, MPI_INT, MPI_SUM, bootstrap.native()), "comm::Nccl", s.rank);
-    if (without > 0)
-      throw error("comm::Nccl", s.rank,
-                  (devices == 0 ? std::string("no CUDA device is visible (cudaGetDeviceCount failed or found none)")
-                                : "no CUDA device is visible on " + std::to_string(without) + " of the " +
-                                      std::to_string(s.size) + " ranks") +
-                      "; use comm::Mpi for CPU tensors, or check CUDA_VISIBLE_DEVICES and the driver");
-    s.device = options.device >= 0 ? options.device : local_rank(bootstrap) % devices;
-    cuda_check(cudaSetDevice(s.device), "comm::Nccl", s.rank);
-    cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "comm::Nccl", s.rank);
-    cuda_check(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming), "comm::Nccl", s.rank);
-    nccl_check(ncclCommInitRank(&s.comm, s.size, id, s.rank), "comm::Nccl", s.rank);
-    s.watched = detail::Watched("nccl", detail::world_ranks(bootstrap.native()), s.rank, options.timeout);
+    if (devices == 0)
+      throw error("comm::Nccl", b.rank,
+                  "no CUDA device is visible (cudaGetDeviceCount failed or found none); use comm::Mpi for CPU "
+                  "tensors, or check CUDA_VISIBLE_DEVICES and the driver");
+    s.device = options.device >= 0 ? options.device : b.local_rank % devices;
+    cuda_check(cudaSetDevice(s.device), "comm::Nccl", b.rank);
+    cuda_check(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking), "comm::Nccl", b.rank);
+    cuda_check(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming), "comm::Nccl", b.rank);
+    nccl_check(ncclCommInitRank(&s.comm, b.size, b.id, b.rank), "comm::Nccl", b.rank);
+    auto members = b.world_ranks;
+    if (members.empty())
+      for (int r = 0; r < b.size; ++r) members.push_back(r);
+    s.skeleton =
+        detail::Skeleton(b.rank, b.size, options.validate, detail::Watched("nccl", std::move(members), b.rank, options.timeout));
   }
 
-  [[nodiscard]] int rank() const noexcept { return state_->rank; }
-  [[nodiscard]] int size() const noexcept { return state_->size; }
+  /// Joins through a bootstrap found by argument-dependent lookup: `nccl_bootstrap(b)`
+  /// returning a Bootstrap, as comm/nccl/bootstrap_over_mpi.hpp gives for comm::Mpi. Collective
+  /// over its ranks.
+  template <class B>
+    requires requires(B& b) {
+      { nccl_bootstrap(b) } -> std::same_as<Bootstrap>;
+    }
+  explicit Nccl(B& bootstrap, Options options = {}) : Nccl(nccl_bootstrap(bootstrap), std::move(options)) {}
+
+  [[nodiscard]] int rank() const noexcept { return state_->skeleton.rank(); }
+  [[nodiscard]] int size() const noexcept { return state_->skeleton.size(); }
   [[nodiscard]] int device() const noexcept { return state_->device; }
   [[nodiscard]] cudaStream_t stream() const noexcept { return state_->stream; }
 
   // ---- raw device buffers (Note [NCCL without CUDA-enabled LibTorch]) ----------
   Request iall_reduce(void* data, std::size_t count, at::ScalarType dtype, reduce_op op) {
     check_reduce_dtype("all_reduce", dtype, op);
+    auto watch = begin("all_reduce", dtype, count, static_cast<int>(op));
     nccl_check(ncclAllReduce(data, data, count, nccl_type("all_reduce", dtype), nccl_op(op), state_->comm,
                              after_default_stream("all_reduce")),
                "all_reduce", rank());
-    return record("all_reduce");
+    return record("all_reduce", std::move(watch));
   }
   Request ibroadcast(void* data, std::size_t count, at::ScalarType dtype, int root) {
-    check_root("broadcast", root);
+    check_dtype("broadcast", dtype);
+    skeleton().check_peer("broadcast", root);
+    auto watch = begin("broadcast", dtype, count, root);
     nccl_check(ncclBroadcast(data, data, count, nccl_type("broadcast", dtype), root, state_->comm,
                              after_default_stream("broadcast")),
                "broadcast", rank());
-    return record("broadcast");
+    return record("broadcast", std::move(watch));
   }
   /// `in` has size() * count elements, `out` count.
   Request ireduce_scatter(const void* in, void* out, std::size_t count, at::ScalarType dtype, reduce_op op) {
     check_reduce_dtype("reduce_scatter", dtype, op);
+    // Counted by `in`'s elements, as comm::Mpi and comm::Gloo count a reduce-scatter.
+    auto watch = begin("reduce_scatter", dtype, count * static_cast<std::size_t>(size()), static_cast<int>(op));
     nccl_check(ncclReduceScatter(in, out, count, nccl_type("reduce_scatter", dtype), nccl_op(op), state_->comm,
                                  after_default_stream("reduce_scatter")),
                "reduce_scatter", rank());
-    return record("reduce_scatter");
+    return record("reduce_scatter", std::move(watch));
   }
   /// `in` has count elements, `out` size() * count.
   Request iall_gather(const void* in, void* out, std::size_t count, at::ScalarType dtype) {
+    check_dtype("all_gather", dtype);
+    auto watch = begin("all_gather", dtype, count, 0);
     nccl_check(ncclAllGather(in, out, count, nccl_type("all_gather", dtype), state_->comm,
                              after_default_stream("all_gather")),
                "all_gather", rank());
-    return record("all_gather");
+    return record("all_gather", std::move(watch));
   }
   Request isend(const void* data, std::size_t count, at::ScalarType dtype, int peer) {
-    check_root("send", peer);
+    check_dtype("send", dtype);
+    skeleton().check_peer("send", peer);
+    auto watch = skeleton().point_to_point("send", peer, 0);
     nccl_check(ncclSend(data, count, nccl_type("send", dtype), peer, state_->comm, after_default_stream("send")),
                "send", rank());
-    return record("send");
+    return record("send", std::move(watch));
   }
   Request irecv(void* data, std::size_t count, at::ScalarType dtype, int peer) {
-    check_root("recv", peer);
+    check_dtype("recv", dtype);
+    skeleton().check_peer("recv", peer);
+    auto watch = skeleton().point_to_point("recv", peer, 0);
     nccl_check(ncclRecv(data, count, nccl_type("recv", dtype), peer, state_->comm, after_default_stream("recv")),
                "recv", rank());
-    return record("recv");
+    return record("recv", std::move(watch));
   }
 
   // ---- tensors whose device is CUDA ---------------------------------------------
@@ -244,6 +280,7 @@ class Nccl {
  private:
   struct State {
     ~State() {
+      if (scratch != nullptr) cudaFree(scratch);
       if (comm != nullptr) ncclCommDestroy(comm);
       if (ready != nullptr) cudaEventDestroy(ready);
       if (stream != nullptr) cudaStreamDestroy(stream);
@@ -251,8 +288,10 @@ class Nccl {
     ncclComm_t comm = nullptr;
     cudaStream_t stream = nullptr;
     cudaEvent_t ready = nullptr;  // Note [Stream order]
-    int rank = 0, size = 1, device = 0;
-    detail::Watched watched;  // Note [Watchdog]
+    void* scratch = nullptr;      // the word collectives' device buffer
+    std::size_t scratch_bytes = 0;
+    int device = 0;
+    detail::Skeleton skeleton;  // rank, size; Note [Watchdog], Note [Collective fingerprint]
   };
 
   static void nccl_check(ncclResult_t rc, const char* op, int rank) {
@@ -261,18 +300,52 @@ class Nccl {
   static void cuda_check(cudaError_t rc, const char* op, int rank) {
     if (rc != cudaSuccess) throw error(op, rank, std::string("CUDA failed: ") + cudaGetErrorString(rc));
   }
-  static void check_mpi(int rc, const char* op, int rank) {
-    if (rc != MPI_SUCCESS) throw error(op, rank, "MPI failed while broadcasting NCCL's unique id");
+
+  [[nodiscard]] const detail::Skeleton& skeleton() const noexcept { return state_->skeleton; }
+
+  // The skeleton's preamble (comm/detail/skeleton.hpp), after the arguments are checked and
+  // before anything is enqueued.
+  [[nodiscard]] detail::Watch begin(std::string_view op, at::ScalarType dtype, std::size_t count, int detail) {
+    return skeleton().begin(op, dtype, static_cast<std::int64_t>(count), detail, Words{*this});
   }
 
-  static int local_rank(Mpi& bootstrap) {
-    MPI_Comm node = MPI_COMM_NULL;
-    check_mpi(MPI_Comm_split_type(bootstrap.native(), MPI_COMM_TYPE_SHARED, bootstrap.rank(), MPI_INFO_NULL, &node),
-              "comm::Nccl", bootstrap.rank());
-    int local = 0;
-    MPI_Comm_rank(node, &local);
-    MPI_Comm_free(&node);
-    return local;
+  // The skeleton's word collectives: the host words through a device buffer, on this
+  // communicator's stream, waited for.
+  struct Words {
+    Nccl& comm;
+    void all_reduce_max(const char* op, at::Tensor& w) const {
+      const auto bytes = static_cast<std::size_t>(w.numel()) * sizeof(std::int64_t);
+      auto* d = comm.scratch(op, bytes);
+      comm.on_stream(op, cudaMemcpyAsync(d, w.data_ptr(), bytes, cudaMemcpyHostToDevice, comm.stream()));
+      comm.nccl_check(ncclAllReduce(d, d, static_cast<std::size_t>(w.numel()), ncclInt64, ncclMax, comm.state_->comm,
+                                    comm.stream()),
+                      op, comm.rank());
+      comm.on_stream(op, cudaMemcpyAsync(w.data_ptr(), d, bytes, cudaMemcpyDeviceToHost, comm.stream()));
+      comm.on_stream(op, cudaStreamSynchronize(comm.stream()));
+    }
+    void all_gather(const char* op, const at::Tensor& in, at::Tensor& out) const {
+      const auto part = static_cast<std::size_t>(in.numel()) * sizeof(std::int64_t);
+      auto* d = static_cast<char*>(comm.scratch(op, part * static_cast<std::size_t>(comm.size() + 1)));
+      comm.on_stream(op, cudaMemcpyAsync(d, in.data_ptr(), part, cudaMemcpyHostToDevice, comm.stream()));
+      comm.nccl_check(ncclAllGather(d, d + part, static_cast<std::size_t>(in.numel()), ncclInt64, comm.state_->comm,
+                                    comm.stream()),
+                      op, comm.rank());
+      comm.on_stream(op, cudaMemcpyAsync(out.data_ptr(), d + part, part * static_cast<std::size_t>(comm.size()),
+                                         cudaMemcpyDeviceToHost, comm.stream()));
+      comm.on_stream(op, cudaStreamSynchronize(comm.stream()));
+    }
+  };
+  void on_stream(const char* op, cudaError_t rc) const { cuda_check(rc, op, rank()); }
+  // At least `bytes` of device memory, kept for the next word collective.
+  void* scratch(const char* op, std::size_t bytes) {
+    auto& s = *state_;
+    if (s.scratch_bytes < bytes) {
+      if (s.scratch != nullptr) cuda_check(cudaFree(std::exchange(s.scratch, nullptr)), op, rank());
+      s.scratch_bytes = 0;
+      cuda_check(cudaMalloc(&s.scratch, bytes), op, rank());
+      s.scratch_bytes = bytes;
+    }
+    return s.scratch;
   }
 
   ncclDataType_t nccl_type(const char* op, at::ScalarType t) const {
@@ -299,16 +372,16 @@ class Nccl {
     return ncclSum;
   }
 
-  void check_reduce_dtype(const char* op, at::ScalarType t, reduce_op r) const {
+  void check_dtype(const char* op, at::ScalarType t) const {
     if (!detail::is_supported_dtype(t))
-      throw error(op, rank(), "dtype " + std::string(c10::toString(t)) + " is not supported by comm::Nccl");
-    if (r == reduce_op::average && !at::isFloatingType(t))
-      throw error(op, rank(), "average of an integer buffer would truncate; reduce with reduce_op::sum and divide");
+      skeleton().fail(op, "dtype " + std::string(c10::toString(t)) +
+                              " is not supported by comm::Nccl; supported are float32, float64, bfloat16, float16, "
+                              "int32 and int64");
   }
-  void check_root(const char* op, int peer) const {
-    if (peer < 0 || peer >= size())
-      throw error(op, rank(), "rank " + std::to_string(peer) + " is not in this communicator of " +
-                                  std::to_string(size()) + " ranks");
+  void check_reduce_dtype(const char* op, at::ScalarType t, reduce_op r) const {
+    check_dtype(op, t);
+    if (r == reduce_op::average && !at::isFloatingType(t))
+      skeleton().fail(op, "average of an integer buffer would truncate; reduce with reduce_op::sum and divide");
   }
   void check_device(const char* op, const at::Tensor& t) const {
     detail::check_buffer(op, rank(), t);
@@ -331,13 +404,15 @@ class Nccl {
     return stream();
   }
 
-  Request record(const char* op) {
+  // The operation's completion, watched from its start (Note [Watchdog]) to its wait().
+  Request record(const char* op, detail::Watch watch) {
     cudaEvent_t e = nullptr;
     cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), op, rank());
+    Request r(op, rank(), {});
+    r.native_.event = e;
+    r.watch_ = std::move(watch);
     cuda_check(cudaEventRecord(e, stream()), op, rank());
-    // Watched from here to its wait(): the watchdog (Note [Watchdog]) ends the job through
-    // MPI when a peer never joins. NCCL's collectives are counted but not fingerprinted.
-    return Request(e, rank(), state_->watched.collective(op));
+    return r;
   }
 
   std::shared_ptr<State> state_;

@@ -21,7 +21,7 @@ set_property(TARGET paratrain::paratrain APPEND PROPERTY INTERFACE_INCLUDE_DIREC
 set_property(TARGET paratrain::paratrain APPEND PROPERTY INTERFACE_LINK_LIBRARIES range-v3::range-v3 pthread)
 set_property(TARGET paratrain::mpi APPEND PROPERTY INTERFACE_LINK_LIBRARIES paratrain::paratrain)
 set_property(TARGET paratrain::mpi APPEND PROPERTY INTERFACE_COMPILE_DEFINITIONS PARATRAIN_HAS_MPI=1)
-set_property(TARGET paratrain::nccl APPEND PROPERTY INTERFACE_LINK_LIBRARIES paratrain::mpi)
+set_property(TARGET paratrain::nccl APPEND PROPERTY INTERFACE_LINK_LIBRARIES paratrain::paratrain)
 set_property(TARGET paratrain::nccl APPEND PROPERTY INTERFACE_COMPILE_DEFINITIONS PARATRAIN_HAS_NCCL=1)
 set_property(TARGET paratrain::gloo APPEND PROPERTY INTERFACE_LINK_LIBRARIES paratrain::paratrain)
 set_property(TARGET paratrain::gloo APPEND PROPERTY INTERFACE_COMPILE_DEFINITIONS PARATRAIN_HAS_GLOO=1)

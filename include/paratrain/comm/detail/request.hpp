@@ -1,0 +1,118 @@
+#pragma once
+/// \file
+/// The lifetime of a pending operation, written once for comm::Mpi, comm::Gloo and comm::Nccl:
+/// what it keeps alive, what runs when it completes, its watch, and what dropping it does.
+/// A transport supplies only its native handles (MPI requests, c10d works, a CUDA event).
+// IWYU pragma: private, include "paratrain/comm/mpi/mpi.hpp" (or gloo/, nccl/)
+
+#include <ATen/core/Tensor.h>
+
+#include <concepts>
+#include <exception>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "paratrain/reliability/watchdog.hpp"
+
+namespace paratrain::detail {
+
+/// A transport's handles on one pending operation. Moved-from and default-constructed
+/// handles are not pending; wait() and test() leave them not pending when they succeed.
+template <class N>
+concept native_handles = std::default_initializable<N> && std::movable<N> &&
+                         requires(N& n, const N& c, const char* op, int rank) {
+                           { c.pending() } -> std::same_as<bool>;
+                           n.wait(op, rank);                          // blocks; throws paratrain::error
+                           { n.test(op, rank) } -> std::same_as<bool>;  // progresses; true once complete
+                           n.abandon();  // leaks the handles: Note [Dropped requests]
+                         };
+
+// Note [Dropped requests]
+// MPI forbids freeing a request of a non-blocking collective, and the buffer must
+// outlive it, so a Request destroyed while pending waits. During stack unwinding
+// it does not: a peer may have failed, and waiting could hang the rank that is
+// about to report the error. The buffer is then leaked on purpose.
+
+/// A pending non-blocking operation of the communicator `Native::owner`. Dropping one waits
+/// for it: Note [Dropped requests].
+template <native_handles Native>
+class BasicRequest {
+ public:
+  BasicRequest() = default;
+  BasicRequest(BasicRequest&& o) noexcept { *this = std::move(o); }
+  BasicRequest& operator=(BasicRequest&& o) noexcept {
+    if (this != &o) {
+      finish_or_abandon();
+      native_ = std::exchange(o.native_, Native{});
+      keep_ = std::move(o.keep_);
+      then_ = std::move(o.then_);
+      watch_ = std::move(o.watch_);
+      op_ = o.op_;
+      rank_ = o.rank_;
+    }
+    return *this;
+  }
+  ~BasicRequest() { finish_or_abandon(); }
+
+  /// Blocks until the operation is complete; the buffer is then valid. Throws
+  /// paratrain::error when the transport failed.
+  void wait() {
+    if (!native_.pending()) return;
+    try {
+      native_.wait(op_, rank_);
+    } catch (...) {
+      watch_.release();
+      throw;
+    }
+    complete();
+  }
+
+  /// Makes progress and says whether the operation is complete.
+  [[nodiscard]] bool test() {
+    if (!native_.pending()) return true;
+    if (!native_.test(op_, rank_)) return false;
+    complete();
+    return true;
+  }
+
+  /// Whether test() answers without blocking, where the transport can say (comm::Gloo).
+  [[nodiscard]] bool pollable() const noexcept
+    requires requires(const Native& n) { n.pollable(); }
+  {
+    return native_.pollable();
+  }
+
+ private:
+  friend typename Native::owner;
+  BasicRequest(const char* op, int rank, std::vector<at::Tensor> keep) : keep_(std::move(keep)), op_(op), rank_(rank) {}
+
+  void complete() {
+    watch_.release();
+    if (then_) std::exchange(then_, {})();
+    keep_.clear();
+  }
+
+  void finish_or_abandon() noexcept {
+    if (!native_.pending()) return;
+    if (std::uncaught_exceptions() > 0) {
+      native_.abandon();
+      new std::vector<at::Tensor>(std::move(keep_));
+      watch_.release();
+      return;
+    }
+    try {
+      wait();
+    } catch (...) {  // a destructor cannot report it; the next operation will fail too
+    }
+  }
+
+  Native native_;
+  std::vector<at::Tensor> keep_;  // must outlive the operation
+  std::function<void()> then_;    // runs once it completes (an average's division, a copy back)
+  Watch watch_;                   // Note [Watchdog]
+  const char* op_ = "";
+  int rank_ = -1;
+};
+
+}  // namespace paratrain::detail

@@ -1,0 +1,93 @@
+#pragma once
+/// \file
+/// The part of a communicator written once for comm::Mpi, comm::Gloo and comm::Nccl: who it
+/// is (rank, size), the checks of peers, and the preamble every collective passes through
+/// (validation, ledger, fingerprint, watch). A transport supplies two blocking operations on
+/// int64 words (`word_collectives`); the request lifetime is detail::BasicRequest.
+// IWYU pragma: private, include "paratrain/comm/mpi/mpi.hpp" (or gloo/, nccl/)
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "paratrain/comm/detail/request.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/reliability/collective_signature.hpp"
+#include "paratrain/reliability/watchdog.hpp"
+
+namespace paratrain::detail {
+
+/// The two operations the preamble runs over a transport, blocking, neither counted nor
+/// watched (the skeleton watches them): `all_reduce_max(op, words)` all-reduces a contiguous
+/// CPU int64 tensor in place with MAX; `all_gather(op, in, out)` concatenates every rank's
+/// CPU int64 `in`, in rank order, into `out`. `op` names the operation in errors.
+template <class T>
+concept word_collectives = requires(T& t, const char* op, at::Tensor& words, const at::Tensor& in) {
+  t.all_reduce_max(op, words);
+  t.all_gather(op, in, words);
+};
+
+/// A communicator's rank, size, validation setting and Watched (Note [Watchdog], Note
+/// [Collective fingerprint]); each communicator keeps one in its shared state.
+class Skeleton {
+ public:
+  Skeleton() = default;
+  Skeleton(int rank, int size, bool validate, Watched watched)
+      : watched_(std::move(watched)), rank_(rank), size_(size), validate_(validate) {}
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] bool validates() const noexcept { return validate_; }
+  [[nodiscard]] const Watched& watched() const noexcept { return watched_; }
+
+  [[noreturn]] void fail(const char* op, const std::string& message) const { throw error(op, rank_, message); }
+
+  /// `peer` (a root, a sender, a receiver) is a rank of this communicator.
+  void check_peer(const char* op, int peer) const {
+    if (peer < 0 || peer >= size_)
+      fail(op, "rank " + std::to_string(peer) + " is not in this communicator of " + std::to_string(size_) +
+                   " ranks (0.." + std::to_string(size_ - 1) + ")");
+  }
+
+  // Every collective but barrier, split and duplicate passes here, after its arguments are
+  // checked: it is checked in full across ranks when asked (Note [Collective validation],
+  // reliability/collective_signature.hpp), counted, its fingerprint compared when due (Note
+  // [Collective fingerprint]), and watched: the returned watch (Note [Watchdog]).
+  template <word_collectives Words>
+  [[nodiscard]] Watch begin(std::string_view op, at::ScalarType dtype, std::int64_t numel, int detail,
+                            Words&& words) const {
+    if (validate_) {  // first: a collective refused on every rank is not counted
+      CollectiveSignature signature(op, dtype, numel, detail);
+      const auto watch = watched_.operation(record_of("validate", signature.packed(), 0));
+      words.all_reduce_max("validate", signature.packed());
+      signature.check(rank_);
+    }
+    auto [watch, due] = watched_.collective(op, dtype, numel, detail);
+    if (due)
+      watched_.compare_fingerprints(
+          rank_, size_, [&](at::Tensor& w) { words.all_reduce_max("fingerprint", w); },
+          [&](const at::Tensor& in, at::Tensor& out) { words.all_gather("fingerprint", in, out); });
+    return std::move(watch);
+  }
+  template <word_collectives Words>
+  [[nodiscard]] Watch begin(std::string_view op, const at::Tensor& t, int detail, Words&& words) const {
+    return begin(op, t.scalar_type(), t.numel(), detail, words);
+  }
+
+  /// Counts and watches a collective without a buffer (barrier, split).
+  [[nodiscard]] Watch collective(std::string_view op) const { return watched_.collective(op); }
+  [[nodiscard]] Watch point_to_point(std::string_view op, int peer, int tag) const {
+    return watched_.point_to_point(op, peer, tag);
+  }
+
+ private:
+  Watched watched_;
+  int rank_ = 0;
+  int size_ = 1;
+  bool validate_ = false;
+};
+
+}  // namespace paratrain::detail
