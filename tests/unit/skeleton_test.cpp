@@ -18,6 +18,9 @@
 #include "paratrain/core/error.hpp"
 #include "support/doctest.hpp"
 
+// A namespace of its own: this file shares a translation unit with others (Note [Unity groups]).
+namespace skeleton_test {
+
 namespace {
 
 using paratrain::reduce_op;
@@ -213,3 +216,5 @@ TEST_CASE("skeleton: a dropped request waits, but not while an exception unwinds
   }
   CHECK(moved.waits == 1);
 }
+
+}  // namespace skeleton_test
