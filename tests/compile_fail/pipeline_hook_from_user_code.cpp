@@ -1,4 +1,5 @@
 // expect: PipelineDriver::PipelineDriver\(\)[^ ]* is private within this context
+// expect-from: compiler
 // The driver hooks (Note [Steps driven from outside]) are the pipeline's: user code has no
 // PipelineDriver to call them with.
 #include <torch/torch.h>
