@@ -2,15 +2,24 @@
 // locally from a formula (tests/support/collectives.hpp, shared with comm::Gloo's tests).
 #include <torch/torch.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
 #include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/comm/rendezvous.hpp"
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "support/collectives.hpp"
 #include "support/doctest.hpp"
+#include "support/shared_dir.hpp"
 
 namespace comm = paratrain::comm;
 
@@ -158,4 +167,92 @@ TEST_CASE("comm::Mpi: a world of one under WORLD_SIZE > 1 says how to launch ins
   CHECK_THROWS_WITH_AS(comm::Mpi(), doctest::Contains("mpirun -n 2"), paratrain::error);
   if (before) setenv("WORLD_SIZE", saved.c_str(), 1);
   else unsetenv("WORLD_SIZE");
+}
+
+// ---- comm::Rendezvous: ranks meeting without MPI (MPI only starts them and checks) -------
+
+namespace {
+
+// A port free on this host now: bound by the kernel's choice, then released.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  socklen_t length = sizeof address;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// What every rank of `meeting` says, checked against what each rank was given.
+void check_meeting(comm::Rendezvous& meeting, const comm::Mpi& mpi) {
+  CHECK(meeting.rank() == mpi.rank());
+  CHECK(meeting.size() == mpi.size());
+  const auto all = meeting.all_gather("test", "rank " + std::to_string(mpi.rank()));
+  REQUIRE(all.size() == static_cast<std::size_t>(mpi.size()));
+  for (int r = 0; r < mpi.size(); ++r) CHECK(all[static_cast<std::size_t>(r)] == "rank " + std::to_string(r));
+  const int root = mpi.size() - 1;
+  CHECK(meeting.broadcast("test", mpi.rank() == root ? std::string("from the last\0rank", 18) : "", root) ==
+        std::string("from the last\0rank", 18));
+  // A second agreement over the same store uses fresh keys: no stale value is read.
+  CHECK(meeting.broadcast("test", mpi.rank() == 0 ? "second" : "", 0) == "second");
+}
+
+}  // namespace
+
+TEST_CASE("comm::Rendezvous: ranks meet in a file and agree values through it") {
+  comm::Mpi mpi;
+  const auto dir = paratrain_test::shared_dir(mpi, "rendezvous");
+  comm::Rendezvous meeting({.rank = mpi.rank(),
+                            .world_size = mpi.size(),
+                            .local_rank = 0,
+                            .master_addr = "",
+                            .file = (dir / "store").string()});
+  CHECK(meeting.where() == "file " + (dir / "store").string());
+  CHECK(meeting.port() == 0);
+  check_meeting(meeting, mpi);
+}
+
+TEST_CASE("comm::Rendezvous: ranks meet at MASTER_ADDR:MASTER_PORT through rank 0's TCPStore") {
+  comm::Mpi mpi;
+  auto port = torch::full({1}, mpi.rank() == 0 ? free_port() : 0, torch::kLong);
+  mpi.all_reduce(port, paratrain::reduce_op::sum);
+  comm::Rendezvous meeting({.rank = mpi.rank(),
+                            .world_size = mpi.size(),
+                            .local_rank = 0,
+                            .master_addr = "127.0.0.1",
+                            .master_port = static_cast<int>(port.item<std::int64_t>()),
+                            .file = ""});
+  CHECK(meeting.where() == (mpi.size() == 1 ? "" : "127.0.0.1:" + std::to_string(port.item<std::int64_t>())));
+  check_meeting(meeting, mpi);
+}
+
+TEST_CASE("comm::Rendezvous: a meeting that cannot happen says which variable to fix") {
+  using Options = comm::Rendezvous::Options;
+  CHECK_THROWS_WITH_AS(comm::Rendezvous(Options{.rank = 2, .world_size = 2, .local_rank = 0}),
+                       doctest::Contains("rank 2 is not in a world of 2"), paratrain::error);
+  CHECK_THROWS_WITH_AS(
+      comm::Rendezvous(Options{.rank = 0, .world_size = 2, .local_rank = 0, .master_addr = "", .file = ""}),
+      doctest::Contains("neither MASTER_ADDR nor Options::master_addr is set"), paratrain::error);
+  CHECK_THROWS_WITH_AS(comm::Rendezvous(Options{.rank = 0,
+                                                .world_size = 2,
+                                                .local_rank = 0,
+                                                .master_addr = "127.0.0.1",
+                                                .master_port = 0,
+                                                .file = ""}),
+                       doctest::Contains("Options::master_port=0 is not a port number"), paratrain::error);
+  // A file meeting whose other rank never comes: the timeout, named, instead of a hang.
+  const auto lonely = std::filesystem::temp_directory_path() / ("paratrain-lonely-" + std::to_string(::getpid()));
+  std::filesystem::remove(lonely);
+  CHECK_THROWS_WITH_AS(comm::Rendezvous(Options{.rank = 0,
+                                                .world_size = 2,
+                                                .local_rank = 0,
+                                                .file = lonely.string(),
+                                                .timeout = std::chrono::milliseconds(300)}),
+                       doctest::Contains(("rendezvous at file " + lonely.string() + " of 2 ranks failed").c_str()),
+                       paratrain::error);
+  std::filesystem::remove(lonely);
 }

@@ -5,9 +5,11 @@
 // the concatenated batch: independent of paratrain. Each rank's replica starts from a
 // different initialisation (seed + rank), so the tests also check that rank 0's is
 // broadcast; the reference starts from rank 0's.
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,7 @@
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/step_agreement.hpp"
 #include "support/doctest.hpp"
 #include "support/equivalence.hpp"
@@ -231,4 +234,98 @@ TEST_CASE("StepAgreement summed over the ranks of comm::Mpi") {
   CHECK(a.ranks_failed() == 0);
   CHECK(a.used_anywhere(0));
   CHECK_FALSE(a.used_anywhere(1));
+}
+
+// ---- Note [One move per batch] ----------------------------------------------------------
+// Without a GPU the move cannot change a tensor's device, so it is observed where it is made:
+// LibTorch's own profiling hook (RecordFunction) sees every `aten::to` call of this thread
+// with its arguments. The strategy must ask, once per batch tensor, for the model's device;
+// with the move left out, a CUDA model would get host tensors at its first forward.
+
+namespace {
+
+// Each tensor (by its data) that was asked to go to a device, with the devices asked for.
+class MoveRecorder {
+ public:
+  MoveRecorder() {
+    handle_ = at::addThreadLocalCallback(
+        at::RecordFunctionCallback(
+            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+              if (std::string_view(fn.name()) != "aten::to" || current_ == nullptr) return nullptr;
+              const auto inputs = fn.inputs();
+              if (inputs.empty() || !inputs[0].isTensor()) return nullptr;
+              for (const auto& v : inputs)
+                if (v.isDevice()) current_->moves_[inputs[0].toTensor().data_ptr()].push_back(v.toDevice());
+              return nullptr;
+            })
+            .needsInputs(true));
+    current_ = this;
+  }
+  MoveRecorder(const MoveRecorder&) = delete;
+  MoveRecorder& operator=(const MoveRecorder&) = delete;
+  ~MoveRecorder() {
+    current_ = nullptr;
+    at::removeCallback(handle_);
+  }
+  /// The devices `t` was asked to go to, in order.
+  [[nodiscard]] std::vector<c10::Device> of(const at::Tensor& t) const {
+    const auto it = moves_.find(t.data_ptr());
+    return it == moves_.end() ? std::vector<c10::Device>{} : it->second;
+  }
+  [[nodiscard]] std::size_t tensors() const { return moves_.size(); }
+
+ private:
+  static inline thread_local MoveRecorder* current_ = nullptr;
+  at::CallbackHandle handle_;
+  std::map<const void*, std::vector<c10::Device>> moves_;
+};
+
+template <class Update>
+void check_one_move_per_batch() {
+  using Strategy = paratrain::DataParallel<Mlp, comm::Mpi, Update>;
+  Strategy s(Mlp(Features{}, 0), comm::Mpi(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  CHECK(s.device() == torch::Device(torch::kCPU));
+  const auto loss = [](const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); };
+  std::vector<paratrain::Batch> batches;
+  for (int i = 0; i < 3; ++i) batches.emplace_back(torch::randn({2 + i, 8}), torch::randn({2 + i, 4}));
+
+  {  // one step over three micro-batches: each input and each target moved once
+    const MoveRecorder moves;
+    s.step(std::span<const paratrain::Batch>(batches), loss);
+    for (const auto& b : batches) {
+      CHECK(moves.of(b.input()) == std::vector<c10::Device>{s.device()});
+      CHECK(moves.of(b.target) == std::vector<c10::Device>{s.device()});
+    }
+  }
+  {  // one batch, and a prediction: its inputs once, no target asked for
+    const MoveRecorder moves;
+    s.step(batches[0], loss);
+    CHECK(moves.of(batches[0].input()) == std::vector<c10::Device>{s.device()});
+    CHECK(moves.of(batches[0].target) == std::vector<c10::Device>{s.device()});
+  }
+  {
+    const MoveRecorder moves;
+    static_cast<void>(s.predict(batches[1]));
+    CHECK(moves.of(batches[1].input()) == std::vector<c10::Device>{s.device()});
+    CHECK(moves.of(batches[1].target).empty());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("DataParallel moves each batch tensor to the model's device once (Note [One move per batch])") {
+  SUBCASE("DDP") { check_one_move_per_batch<torch::optim::SGD>(); }
+  SUBCASE("ZeRO-3") { check_one_move_per_batch<paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>>(); }
+}
+
+TEST_CASE("Batch::to asks for the device for every tensor and leaves undefined ones undefined") {
+  const paratrain::Batch b({torch::ones({2, 3}), torch::zeros({2})}, at::Tensor());
+  const MoveRecorder moves;
+  const auto moved = b.to(torch::kCPU);
+  REQUIRE(moved.inputs.size() == 2);
+  CHECK(moves.of(b.inputs[0]) == std::vector<c10::Device>{torch::Device(torch::kCPU)});
+  CHECK(moves.of(b.inputs[1]) == std::vector<c10::Device>{torch::Device(torch::kCPU)});
+  CHECK(moves.tensors() == 2);  // the undefined target was not touched
+  CHECK(!moved.target.defined());
+  CHECK(torch::equal(moved.inputs[0], b.inputs[0]));
 }

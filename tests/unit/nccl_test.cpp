@@ -21,14 +21,17 @@
 
 #include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/nccl/bootstrap_over_mpi.hpp"
+#include "paratrain/comm/nccl/bootstrap_over_store.hpp"
 #include "paratrain/comm/nccl/nccl.hpp"
 #include "paratrain/data/tensor_dataset.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/fit/fit.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "support/collectives.hpp"
 #include "support/doctest.hpp"
+#include "support/shared_dir.hpp"
 
 using paratrain::reduce_op;
 namespace comm = paratrain::comm;
@@ -110,6 +113,40 @@ TEST_CASE("comm::Nccl::unique_id gives every rank rank 0's 128 bytes, fresh on e
   CHECK(std::memcmp(&again, &id, sizeof id) != 0);
 }
 
+TEST_CASE("comm::Nccl started from a store: every rank gets rank 0's id, fresh on each call, without MPI") {
+  comm::Mpi mpi;  // starts the processes and compares; the ids travel through the file
+  const auto dir = paratrain_test::shared_dir(mpi, "nccl-store");
+  comm::Rendezvous meeting({.rank = mpi.rank(), .world_size = mpi.size(), .local_rank = 0, .file = (dir / "store").string()});
+  const ncclUniqueId id = comm::Nccl::unique_id(meeting);
+  std::vector<char> all(sizeof id * static_cast<std::size_t>(mpi.size()));
+  REQUIRE(MPI_Allgather(&id, sizeof id, MPI_BYTE, all.data(), sizeof id, MPI_BYTE, mpi.native()) == MPI_SUCCESS);
+  const std::string first(all.data(), sizeof id);
+  CHECK(first != std::string(sizeof id, '\0'));
+  for (int r = 0; r < mpi.size(); ++r) {
+    CAPTURE(r);
+    CHECK(std::string(all.data() + r * sizeof id, sizeof id) == first);
+  }
+  const ncclUniqueId again = comm::Nccl::unique_id(meeting);
+  CHECK(std::memcmp(&again, &id, sizeof id) != 0);
+}
+
+TEST_CASE("comm::Nccl started from a store without a GPU throws on every rank, before NCCL" * doctest::skip(!no_gpu)) {
+  comm::Mpi mpi;
+  const auto dir = paratrain_test::shared_dir(mpi, "nccl-store-nogpu");
+  comm::Rendezvous meeting({.rank = mpi.rank(), .world_size = mpi.size(), .local_rank = 0, .file = (dir / "store").string()});
+  int threw = 0;
+  try {
+    comm::Nccl nccl(meeting);
+  } catch (const paratrain::error& e) {
+    threw = 1;
+    CHECK(e.operation() == "comm::Nccl");
+    CHECK(std::string(e.what()).find("no CUDA device is visible") != std::string::npos);
+  }
+  int threw_on = 0;  // every rank threw, none is left waiting in ncclCommInitRank
+  REQUIRE(MPI_Allreduce(&threw, &threw_on, 1, MPI_INT, MPI_SUM, mpi.native()) == MPI_SUCCESS);
+  CHECK(threw_on == mpi.size());
+}
+
 TEST_CASE("comm::Nccl::device_count() never throws and counts no more GPUs than /dev has") {
   int nodes = 0;  // /dev/nvidia0, /dev/nvidia1, ...: one per GPU the driver exposes
   if (std::filesystem::exists("/dev"))
@@ -165,10 +202,11 @@ TEST_CASE("comm::Nccl made from a Bootstrap of one rank refuses to start without
 
 // ---- every strategy over comm::Nccl compiles --------------------------------------------
 // Instantiated on every machine with CUDA and NCCL, GPU or not: each strategy's whole training
-// path as fit runs it (forward, the bucketed backward hooks, the step, evaluation, the
-// checkpoint's save and load), so code that cannot work with comm::Nccl fails this build, not
-// a run on a GPU. DDP and ZeRO 1-2: ZeRO-3 and pipelines need `split`, which comm::Nccl lacks
-// (data_parallel.hpp and pipeline.hpp refuse them at compile time, naming it).
+// path as fit runs it (the batch's move to the model's device, forward, the bucketed backward
+// hooks, the step, evaluation, the checkpoint's save and load), so code that cannot work with
+// comm::Nccl fails this build, not a run on a GPU: DDP, ZeRO 1-3 (stage 3 gathers on a
+// split), and pipelines (GPipe, 1F1B; replicated and sharded) over a store's bootstrap and
+// MPI's. Run where there are GPUs: the [gpu] cases below and tests/gpu/.
 namespace nccl_strategies {
 
 struct NetImpl : torch::nn::Module {
@@ -178,20 +216,42 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-template <class Update, class Options>
-void train(comm::Mpi& mpi, Options options) {
-  paratrain::DataParallel<Net, comm::Nccl, Update> s(Net(), comm::Nccl(mpi), options);
+struct HalfImpl : torch::nn::Module {
+  HalfImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  at::Tensor forward(const at::Tensor& x) { return torch::relu(fc(x)); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Half);
+
+template <class Strategy, class Model, class Bootstrap, class OptimOptions>
+void train(Bootstrap& bootstrap, Model model, OptimOptions optimizer) {
+  Strategy s(std::move(model), comm::Nccl(bootstrap), optimizer);
   const paratrain::data::TensorDataset data(torch::randn({16, 4}), torch::randint(2, {16}));
   paratrain::fit(s, data, {.epochs = 1, .batch_size = 4, .eval = &data, .progress = false});
   paratrain::checkpoint::save(s, "nccl_checkpoint", /*step=*/1);
   paratrain::checkpoint::load(s, "nccl_checkpoint");
 }
 
-// Referenced, so instantiated; never called (Debian's LibTorch has no CUDA tensors to train on).
+template <class Update>
+using Ddp = paratrain::DataParallel<Net, comm::Nccl, Update>;
+template <class Update>
+using Piped = paratrain::DataParallel<paratrain::Pipeline<Half, Net>, comm::Nccl, Update>;
+using Sgd = torch::optim::SGDOptions;
+using Adam = torch::optim::AdamOptions;
+template <class O, int N>
+using Zero = paratrain::Sharded<O, std::conditional_t<N == 1, paratrain::zero::stage1,
+                                                      std::conditional_t<N == 2, paratrain::zero::stage2,
+                                                                         paratrain::zero::stage3>>>;
+
+// Referenced, so instantiated; never called here (Debian's LibTorch has no CUDA tensors to
+// train on): tests/gpu/ trains them on a GPU.
 [[maybe_unused]] constexpr auto strategies = std::make_tuple(
-    &train<torch::optim::SGD, torch::optim::SGDOptions>,
-    &train<paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage1>, torch::optim::SGDOptions>,
-    &train<paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage2>, torch::optim::AdamOptions>);
+    &train<Ddp<torch::optim::SGD>, Net, comm::Mpi, Sgd>,
+    &train<Ddp<Zero<torch::optim::SGD, 1>>, Net, comm::Rendezvous, Sgd>,
+    &train<Ddp<Zero<torch::optim::Adam, 2>>, Net, comm::Mpi, Adam>,
+    &train<Ddp<Zero<torch::optim::Adam, 3>>, Net, comm::Rendezvous, Adam>,
+    &train<Piped<torch::optim::SGD>, paratrain::Pipeline<Half, Net>, comm::Mpi, Sgd>,
+    &train<Piped<Zero<torch::optim::Adam, 3>>, paratrain::Pipeline<Half, Net>, comm::Rendezvous, Adam>);
 
 }  // namespace nccl_strategies
 

@@ -34,7 +34,9 @@ concept loss_function = std::invocable<L&, const at::Tensor&, const at::Tensor&>
 ///   stages before the last). Collective over the ranks of one replica.
 /// - `data_shard()`: which replica's samples this rank trains on (DataShard);
 /// - `all_reduce(t, op)`: reduce a tensor over all the strategy's ranks (for metrics);
-/// - `synchronize()`: make every rank's model evaluate alike (buffers); collective.
+/// - `synchronize()`: make every rank's model evaluate alike (buffers); collective;
+/// - `device()`: where the strategy moves this rank's batches (its model's device; Note
+///   [One move per batch]): fit pins host batches when it is a GPU.
 template <class S>
 concept strategy = requires(S& s, const S& cs, std::span<const Batch> micro_batches, const Batch& b, at::Tensor& t,
                             at::Tensor (*loss)(const at::Tensor&, const at::Tensor&)) {
@@ -47,6 +49,7 @@ concept strategy = requires(S& s, const S& cs, std::span<const Batch> micro_batc
   { s.predict(b) } -> std::same_as<at::Tensor>;
   s.all_reduce(t, reduce_op::sum);
   s.synchronize();
+  { cs.device() } -> std::same_as<at::Device>;
   requires std::derived_from<std::remove_cvref_t<decltype(s.optimizer())>, torch::optim::Optimizer>;
 };
 

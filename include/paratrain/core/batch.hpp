@@ -38,7 +38,29 @@ struct Batch {
     out.target = target.narrow(0, begin, n);
     return out;
   }
+  /// The batch on `device`: each tensor moved there (or itself, where it is there already),
+  /// asynchronously from page-locked memory (data::LoaderOptions::pin_memory, which fit
+  /// turns on for a CUDA model). Strategies call it once per batch: Note [One move per batch].
+  [[nodiscard]] Batch to(at::Device device) const {
+    const auto move = [&](const at::Tensor& t) {
+      return t.defined() ? t.to(device, /*non_blocking=*/t.is_pinned()) : t;
+    };
+    Batch out;
+    out.inputs.reserve(inputs.size());
+    for (const auto& x : inputs) out.inputs.push_back(move(x));
+    out.target = move(target);
+    return out;
+  }
 };
+
+// Note [One move per batch]
+// A batch arrives on the host (a dataset, the Loader) and the model may be on a GPU. The
+// strategy that runs the model moves the batch, not the user and not fit: DataParallel in
+// forward_backward and predict, a pipeline at its first stage (inputs) and its last
+// (targets), LocalDataParallel per replica's slice. Each tensor moves once per batch,
+// before the forward that reads it; a strategy never moves it back. From pinned memory the
+// copy is asynchronous (non_blocking): the host goes on to enqueue the forward, which the
+// device orders after the copy on the same stream.
 
 namespace detail {
 

@@ -33,11 +33,17 @@ struct LoaderOptions {
   /// Batches ready or in preparation at once, at least `workers`: memory for `depth`
   /// batches buys slack for steps and reads whose times vary.
   int depth = 2;
-  /// Copy each batch into page-locked memory in the worker, for a copy to a GPU that can be
-  /// asynchronous. Needs CUDA; leave it off on a CPU. (The strategies do not copy
-  /// asynchronously yet: docs/data.md.)
+  /// Copy each batch into page-locked memory in the worker, so that the strategy's copy to
+  /// the GPU is asynchronous (Note [One move per batch]). Needs CUDA. fit and evaluate turn
+  /// it on for a strategy whose device is a GPU (for_device).
   bool pin_memory = false;
 };
+
+/// `options` for batches bound for `device`: pinned where it is a GPU.
+[[nodiscard]] inline LoaderOptions for_device(LoaderOptions options, at::Device device) {
+  options.pin_memory = options.pin_memory || device.is_cuda();
+  return options;
+}
 
 // Note [Loader order]
 // Batch k is prepared into slot k % depth by whichever worker claims it, and the training

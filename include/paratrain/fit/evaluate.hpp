@@ -43,7 +43,7 @@ template <strategy S, loss_function Loss>
 Evaluation evaluate(S& s, const data::DatasetRef& set, const EvaluateOptions& options, Loss& loss,
                     const char* operation) {
   const auto batch_size = options.batch_size;
-  const auto& loading = options.loader;
+  const auto loading = data::for_device(options.loader, s.device());
   s.synchronize();  // every rank's replica evaluates alike (batch-norm statistics, ...)
   const auto shard = s.data_shard();
   const data::ExactSampler sampler(set.size(), {.num_replicas = shard.count, .rank = shard.index});

@@ -206,7 +206,7 @@ class Trainer {
     auto longest = at::full({1}, static_cast<double>(e.steps), at::kDouble);
     s_.all_reduce(longest, reduce_op::max);
     e.longest = static_cast<std::int64_t>(longest.item<double>());
-    data::Loader<D> loader(train_, std::move(micro), options_.loader);
+    data::Loader<D> loader(train_, std::move(micro), data::for_device(options_.loader, s_.device()));
     e.start = clock::now();
     for (std::int64_t k = e.done;; ++k, ++step_) {
       schedule_learning_rate(e, k);

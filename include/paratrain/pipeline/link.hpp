@@ -28,7 +28,8 @@ namespace paratrain::pipeline::detail {
 // recv_like), and a payload of another size is the communicator's length error. Sends are non-blocking (the sender goes on computing) and
 // are completed as later sends and receives make progress; receives block, since the
 // action that needs the data cannot start without it. Tags carry the message's kind,
-// stage and micro-batch, so the order of arrival does not matter.
+// stage and micro-batch, so over MPI and Gloo the order of arrival does not matter (over
+// NCCL, which has no tags: Note [One group per direction]).
 
 inline constexpr std::int64_t header_words = 64;
 inline constexpr std::int64_t header_magic = 0x50495045;  // "PIPE"
@@ -45,12 +46,38 @@ inline int tag_of(Message kind, int stage, int micro, int stages) {
   return ((static_cast<int>(kind) * stages + stage) * window + micro % window) * 2;
 }
 
+/// Whether `Comm`'s sends complete only once the peer has posted the receive (comm::Nccl),
+/// where comm::Mpi and comm::Gloo buffer them.
+template <class Comm>
+constexpr bool unbuffered_sends() {
+  if constexpr (requires { Comm::device_buffers_only; }) return Comm::device_buffers_only;
+  else return false;
+}
+
+// Note [One group per direction]
+// Over MPI or Gloo a send is buffered: the sender goes on, and tags match each receive to its
+// message whatever the order. Over NCCL a send waits, on the communicator's stream, until the
+// peer posts the matching receive, and a pair's messages match in the order they are posted
+// (Note [NCCL point-to-point]). In 1F1B a stage sends activation i + 1 downstream before it
+// receives gradient i from there, while the next stage sends gradient i before it receives
+// activation i + 1: on one stream each send would wait for a receive queued behind the
+// other's send. So over such a communicator activations (and evaluation outputs) travel on
+// the pipeline group and gradients on a second group of the same ranks, each with its own
+// stream: each direction is a chain (stage 0 to K - 1, or back), whose messages both sides
+// post in micro-batch order, and a chain cannot wait on itself. Interleaved 1F1B sends
+// around a ring, where no such order exists: it is refused over these communicators.
+
 template <class Comm>
 class Link {
   using Request = decltype(std::declval<Comm&>().isend(std::declval<const at::Tensor&>(), 0, 0));
 
  public:
-  explicit Link(Comm& comm) : comm_(&comm) {}
+  /// `device`: where this rank's stages live. The headers travel on the host, or on that
+  /// device where the communicator takes device buffers only (comm::Nccl).
+  /// `forward` carries activations and evaluation outputs, `backward` gradients: the same
+  /// group, or two (Note [One group per direction]).
+  Link(Comm& forward, Comm& backward, at::Device device)
+      : comm_(&forward), back_(&backward), headers_(unbuffered_sends<Comm>() ? device : at::Device(at::kCPU)) {}
 
   /// Sends `tensors` to `peer`; `needs_grad[i]` says whether the receiver should make
   /// tensor i a leaf that requires a gradient. Non-blocking: the tensors are kept alive
@@ -73,6 +100,7 @@ class Link {
       for (auto d : t.sizes()) h[at++] = d;
     }
     progress();
+    if (headers_ != header.device()) header = header.to(headers_);
     pending_.push_back(comm_->isend(header, peer, tag));
     for (const auto& t : tensors) {
       auto payload = t.detach().contiguous();
@@ -86,7 +114,7 @@ class Link {
     progress();
     for (const auto& t : tensors) {
       auto payload = t.detach().contiguous();
-      if (payload.numel() > 0) pending_.push_back(comm_->isend(payload, peer, tag + 1));
+      if (payload.numel() > 0) pending_.push_back(back_->isend(payload, peer, tag + 1));
     }
   }
 
@@ -97,7 +125,7 @@ class Link {
     std::vector<at::Tensor> out;
     for (const auto& l : like) {
       auto t = at::empty(l.sizes(), l.options());
-      if (t.numel() > 0) comm_->recv(t, peer, tag + 1);
+      if (t.numel() > 0) back_->recv(t, peer, tag + 1);
       out.push_back(std::move(t));
     }
     return out;
@@ -106,8 +134,9 @@ class Link {
   /// Receives what `peer` sent with `tag`: the tensors, and which need a gradient.
   std::pair<std::vector<at::Tensor>, std::vector<bool>> recv(int peer, int tag, at::Device device) {
     progress();
-    auto header = at::empty({header_words}, at::kLong);
+    auto header = at::empty({header_words}, at::TensorOptions(at::kLong).device(headers_));
     comm_->recv(header, peer, tag);
+    if (!header.is_cpu()) header = header.cpu();
     const auto* h = header.data_ptr<std::int64_t>();
     if (h[0] != header_magic || h[1] < 0 || h[1] > header_words)
       throw error("pipeline::recv", comm_->rank(),
@@ -151,6 +180,8 @@ class Link {
 
  private:
   Comm* comm_;
+  Comm* back_;
+  at::Device headers_;
   std::list<Request> pending_;
 };
 

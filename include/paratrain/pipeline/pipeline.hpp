@@ -112,7 +112,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     if (const auto params = group_->parameters(); !params.empty()) device_ = params.front().device();
     inner_ = std::make_unique<Inner>(group_, std::move(stage_replicas), std::move(optimizer_options),
                                      options.data_parallel);
-    link_ = std::make_unique<pipeline::detail::Link<Comm>>(pipe_);
+    // Note [One group per direction]
+    if constexpr (pipeline::detail::unbuffered_sends<Comm>()) pipe_back_ = std::make_unique<Comm>(pipe_.split(0, p_));
+    link_ = std::make_unique<pipeline::detail::Link<Comm>>(pipe_, pipe_back_ ? *pipe_back_ : pipe_, device_);
     // Clipping takes the norm of the whole model's gradients: every stage's.
     if (K_ > 1)
       inner_->set_norm_elsewhere(PipelineDriver{}, [this](at::Tensor& squares) { pipe_.all_reduce(squares, reduce_op::sum); });
@@ -173,7 +175,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   }
 
   /// Reduces `t` over every rank of the world (for metrics).
-  void all_reduce(at::Tensor& t, reduce_op op) { world_.all_reduce(t, op); }
+  void all_reduce(at::Tensor& t, reduce_op op) { detail::all_reduce_on(world_, t, device_, op); }
   /// Makes every replica of each stage evaluate alike (buffers). Collective.
   void synchronize() { inner_->synchronize(); }
 
@@ -181,6 +183,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   [[nodiscard]] int world_size() const { return world_.size(); }
   /// The replica this rank's pipeline is: every stage of it sees the same samples.
   [[nodiscard]] DataShard data_shard() const { return {.index = replica_, .count = replicas_}; }
+  /// Where this rank's stages live: the first stage's inputs and the last stage's targets
+  /// move there (Note [One move per batch]), received activations arrive there.
+  [[nodiscard]] at::Device device() const noexcept { return device_; }
   /// This rank's place: pipeline rank (0 .. K-1), pipeline ranks K, replica, replicas.
   [[nodiscard]] int pipeline_rank() const noexcept { return p_; }
   [[nodiscard]] int pipeline_size() const noexcept { return K_; }
@@ -322,6 +327,11 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     if (v > 1 && options.schedule != pipeline::Kind::interleaved_1f1b)
       throw error("Pipeline", world.rank(),
                   "virtual_stages > 1 needs the interleaved 1F1B schedule (PipelineOptions::schedule)");
+    if (v > 1 && pipeline::detail::unbuffered_sends<Comm>())
+      throw error("Pipeline", world.rank(),
+                  "the interleaved 1F1B schedule sends activations around a ring, which a communicator whose sends "
+                  "wait for their receives (comm::Nccl: Note [NCCL point-to-point]) cannot order without deadlock; "
+                  "use GPipe, 1F1B or ZB-H1 over it, or comm::Mpi / comm::Gloo");
     if (options.schedule == pipeline::Kind::zero_bubble_h1 && stage == 3)
       throw error("Pipeline", world.rank(),
                   "ZB-H1 computes a stage's weight gradients after ZeRO-3 has freed its gathered parameters; use "
@@ -528,6 +538,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   Options options_;
   int K_ = 1, replicas_ = 1, p_ = 0, replica_ = 0;
   Comm pipe_;  // this replica's pipeline ranks
+  std::unique_ptr<Comm> pipe_back_;  // the same, for gradients, where sends are unbuffered: Note [One group per direction]
   std::tuple<Stage...> stages_{Stage(nullptr)...};
   detail::StageGroup group_;
   at::Device device_{at::kCPU};  // where this rank's stages live: received tensors go there

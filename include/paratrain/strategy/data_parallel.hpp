@@ -276,7 +276,7 @@ class DataParallel {
   at::Tensor predict(const Batch& batch) {
     static_assert(explain_model<Model>());
     const detail::AutocastScope autocast(options_.precision.autocast, device_);
-    return detail::predict(model_, batch.inputs);
+    return detail::predict(model_, Batch(batch.inputs, at::Tensor()).to(device_).inputs);  // Note [One move per batch]
   }
   /// The output of a one-input model for `input`, in evaluation mode and without gradients.
   at::Tensor predict(const at::Tensor& input) { return predict(Batch{input, at::Tensor()}); }
@@ -309,6 +309,9 @@ class DataParallel {
   /// Every rank is a replica of its own.
   [[nodiscard]] DataShard data_shard() const { return {.index = comm_.rank(), .count = comm_.size()}; }
   [[nodiscard]] Model& model() noexcept { return model_; }
+  /// Where the model's parameters are, as they were at construction: batches move there
+  /// (Note [One move per batch]), and the communicator reduces there.
+  [[nodiscard]] at::Device device() const noexcept { return device_; }
   /// The optimizer; when sharded, the one over this rank's pieces (Note [Optimizer on
   /// pieces]), with the same parameter groups as given, so schedules work alike.
   [[nodiscard]] optimizer_type& optimizer() noexcept { return store_->optimizer(); }
@@ -370,10 +373,11 @@ class DataParallel {
   }
 
   template <class Loss>
-  double forward_backward(const Batch& batch, Loss& loss) {
+  double forward_backward(const Batch& host, Loss& loss) {
     static_assert(explain_model<Model>());
     model_->train();
     observe::PhaseTimer forward(timeline_, observe::Phase::forward);
+    const Batch batch = host.to(device_);  // Note [One move per batch]
     at::Tensor l;
     {
       const detail::AutocastScope autocast(options_.precision.autocast, device_);  // Note [Mixed precision]

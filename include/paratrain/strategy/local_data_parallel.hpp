@@ -197,6 +197,8 @@ class LocalDataParallel {
   [[nodiscard]] int rank() const noexcept { return 0; }
   [[nodiscard]] int world_size() const noexcept { return 1; }
   [[nodiscard]] DataShard data_shard() const noexcept { return {}; }
+  /// Where the model (replica 0) is; each replica's slice of a batch moves to its own device.
+  [[nodiscard]] at::Device device() const noexcept { return devices_.front(); }
   [[nodiscard]] int replicas() const noexcept { return static_cast<int>(replicas_.size()); }
   [[nodiscard]] Model& model() noexcept { return model_; }
   [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }

@@ -9,10 +9,8 @@
 #ifndef USE_C10D_GLOO
 #error "paratrain: comm::Gloo needs LibTorch's c10d built with Gloo (USE_C10D_GLOO, set by LibTorch's torch CMake target); link paratrain::gloo"
 #endif
-#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <algorithm>
 #include <array>
@@ -41,6 +39,7 @@
 #include "paratrain/collectives/agree.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/comm/launch.hpp"
+#include "paratrain/comm/rendezvous.hpp"
 
 namespace paratrain::comm {
 
@@ -71,8 +70,9 @@ namespace paratrain::comm {
 /// size come from `paratrain::detect_placement()` (torchrun's RANK/WORLD_SIZE, mpirun's, srun's)
 /// unless Options names them. So a program that uses it runs under torchrun, under a script
 /// that exports those variables (examples/launch/torchrun_style.sh), or under mpirun/srun with
-/// MASTER_ADDR and MASTER_PORT exported, and needs no MPI library. A world of one needs no
-/// rendezvous at all.
+/// MASTER_ADDR and MASTER_PORT exported, and needs no MPI library. Ranks that share a file
+/// system may meet in a file instead (PARATRAIN_STORE_FILE: comm::Rendezvous). A world of one
+/// needs no rendezvous at all.
 ///
 /// Every operation works in place on contiguous CPU tensors of float32, float64, bfloat16,
 /// float16, int32 or int64, with comm::Mpi's checks and messages; Note [What Gloo lacks in
@@ -282,7 +282,8 @@ class Gloo {
  private:
   struct State {
     Options options;
-    std::string where;                        // "host:port", or "" for a world of one
+    std::string where;                        // "host:port", "file <path>", or "" for a world of one
+    std::string host;                         // MASTER_ADDR where the ranks met over TCP, else ""
     c10::intrusive_ptr<c10d::Store> store;    // declared before the group: it outlives it
     c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
     detail::Skeleton skeleton;  // rank, size; Note [Watchdog], Note [Collective fingerprint]
@@ -314,79 +315,31 @@ class Gloo {
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
   }
 
-  [[noreturn]] static void fail_join(int rank, const std::string& message) { throw error("comm::Gloo", rank, message); }
-
-  // The rendezvous address: Options first, then the environment. nullopt when neither says.
-  static std::optional<std::pair<std::string, int>> address(const Options& o, int rank) {
-    std::string host = o.master_addr ? *o.master_addr : env_string("MASTER_ADDR");
-    if (host.empty()) return std::nullopt;
-    int port = 0;
-    std::string cited;
-    if (o.master_port) {
-      port = *o.master_port;
-      cited = "Options::master_port=" + std::to_string(port);
-    } else {
-      const auto text = env_string("MASTER_PORT");
-      if (text.empty())
-        fail_join(rank, "MASTER_ADDR=" + host + " is set but MASTER_PORT is not; export the port rank 0 listens on");
-      cited = "MASTER_PORT=" + text;
-      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), port);
-      if (ec != std::errc{} || end != text.data() + text.size()) port = -1;
-    }
-    if (port < 1 || port > 65535) fail_join(rank, cited + " is not a port number (1 to 65535)");
-    return std::pair{std::move(host), port};
-  }
-
   static std::shared_ptr<State> join(Options o) {
     auto s = std::make_shared<State>();
-    int rank = 0, size = 1;
-    if (!o.rank || !o.world_size) {
-      const auto where = detect_placement();
-      rank = o.rank.value_or(where.rank);
-      size = o.world_size.value_or(where.world_size);
-    } else {
-      rank = *o.rank;
-      size = *o.world_size;
-    }
-    if (size < 1) fail_join(-1, "world size " + std::to_string(size) + " is not at least 1");
-    if (rank < 0 || rank >= size)
-      fail_join(-1, "rank " + std::to_string(rank) + " is not in a world of " + std::to_string(size) +
-                        " (0.." + std::to_string(size - 1) + ")");
-    std::string host;
+    // Where the ranks meet (comm/rendezvous.hpp): MASTER_ADDR:MASTER_PORT, a shared file, or
+    // nobody for a world of one.
+    const Rendezvous meeting({.rank = o.rank,
+                              .world_size = o.world_size,
+                              .local_rank = o.rank && o.world_size ? std::optional<int>(0) : std::nullopt,
+                              .master_addr = o.master_addr,
+                              .master_port = o.master_port,
+                              .timeout = o.timeout},
+                             "comm::Gloo");
+    const int rank = meeting.rank(), size = meeting.size();
+    s->where = meeting.where();
+    s->host = meeting.host();
+    s->store = meeting.store();
     try {
-      if (size == 1) {
-        s->store = c10::make_intrusive<c10d::HashStore>();  // a world of one meets nobody
-      } else {
-        auto at = address(o, rank);
-        if (!at)
-          fail_join(rank,
-                    "no address to meet at: neither MASTER_ADDR nor Options::master_addr is set; the " +
-                        std::to_string(size) + " ranks meet at MASTER_ADDR:MASTER_PORT, where rank 0 listens; export both, as torchrun "
-                        "does (MASTER_ADDR=<rank 0's host> MASTER_PORT=<a free port>)");
-        host = at->first;
-        s->where = host + ":" + std::to_string(at->second);
-        c10d::TCPStoreOptions store_options;
-        store_options.port = static_cast<std::uint16_t>(at->second);
-        store_options.isServer = rank == 0;
-        store_options.numWorkers = size;
-        store_options.waitWorkers = true;
-        store_options.timeout = o.timeout;
-        s->store = c10::make_intrusive<c10d::TCPStore>(host, detail::plain_socket_store(store_options));
-      }
-      s->group = make_group(s->store, rank, size, o, host);
-      if (size > 1 && !detail::Watchdog::instance().has_channel())
+      s->group = make_group(s->store, rank, size, o, meeting.host());
+      if (size > 1 && meeting.port() != 0 && !detail::Watchdog::instance().has_channel())
         detail::Watchdog::instance().set_channel(std::make_unique<detail::GlooWatchdogChannel>(
-            host, static_cast<std::uint16_t>(std::stoi(s->where.substr(s->where.rfind(':') + 1))), rank, size));
+            meeting.host(), static_cast<std::uint16_t>(meeting.port()), rank, size));
     } catch (const error&) {
       throw;
     } catch (const std::exception& e) {
-      auto why = paratrain::detail::message_of(e);
-      while (!why.empty() && (why.back() == '.' || why.back() == ' ' || why.back() == '\n')) why.pop_back();
-      const std::string hint =
-          rank == 0 ? "; if the port is in use, pick another MASTER_PORT"
-                       : "; check that rank 0 has started, that MASTER_ADDR is its host and that the port is reachable";
-      fail_join(rank, "rendezvous at " + s->where + " of " + std::to_string(size) + " ranks failed: " + why +
-                             hint);
+      throw error("comm::Gloo", rank, "joining the group that met at " + s->where + " failed: " +
+                                          paratrain::detail::message_of(e));
     }
     s->options = std::move(o);
     std::vector<int> members(static_cast<std::size_t>(size));
@@ -414,6 +367,7 @@ class Gloo {
     auto s = std::make_shared<State>();
     const auto new_rank = static_cast<int>(me - members.begin()), new_size = static_cast<int>(members.size());
     s->where = state_->where;
+    s->host = state_->host;
     o.rank = new_rank;
     o.world_size = new_size;
     s->options = std::move(o);
@@ -429,8 +383,7 @@ class Gloo {
     const auto prefix = "paratrain/split/" + std::to_string(state_->splits++) + "/" + std::to_string(color);
     try {
       s->store = c10::make_intrusive<c10d::PrefixStore>(prefix, state_->store);
-      const auto host = state_->where.substr(0, state_->where.rfind(':'));
-      s->group = make_group(s->store, new_rank, new_size, s->options, host);
+      s->group = make_group(s->store, new_rank, new_size, s->options, state_->host);
     } catch (...) {
       rethrow_as_error("split", rank());
     }

@@ -6,12 +6,15 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -36,10 +39,11 @@ namespace paratrain::comm {
 // needs no GPU) and every other rank receives before ncclCommInitRank. How it travels is not
 // NCCL's business, so it is not comm::Nccl's either: Nccl is made from a Bootstrap, the id
 // already agreed plus this rank's place, and needs no MPI. comm/nccl/bootstrap_over_mpi.hpp agrees
-// one over a comm::Mpi (a broadcast, as before); a store (torchrun's TCPStore: rank 0 sets
-// the bytes, the others get them) can do the same. A bootstrap should also agree that every
-// rank has a GPU, as the MPI one does: a rank that throws before ncclCommInitRank leaves the
-// others waiting inside it until their timeout.
+// one over a comm::Mpi (a broadcast); comm/nccl/bootstrap_over_store.hpp over a
+// comm::Rendezvous (torchrun's TCPStore at MASTER_ADDR:MASTER_PORT, or a file: rank 0 sets
+// the bytes, the others get them), so that torchrun-style launches need no MPI. A bootstrap
+// also agrees that every rank has a GPU: a rank that throws before ncclCommInitRank would
+// leave the others waiting inside it until their timeout.
 
 /// A group of GPU ranks, one device each, communicating through NCCL.
 ///
@@ -56,6 +60,8 @@ namespace paratrain::comm {
 ///
 /// Choose it for: CUDA tensors. Choose comm::Mpi for CPU tensors.
 class Nccl {
+  struct State;  // the communicator, its stream and its watch: shared by copies and requests
+
  public:
   struct Options {
     /// The CUDA device of this rank; -1 picks the rank within its node.
@@ -68,6 +74,10 @@ class Nccl {
     /// small all-reduce (and two host-device copies) per collective.
     bool validate = detail::env_flag("PARATRAIN_VALIDATE");
   };
+
+  /// Every operation takes CUDA buffers only: a strategy moves what it reduces to the model's
+  /// device (collectives/all_reduce_on.hpp), a pipeline sends its headers from there.
+  static constexpr bool device_buffers_only = true;
 
   /// What a rank needs to join: NCCL's unique id, the same on every rank, and its place.
   /// Made by a bootstrap: Note [NCCL bootstrap].
@@ -82,29 +92,41 @@ class Nccl {
     std::vector<int> world_ranks;
   };
 
-  // CUDA's handle on one operation, for detail::BasicRequest (comm/detail/request.hpp).
+  // CUDA's handle on one operation, for detail::BasicRequest (comm/detail/request.hpp): its
+  // event, and the communicator, whose asynchronous errors end a wait (Note [NCCL errors]).
   struct Handles {
     using owner = Nccl;
     Handles() noexcept : event(nullptr) {}  // not a member initialiser: see comm::Gloo's Handles
     cudaEvent_t event;
+    std::shared_ptr<State> state;
 
     [[nodiscard]] bool pending() const noexcept { return event != nullptr; }
     void wait(const char* op, int rank) {
-      cuda_check(cudaEventSynchronize(event), op, rank);
-      cudaEventDestroy(std::exchange(event, nullptr));
+      for (int polls = 0; !test(op, rank); ++polls)
+        if (polls > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
+        else std::this_thread::yield();
     }
     [[nodiscard]] bool test(const char* op, int rank) {
       const auto rc = cudaEventQuery(event);
-      if (rc == cudaErrorNotReady) return false;
+      if (rc == cudaErrorNotReady) {
+        state->check_async_error(op, rank);
+        return false;
+      }
       cuda_check(rc, op, rank);
       cudaEventDestroy(std::exchange(event, nullptr));
+      state.reset();
       return true;
     }
-    void abandon() noexcept { event = nullptr; }  // leaked: Note [Dropped requests]
+    void abandon() noexcept {  // leaked: Note [Dropped requests]
+      event = nullptr;
+      new std::shared_ptr<State>(std::exchange(state, {}));
+    }
   };
 
-  /// Completion of operations enqueued so far, through a CUDA event. Dropping one waits for
-  /// it, except during stack unwinding (Note [Dropped requests]).
+  /// Completion of operations enqueued so far, through a CUDA event: wait() returns once
+  /// the operation is complete on the GPU, or throws paratrain::error when NCCL reports an
+  /// error meanwhile (Note [NCCL errors]). Dropping one waits for it, except during stack
+  /// unwinding (Note [Dropped requests]).
   using Request = detail::BasicRequest<Handles>;
 
   /// NCCL's unique id through a bootstrap found by argument-dependent lookup, as
@@ -154,6 +176,7 @@ class Nccl {
       for (int r = 0; r < b.size; ++r) members.push_back(r);
     s.skeleton =
         detail::Skeleton(b.rank, b.size, options.validate, detail::Watched("nccl", std::move(members), b.rank, options.timeout));
+    s.options = std::move(options);
   }
 
   /// Joins through a bootstrap found by argument-dependent lookup: `nccl_bootstrap(b)`
@@ -169,6 +192,50 @@ class Nccl {
   [[nodiscard]] int size() const noexcept { return state_->skeleton.size(); }
   [[nodiscard]] int device() const noexcept { return state_->device; }
   [[nodiscard]] cudaStream_t stream() const noexcept { return state_->stream; }
+  /// NCCL's communicator, for what paratrain does not wrap.
+  [[nodiscard]] ncclComm_t native() const noexcept { return state_->comm; }
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+  /// The ranks that pass the same `color`, ordered by `key` (then by rank), as a new group on
+  /// the same devices (ncclCommSplit: no new unique id, no bootstrap). Collective: every rank
+  /// of this group calls it. ZeRO-3's gathers, pipelines and hybrid sharding need it.
+  [[nodiscard]] Nccl split(int color, int key = 0) const {
+    if (color < 0) skeleton().fail("split", "color must be >= 0 (got " + std::to_string(color) + ")");
+    auto& self = const_cast<Nccl&>(*this);  // the word collectives enqueue on this group's stream
+    self.check_async_error("split");
+    const auto watch = skeleton().collective("split");
+    // Every rank's (color, key), for the new group's members in the world's numbering (the
+    // watchdog's reports); NCCL orders them the same way (key, then rank).
+    auto mine = at::empty({2}, at::kLong);
+    mine.data_ptr<std::int64_t>()[0] = color;
+    mine.data_ptr<std::int64_t>()[1] = key;
+    auto all = at::empty({2 * size()}, at::kLong);
+    Words{self}.all_gather("split", mine, all);
+    const auto* v = all.data_ptr<std::int64_t>();
+    std::vector<std::pair<std::int64_t, int>> members;
+    for (int r = 0; r < size(); ++r)
+      if (v[2 * r] == color) members.emplace_back(v[2 * r + 1], r);
+    std::sort(members.begin(), members.end());
+    const auto me = std::find(members.begin(), members.end(), std::pair<std::int64_t, int>{key, rank()});
+    const auto new_rank = static_cast<int>(me - members.begin());
+
+    auto s = std::make_shared<State>();
+    s->device = state_->device;
+    s->options = state_->options;
+    cuda_check(cudaSetDevice(s->device), "split", rank());
+    cuda_check(cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking), "split", rank());
+    cuda_check(cudaEventCreateWithFlags(&s->ready, cudaEventDisableTiming), "split", rank());
+    nccl_check(ncclCommSplit(state_->comm, color, key, &s->comm, nullptr), "split", rank());
+    const auto& parent = skeleton().watched().ledger();
+    std::vector<int> world;
+    for (const auto& [k, r] : members) world.push_back(parent.members()[static_cast<std::size_t>(r)]);
+    s->skeleton = detail::Skeleton(
+        new_rank, static_cast<int>(members.size()), s->options.validate,
+        detail::Watched("split " + std::to_string(color) + " of " + parent.name(), std::move(world), new_rank,
+                        s->options.timeout));
+    return Nccl(std::move(s));
+  }
+#endif
 
   // ---- raw device buffers (Note [NCCL without CUDA-enabled LibTorch]) ----------
   Request iall_reduce(void* data, std::size_t count, at::ScalarType dtype, reduce_op op) {
@@ -207,18 +274,27 @@ class Nccl {
                "all_gather", rank());
     return record("all_gather", std::move(watch));
   }
-  Request isend(const void* data, std::size_t count, at::ScalarType dtype, int peer) {
-    check_dtype("send", dtype);
-    skeleton().check_peer("send", peer);
-    auto watch = skeleton().point_to_point("send", peer, 0);
+  // Note [NCCL point-to-point]
+  // NCCL has no tags: the messages between two ranks match in the order each side posts them,
+  // and a send is not buffered: it completes, on the communicator's stream, only once the
+  // peer has posted the matching receive. So both sides must post a pair's messages in the
+  // same order, and two ranks that send to each other must do it in one group (iexchange),
+  // or each send waits for a receive queued behind the other's send. The tag is checked
+  // (>= 0) and named in the watchdog's reports, but matches nothing. A pipeline over
+  // comm::Nccl keeps each direction on a group of its own: Note [One group per direction].
+
+  /// `tag` names the message in the watchdog's reports; NCCL has no tags and matches a pair's
+  /// messages in the order they are posted (Note [NCCL point-to-point]).
+  Request isend(const void* data, std::size_t count, at::ScalarType dtype, int peer, int tag = 0) {
+    check_point_to_point("send", dtype, peer, tag);
+    auto watch = skeleton().point_to_point("send", peer, tag);
     nccl_check(ncclSend(data, count, nccl_type("send", dtype), peer, state_->comm, after_default_stream("send")),
                "send", rank());
     return record("send", std::move(watch));
   }
-  Request irecv(void* data, std::size_t count, at::ScalarType dtype, int peer) {
-    check_dtype("recv", dtype);
-    skeleton().check_peer("recv", peer);
-    auto watch = skeleton().point_to_point("recv", peer, 0);
+  Request irecv(void* data, std::size_t count, at::ScalarType dtype, int peer, int tag = 0) {
+    check_point_to_point("recv", dtype, peer, tag);
+    auto watch = skeleton().point_to_point("recv", peer, tag);
     nccl_check(ncclRecv(data, count, nccl_type("recv", dtype), peer, state_->comm, after_default_stream("recv")),
                "recv", rank());
     return record("recv", std::move(watch));
@@ -260,14 +336,61 @@ class Nccl {
     return r;
   }
   void all_gather(const at::Tensor& in, at::Tensor& out) { iall_gather(in, out).wait(); }
-  void send(const at::Tensor& t, int peer, int /*tag*/ = 0) {
+  /// Note [NCCL point-to-point]: a send completes once the peer has posted its receive.
+  Request isend(const at::Tensor& t, int peer, int tag = 0) {
     check_device("send", t);
-    isend(t.data_ptr(), n(t), t.scalar_type(), peer).wait();
+    auto r = isend(t.data_ptr(), n(t), t.scalar_type(), peer, tag);
+    r.keep_ = {t};
+    return r;
   }
-  void recv(at::Tensor& t, int peer, int /*tag*/ = 0) {
+  Request irecv(at::Tensor& t, int peer, int tag = 0) {
     check_device("recv", t);
-    irecv(t.data_ptr(), n(t), t.scalar_type(), peer).wait();
+    auto r = irecv(t.data_ptr(), n(t), t.scalar_type(), peer, tag);
+    r.keep_ = {t};
+    return r;
   }
+  void send(const at::Tensor& t, int peer, int tag = 0) { isend(t, peer, tag).wait(); }
+  void recv(at::Tensor& t, int peer, int tag = 0) { irecv(t, peer, tag).wait(); }
+
+  /// One message of an exchange: the tensor to send or to receive into, and the peer.
+  struct Message {
+    at::Tensor tensor;
+    int peer = 0;
+    int tag = 0;
+  };
+  /// Sends and receives `sends` and `recvs` together, as one NCCL group (ncclGroupStart/End,
+  /// PyTorch's batch_isend_irecv): two ranks that send to each other cannot wait for each
+  /// other's receive, which separate calls would (Note [NCCL point-to-point]). One request
+  /// for all of them.
+  Request iexchange(std::span<const Message> sends, std::span<const Message> recvs) {
+    std::vector<at::Tensor> keep;
+    for (const auto* list : {&sends, &recvs})
+      for (const auto& m : *list) {
+        check_device(list == &sends ? "send" : "recv", m.tensor);
+        check_point_to_point(list == &sends ? "send" : "recv", m.tensor.scalar_type(), m.peer, m.tag);
+        keep.push_back(m.tensor);
+      }
+    check_async_error("exchange");
+    auto watch = skeleton().collective("exchange");
+    const auto stream = after_default_stream("exchange");
+    nccl_check(ncclGroupStart(), "exchange", rank());
+    ncclResult_t rc = ncclSuccess;
+    for (const auto& m : sends)
+      if (rc == ncclSuccess)
+        rc = ncclSend(m.tensor.data_ptr(), n(m.tensor), nccl_type("send", m.tensor.scalar_type()), m.peer,
+                      state_->comm, stream);
+    for (const auto& m : recvs)
+      if (rc == ncclSuccess)
+        rc = ncclRecv(m.tensor.data_ptr(), n(m.tensor), nccl_type("recv", m.tensor.scalar_type()), m.peer,
+                      state_->comm, stream);
+    const auto end = ncclGroupEnd();
+    nccl_check(rc, "exchange", rank());
+    nccl_check(end, "exchange", rank());
+    auto r = record("exchange", std::move(watch));
+    r.keep_ = std::move(keep);
+    return r;
+  }
+
   /// Waits for everything enqueued on this communicator, on every rank.
   void barrier() {
     float* one = nullptr;
@@ -278,10 +401,12 @@ class Nccl {
   }
 
  private:
+  explicit Nccl(std::shared_ptr<State> s) : state_(std::move(s)) {}
+
   struct State {
     ~State() {
       if (scratch != nullptr) cudaFree(scratch);
-      if (comm != nullptr) ncclCommDestroy(comm);
+      if (comm != nullptr && aborted.empty()) ncclCommDestroy(comm);
       if (ready != nullptr) cudaEventDestroy(ready);
       if (stream != nullptr) cudaStreamDestroy(stream);
     }
@@ -291,7 +416,29 @@ class Nccl {
     void* scratch = nullptr;      // the word collectives' device buffer
     std::size_t scratch_bytes = 0;
     int device = 0;
+    Options options;
     detail::Skeleton skeleton;  // rank, size; Note [Watchdog], Note [Collective fingerprint]
+    std::string aborted;        // why ncclCommAbort ended the communicator: Note [NCCL errors]
+
+    // Note [NCCL errors]
+    // NCCL reports some failures only asynchronously: a peer that died, a network error, an
+    // operation that cannot complete (ncclCommGetAsyncError). A wait() polls its event and the
+    // communicator's error alternately, so that instead of waiting on a GPU that will never
+    // finish, it aborts the communicator (ncclCommAbort: NCCL's kernels then return) and
+    // throws paratrain::error naming NCCL's error, on this rank; every later operation on the
+    // communicator throws the same. The other ranks see their own errors, or their watchdog
+    // names the operation that does not complete (Note [Watchdog]). A hang that NCCL does not
+    // report is the watchdog's too: every operation is watched from its start to the end of
+    // its wait() or test().
+    void check_async_error(const char* op, int rank) {
+      if (!aborted.empty()) throw error(op, rank, aborted);
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm, &async) != ncclSuccess || async == ncclSuccess || async == ncclInProgress) return;
+      aborted = std::string("NCCL reported an asynchronous error (") + ncclGetErrorString(async) +
+                "); the communicator was aborted (ncclCommAbort) and cannot be used again";
+      ncclCommAbort(comm);
+      throw error(op, rank, aborted);
+    }
   };
 
   static void nccl_check(ncclResult_t rc, const char* op, int rank) {
@@ -305,7 +452,8 @@ class Nccl {
 
   // The skeleton's preamble (comm/detail/skeleton.hpp), after the arguments are checked and
   // before anything is enqueued.
-  [[nodiscard]] detail::Watch begin(std::string_view op, at::ScalarType dtype, std::size_t count, int detail) {
+  [[nodiscard]] detail::Watch begin(const char* op, at::ScalarType dtype, std::size_t count, int detail) {
+    check_async_error(op);
     return skeleton().begin(op, dtype, static_cast<std::int64_t>(count), detail, Words{*this});
   }
 
@@ -372,6 +520,16 @@ class Nccl {
     return ncclSum;
   }
 
+  void check_async_error(const char* op) { state_->check_async_error(op, rank()); }
+
+  void check_point_to_point(const char* op, at::ScalarType dtype, int peer, int tag) {
+    check_dtype(op, dtype);
+    skeleton().check_peer(op, peer);
+    if (peer == rank()) skeleton().fail(op, "rank " + std::to_string(peer) + " is this rank; NCCL cannot send to itself");
+    if (tag < 0) skeleton().fail(op, "tag " + std::to_string(tag) + " is negative; tags count up from 0");
+    check_async_error(op);
+  }
+
   void check_dtype(const char* op, at::ScalarType t) const {
     if (!detail::is_supported_dtype(t))
       skeleton().fail(op, "dtype " + std::string(c10::toString(t)) +
@@ -410,6 +568,7 @@ class Nccl {
     cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), op, rank());
     Request r(op, rank(), {});
     r.native_.event = e;
+    r.native_.state = state_;
     r.watch_ = std::move(watch);
     cuda_check(cudaEventRecord(e, stream()), op, rank());
     return r;
