@@ -17,6 +17,7 @@
 #include <string_view>
 
 #include "net.hpp"
+#include "paratrain/comm/device.hpp"
 #include "paratrain/paratrain.hpp"
 
 namespace fashion_mnist {
@@ -30,6 +31,7 @@ struct Args {
   std::string checkpoint_dir;      // checkpoints here, and resume from the newest one
   std::int64_t checkpoint_every = 200;  // steps between checkpoints (and one after every epoch)
   int workers = paratrain::data::LoaderOptions{}.workers;  // threads preparing the next batches
+  std::string device;  // cpu or cuda; empty: cuda where there is a GPU the strategy can use, else cpu
 };
 
 // The options, by CLI11: --help, and values checked (a missing or malformed one is an error
@@ -45,6 +47,8 @@ inline std::optional<int> parse(int argc, char** argv, Args& a) {
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "save checkpoints here, and resume from the newest");
   app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints")
       ->check(CLI::Range(1, 1 << 30))->capture_default_str();
+  app.add_option("--device", a.device, "cpu or cuda (default: cuda where LibTorch sees a GPU, else cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--workers", a.workers, "threads per process reading the next batches (0: on the training thread)")
       ->check(CLI::Range(0, 64))->capture_default_str();
   try {
@@ -57,6 +61,27 @@ inline std::optional<int> parse(int argc, char** argv, Args& a) {
   }
 }
 
+// MPI is started only for the strategies that communicate through it.
+template <class S>
+constexpr bool uses_mpi() {
+#if PARATRAIN_HAS_MPI
+  if constexpr (requires { typename S::communicator_type; })
+    return std::same_as<typename S::communicator_type, paratrain::comm::Mpi>;
+#endif
+  return false;
+}
+
+// comm::Nccl is made from a meeting of the ranks (torchrun's variables, or srun's with
+// MASTER_ADDR and MASTER_PORT): it needs no MPI.
+template <class S>
+constexpr bool uses_nccl() {
+#if PARATRAIN_HAS_NCCL
+  if constexpr (requires { typename S::communicator_type; })
+    return std::same_as<typename S::communicator_type, paratrain::comm::Nccl>;
+#endif
+  return false;
+}
+
 // What the alias chose, for the summary line.
 template <class S>
 constexpr const char* name_of() {
@@ -65,6 +90,7 @@ constexpr const char* name_of() {
 #if PARATRAIN_HAS_GLOO
     else if constexpr (std::same_as<typename S::communicator_type, paratrain::comm::Gloo>) return "ddp-gloo";
 #endif
+    else if constexpr (uses_nccl<S>()) return "ddp-nccl";
     else if constexpr (S::stage > 0) {
       constexpr const char* zero[] = {"", "zero1", "zero2", "zero3"};
       return zero[S::stage];
@@ -74,13 +100,32 @@ constexpr const char* name_of() {
   }
 }
 
-// MPI is started only for the strategies that communicate through it.
+// The device to train on: --device, or by default a GPU where there is one and the
+// strategy's communicator can reduce there (comm::Mpi reduces host memory only).
 template <class S>
-constexpr bool uses_mpi() {
-  if constexpr (requires { typename S::communicator_type; })
-    return std::same_as<typename S::communicator_type, paratrain::comm::Mpi>;
-  else
-    return false;
+torch::Device device_for(const Args& args) {
+  if (args.device.empty() && uses_mpi<S>()) return torch::kCPU;
+  if (args.device == "cuda" && uses_mpi<S>())
+    throw std::runtime_error("--device cuda: this build reduces over MPI, in host memory; on GPUs run "
+                             "fashion_mnist_ddp_nccl (or fashion_mnist_ddp_gloo)");
+  if (args.device != "cuda" && uses_nccl<S>()) {
+    if (args.device == "cpu") throw std::runtime_error("--device cpu: this build reduces over NCCL, on GPUs only");
+    return paratrain::local_device("cuda");
+  }
+  return paratrain::local_device(args.device);
+}
+
+// The strategy over its communicator: comm::Nccl started from the launcher's variables.
+template <class S>
+S make_strategy(Net net, double lr) {
+  if constexpr (uses_nccl<S>()) {
+#if PARATRAIN_HAS_NCCL
+    paratrain::comm::Rendezvous meeting;
+    return S(std::move(net), paratrain::comm::Nccl(meeting), torch::optim::AdamOptions(lr));
+#endif
+  } else {
+    return S(std::move(net), torch::optim::AdamOptions(lr));
+  }
 }
 
 // One split of the IDX files, through the library's reader: uint8 in memory, converted to
@@ -103,11 +148,14 @@ int train(const Args& args) {
   const paratrain::data::Subset train(all, torch::arange(n, torch::kLong));
 
   torch::manual_seed(0);
-  Strategy strategy(Net(), torch::optim::AdamOptions(args.lr));
+  const auto device = device_for<Strategy>(args);
+  Net net;
+  net->to(device);  // the strategy moves each batch there (Note [One move per batch])
+  Strategy strategy = make_strategy<Strategy>(net, args.lr);
   const bool root = strategy.rank() == 0;
   if (root)
-    std::printf("Fashion-MNIST, %s, %d process(es), batch %lld per process, %d epochs\n", name_of<Strategy>(),
-                strategy.world_size(), static_cast<long long>(args.batch), args.epochs);
+    std::printf("Fashion-MNIST, %s, %d process(es) on %s, batch %lld per process, %d epochs\n", name_of<Strategy>(),
+                strategy.world_size(), device.str().c_str(), static_cast<long long>(args.batch), args.epochs);
 
   std::optional<double> seconds_to_90;
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
@@ -150,8 +198,10 @@ int train(const Args& args) {
 
 template <paratrain::strategy Strategy>
 int run(int argc, char** argv) {
+#if PARATRAIN_HAS_MPI
   std::optional<paratrain::comm::Mpi::Environment> mpi;
   if constexpr (uses_mpi<Strategy>()) mpi.emplace(argc, argv);
+#endif
   Args args;
   if (const auto status = parse(argc, argv, args)) return *status;
   // An error on any rank: one "paratrain: ..." line, and the whole job ends.

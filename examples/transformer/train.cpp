@@ -61,6 +61,8 @@ namespace zero = paratrain::zero;
 
 #if defined(TRANSFORMER_SINGLE)
 using Strategy = DataParallel<Transformer, comm::SingleDevice, Adam>;
+#elif !PARATRAIN_HAS_MPI
+#error "this build needs MPI (paratrain::mpi); without it, only transformer_single builds"
 #elif defined(TRANSFORMER_DDP)
 using Strategy = DataParallel<Transformer, comm::Mpi, Adam>;
 #elif defined(TRANSFORMER_ZERO3)
@@ -80,7 +82,7 @@ inline constexpr bool is_pipeline<Pipeline<Stage...>> = true;
 constexpr bool pipelined = is_pipeline<Strategy::model_type>;
 
 constexpr const char* strategy_name() {
-  constexpr bool mpi = std::is_same_v<Strategy::communicator_type, comm::Mpi>;
+  constexpr bool mpi = !std::is_same_v<Strategy::communicator_type, comm::SingleDevice>;
   if constexpr (!mpi) return "single";
   else if constexpr (pipelined) return Strategy::stage == 3 ? "pipeline_zero3" : "pipeline";
   else return Strategy::stage == 3 ? "zero3" : "ddp";
@@ -98,6 +100,7 @@ struct Args {
   std::string write_data;  // write the in-memory data to this HDF5 file, and stop
   int workers = paratrain::data::LoaderOptions{}.workers;
   bool bf16 = false;  // forward under bf16 autocast, gradients summed in bf16
+  std::string device;  // cpu or cuda; empty: cuda for transformer_single where there is a GPU, else cpu
   std::uint64_t seed = 0;
   double lr = 0.001;         // Adam's, times the replicas (the reference's 0.001 x world size)
   double adam_eps = 1e-8;    // Adam's epsilon (LibTorch's default)
@@ -123,6 +126,7 @@ constexpr std::string_view usage = R"(usage: transformer_<build> [options]
   --write-data FILE  write the data made in memory to FILE in that form, and stop (one process)
   --bf16             mixed precision: forward under bf16 autocast, gradients summed across
                      ranks in bf16; parameters and Adam's state stay fp32
+  --device D         cpu or cuda (transformer_single; default: cuda where LibTorch sees a GPU)
   --recompute        recompute each layer's activations in backward instead of keeping them
                      (activation checkpointing: paratrain::Recompute)
   --workers N        loader threads reading the next batches while a step computes (1; 0:
@@ -177,6 +181,10 @@ Args parse(int argc, char** argv) {
     else if (k == "--lr") a.lr = std::stod(v);
     else if (k == "--adam-eps") a.adam_eps = std::stod(v);
     else if (k == "--reference") a.reference = integer();
+    else if (k == "--device") {
+      if (v != "cpu" && v != "cuda") throw std::invalid_argument("--device takes cpu or cuda, not " + v);
+      a.device = v;
+    }
     else throw std::invalid_argument("unknown option " + std::string(k));
   }
   if (m.d_model < 1 || m.nhead < 1 || m.d_model % m.nhead != 0)
@@ -189,6 +197,9 @@ Args parse(int argc, char** argv) {
     throw std::invalid_argument("--schedule is for the pipeline builds");
   if (!a.data.empty() && !a.write_data.empty()) throw std::invalid_argument("--data and --write-data exclude each other");
   if (!(a.lr > 0) || !(a.adam_eps > 0)) throw std::invalid_argument("--lr and --adam-eps must be positive");
+  // The other builds reduce over MPI, in host memory (comm::Mpi takes CPU tensors).
+  if (a.device == "cuda" && strategy_name() != std::string_view("single"))
+    throw std::invalid_argument("--device cuda is transformer_single's: the other builds reduce over MPI, on the host");
   if (a.reference > 0 && (strategy_name() != std::string_view("single") || a.steps == 0 || m.dropout != 0 ||
                           a.bf16 || !a.data.empty()))
     throw std::invalid_argument("--reference is transformer_single's, with --steps N and --dropout 0, from memory "
@@ -251,6 +262,9 @@ std::unique_ptr<S> make_strategy(const Args& a, std::int64_t& parameters) {
   } else {
     Transformer model(make_encoder(a), make_decoder(a));
     parameters = count(*model);
+    // Where it trains: batches follow the model there (Note [One move per batch]).
+    model->to(a.device.empty() && strategy_name() != std::string_view("single") ? torch::Device(torch::kCPU)
+                                                                                : paratrain::local_device(a.device));
     return std::make_unique<S>(model, adam, options);
   }
 }
@@ -355,8 +369,10 @@ int train_reference(const Args& a) {
 }
 
 int run(int argc, char** argv) {
+#if PARATRAIN_HAS_MPI
   std::optional<comm::Mpi::Environment> mpi;
   if constexpr (std::is_same_v<Strategy::communicator_type, comm::Mpi>) mpi.emplace(argc, argv);
+#endif
   torch::set_num_threads(1);  // one process per core
   const auto start = std::chrono::steady_clock::now();
   Args a;

@@ -21,7 +21,9 @@
 
 #include "paratrain/reliability/failure.hpp"
 
+#include "paratrain/comm/device.hpp"
 #include "paratrain/comm/launch.hpp"
+#include "paratrain/comm/rendezvous.hpp"
 #include "paratrain/comm/single_device.hpp"
 
 #include "paratrain/data/batches.hpp"
@@ -65,6 +67,7 @@
 #endif
 
 #if PARATRAIN_HAS_NCCL
+#include "paratrain/comm/nccl/bootstrap_over_store.hpp"  // comm::Nccl(comm::Rendezvous&)
 #include "paratrain/comm/nccl/nccl.hpp"
 #endif
 #if PARATRAIN_HAS_NCCL && PARATRAIN_HAS_MPI

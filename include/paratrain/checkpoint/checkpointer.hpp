@@ -142,6 +142,14 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
     rng = generator.get_state();
   }
   add(detail::rng_key(rank), false, -1, rng, {rng.numel()}, 0);
+  if (auto device = detail::device_generator(s.device())) {
+    at::Tensor cuda_rng;
+    {
+      std::lock_guard<std::mutex> lock(device->mutex());
+      cuda_rng = device->get_state();
+    }
+    add(detail::cuda_rng_key(rank), false, -1, cuda_rng, {cuda_rng.numel()}, 0);
+  }
   return mine;
 }
 

@@ -32,7 +32,8 @@ namespace paratrain::checkpoint {
 //   rank-<5 digits>.bin one per saving rank: the chunks' raw bytes, 64-byte aligned
 // A chunk is a flat, row-major range [begin, begin + numel) of one named tensor (its
 // key): "model/<name>" for parameters and buffers, "optim/<name>/<field>" for optimizer
-// state ("optim/<name>/step" a 0-dim int64), "rng/cpu/<rank>" for generator states.
+// state ("optim/<name>/step" a 0-dim int64), "rng/cpu/<rank>" for generator states, and
+// "rng/cuda/<rank>" for the generator of the rank's GPU where its model is on one.
 // Every element of every tensor is in exactly one chunk: a replicated tensor is written
 // by one rank, chosen to balance the bytes. Loading is by key and range alone, so
 // any strategy at any world size reads what any other wrote (resharding).
@@ -71,6 +72,14 @@ inline constexpr std::string_view model_prefix = "model/";
 inline std::string model_key(const std::string& name) { return std::string(model_prefix) + name; }
 inline std::string optim_key(const std::string& name, const std::string& field) { return "optim/" + name + "/" + field; }
 inline std::string rng_key(int rank) { return "rng/cpu/" + std::to_string(rank); }
+inline std::string cuda_rng_key(int rank) { return "rng/cuda/" + std::to_string(rank); }
+
+/// The default generator of `device` where it is a GPU (dropout's there), else none. Through
+/// ATen's device-generic Context, so that this compiles against a LibTorch without CUDA.
+inline std::optional<at::Generator> device_generator(at::Device device) {
+  if (!device.is_cuda()) return std::nullopt;
+  return at::globalContext().defaultGenerator(device);
+}
 
 /// PyTorch's dtype names, so that Python can read a chunk with `getattr(torch, dtype)`.
 inline std::string dtype_name(at::ScalarType t) {

@@ -51,6 +51,8 @@ struct Staged {
   std::vector<OptimizerStateKey> cleared;  // optimizer state keys of this rank's optimized slices
   std::vector<Dict> group_options;
   at::Tensor rng;
+  std::optional<at::Generator> device;  // the GPU's generator, and its state to set
+  at::Tensor device_rng;
 };
 
 /// `names`: the model's tensors over all ranks (model_names).
@@ -143,6 +145,10 @@ void commit(Staged& staged, Optim& optimizer) {
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(staged.rng);
   }
+  if (staged.device_rng.defined()) {
+    std::lock_guard<std::mutex> lock(staged.device->mutex());
+    staged.device->set_state(staged.device_rng);
+  }
 }
 
 }  // namespace detail
@@ -180,6 +186,19 @@ Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
       } catch (const std::exception& e) {
         throw detail::file_error(path, "holds a malformed '" + rng + "' (" + detail::message_of(e) + ")", 0);
       }
+    }
+    const auto cuda_rng = detail::cuda_rng_key(s.rank() % c.world_size);
+    staged.device = detail::device_generator(s.device());
+    if (const auto* record = c.find(cuda_rng); options.rng && record != nullptr && staged.device) {
+      staged.device_rng = reader.read(cuda_rng, *record, 0, detail::numel_of(record->shape));
+      // CUDA's generator takes only a state of its own size: checked now, so that commit()
+      // cannot fail half-way.
+      std::lock_guard<std::mutex> lock(staged.device->mutex());
+      if (staged.device_rng.numel() != staged.device->get_state().numel())
+        throw detail::file_error(path, "holds a malformed '" + cuda_rng + "' (" +
+                                           std::to_string(staged.device_rng.numel()) + " bytes; this GPU's generator has " +
+                                           std::to_string(staged.device->get_state().numel()) + ")",
+                                 0);
     }
     out = {path, c.step, c.world_size, c.extra,
            c.world_size == s.world_size() ? c.rank_extra[static_cast<std::size_t>(s.rank())] : make_dict()};

@@ -74,8 +74,10 @@ namespace paratrain::comm {
 /// system may meet in a file instead (PARATRAIN_STORE_FILE: comm::Rendezvous). A world of one
 /// needs no rendezvous at all.
 ///
-/// Every operation works in place on contiguous CPU tensors of float32, float64, bfloat16,
-/// float16, int32 or int64, with comm::Mpi's checks and messages; Note [What Gloo lacks in
+/// Every operation works in place on contiguous tensors of float32, float64, bfloat16,
+/// float16, int32 or int64, with comm::Mpi's checks and messages: CPU tensors, and CUDA ones
+/// where LibTorch has CUDA (collectives through c10d's own host staging, sends and receives
+/// through a host copy here), so that processes sharing one GPU can train over it; Note [What Gloo lacks in
 /// LibTorch 1.13] says what is emulated. Operations run on Gloo's own threads, so an
 /// `iall_reduce` progresses while the caller computes. Copies of a `Gloo` share one process
 /// group; `duplicate()` and `split()` make new ones.
@@ -241,10 +243,12 @@ class Gloo {
     check_point_to_point("send", t, peer, tag);
     auto header = at::empty({1}, at::kLong);
     header.data_ptr<std::int64_t>()[0] = t.numel() * t.element_size();
-    Request r("send", rank(), {t, header});
+    // c10d's Gloo sends from host memory only: a GPU tensor goes through a host copy.
+    const auto wire = t.is_cpu() ? t : t.cpu();
+    Request r("send", rank(), {wire, header});
     r.watch_ = skeleton().point_to_point("send", peer, tag);
     r.native_.can_poll = false;
-    std::vector<at::Tensor> h{header}, payload{t};
+    std::vector<at::Tensor> h{header}, payload{wire};
     r.native_.works.push_back(run("send", [&] { return group().send(h, peer, tag); }));
     if (t.numel() > 0) r.native_.works.push_back(run("send", [&] { return group().send(payload, peer, tag); }));
     return r;
@@ -269,7 +273,12 @@ class Gloo {
                        std::to_string(tag) + ") but the receiving tensor holds " + std::to_string(expected) +
                        "; give both sides the same shape and dtype");
     }
-    if (bytes > 0) receive(t, peer, tag);
+    if (bytes > 0 && t.is_cpu()) receive(t, peer, tag);
+    if (bytes > 0 && !t.is_cpu()) {  // into host memory, as sends: c10d's Gloo receives there only
+      auto host = at::empty(t.sizes(), t.options().device(at::kCPU));
+      receive(host, peer, tag);
+      t.copy_(host);
+    }
   }
 
   void barrier() {

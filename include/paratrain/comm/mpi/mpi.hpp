@@ -308,6 +308,7 @@ class Mpi {
 
   [[nodiscard]] Request ibroadcast(at::Tensor& t, int root) {
     detail::check_buffer("broadcast", rank(), t);
+    check_on_host("broadcast", t);
     skeleton().check_peer("broadcast", root);
     Request r("broadcast", rank(), {t});
     r.watch_ = begin("broadcast", t, root);
@@ -362,6 +363,7 @@ class Mpi {
   /// itself would accept a shorter one silently.
   void recv(at::Tensor& t, int peer, int tag = 0) {
     detail::check_buffer("recv", rank(), t);
+    check_on_host("recv", t);
     skeleton().check_peer("recv", peer);
     const auto watch = skeleton().point_to_point("recv", peer, tag);
     MPI_Message message{};
@@ -382,6 +384,7 @@ class Mpi {
 
   [[nodiscard]] Request isend(const at::Tensor& t, int peer, int tag = 0) {
     detail::check_buffer("send", rank(), t);
+    check_on_host("send", t);
     skeleton().check_peer("send", peer);
     Request r("send", rank(), {t});
     r.watch_ = skeleton().point_to_point("send", peer, tag);
@@ -394,6 +397,7 @@ class Mpi {
   /// (MPI_ERR_TRUNCATE). The blocking recv also rejects a shorter one.
   [[nodiscard]] Request irecv(at::Tensor& t, int peer, int tag = 0) {
     detail::check_buffer("recv", rank(), t);
+    check_on_host("recv", t);
     skeleton().check_peer("recv", peer);
     Request r("recv", rank(), {t});
     r.watch_ = skeleton().point_to_point("recv", peer, tag);
@@ -454,6 +458,14 @@ class Mpi {
                             "` (or srun), or use comm::Gloo, which meets at MASTER_ADDR:MASTER_PORT");
   }
 
+  // MPI is given host pointers: a GPU tensor's would be read as host memory (a CUDA-aware
+  // MPI could take it, but nothing tells which MPI this is).
+  void check_on_host(const char* op, const at::Tensor& t) const {
+    if (!t.is_cpu())
+      throw error(op, rank(), "comm::Mpi takes CPU tensors; this one is on " + t.device().str() +
+                                  " (use comm::Nccl for GPU tensors, or comm::Gloo, which copies them through the host)");
+  }
+
   static void check(int rc, const char* op, int rank) {
     if (rc == MPI_SUCCESS) return;
     char text[MPI_MAX_ERROR_STRING];
@@ -495,6 +507,7 @@ class Mpi {
 
   [[nodiscard]] detail::Watch prepare_reduction(const char* op, at::Tensor& t, reduce_op r) {
     detail::check_reduction(op, rank(), t, r);
+    check_on_host(op, t);
     return begin(op, t, static_cast<int>(r));
   }
 
@@ -527,12 +540,16 @@ class Mpi {
 
   [[nodiscard]] detail::Watch prepare_reduce_scatter(const at::Tensor& in, const at::Tensor& out, reduce_op op) {
     detail::check_reduce_scatter(rank(), size(), in, out, op);
+    check_on_host("reduce_scatter", in);
+    check_on_host("reduce_scatter", out);
     return begin("reduce_scatter", in, static_cast<int>(op));
   }
 
   /// Checks the arguments and says whether the gather is in place; and its watch.
   std::pair<bool, detail::Watch> prepare_all_gather(const at::Tensor& in, const at::Tensor& out) {
     detail::check_all_gather(rank(), size(), in, out);
+    check_on_host("all_gather", in);
+    check_on_host("all_gather", out);
     const auto bytes = in.numel() * in.element_size();
     const auto* first = static_cast<const char*>(in.data_ptr());
     const auto* whole = static_cast<const char*>(out.data_ptr());
