@@ -124,6 +124,7 @@ struct Scenario {
   Groups groups = Groups::one;
   Features features;
   paratrain::DataParallelOptions options;
+  torch::Device device = torch::kCPU;  // where both models live; the batches start on the host
 };
 
 // The samples of rank r at step k: a fixed slice of one synthetic data set, b of the
@@ -162,6 +163,7 @@ template <class Optim, class Opts>
 std::vector<torch::Tensor> reference(const Scenario& s, int world, Opts opts) {
   const Data data;
   auto model = make_model(s.features, 0);
+  model->to(s.device);
   Optim optim(groups_of(s, model, opts), opts);
   for (int k = 0; k < s.steps; ++k) {
     std::vector<torch::Tensor> xs, ys;
@@ -176,7 +178,7 @@ std::vector<torch::Tensor> reference(const Scenario& s, int world, Opts opts) {
     {
       // The same precision policy as the strategy's (Note [Mixed precision]), here by hand.
       const CpuAutocast autocast(s.options.precision.autocast);
-      loss = loss_fn(model->forward(torch::cat(xs)), torch::cat(ys));
+      loss = loss_fn(model->forward(torch::cat(xs).to(s.device)), torch::cat(ys).to(s.device));
     }
     loss.backward();
     if (s.options.max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), s.options.max_grad_norm);
@@ -192,6 +194,7 @@ std::vector<torch::Tensor> distributed(const Scenario& s, Comm c, Opts opts) {
   const Data data;
   const int world = c.size(), rank = c.rank();
   auto model = make_model<Model>(s.features, rank);
+  model->to(s.device);  // the batches stay on the host: the strategy moves them
   auto groups = groups_of(s, model, opts);
   paratrain::DataParallel<Model, Comm, Update> dp(model, std::move(c), std::move(groups), opts, s.options);
   const int mine = batches_of(s, rank);

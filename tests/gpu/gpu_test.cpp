@@ -1,0 +1,252 @@
+// The promise on a GPU: every strategy, with its model on CUDA and batches handed over on the
+// host, ends where single-device training on the same GPU ends (plain LibTorch, the same
+// init, the union of the ranks' batches: tests/support/equivalence.hpp with Scenario::device).
+// Ranks are processes started as torchrun starts them (tests/launch/torchrun_style.sh), which
+// may share one GPU: they communicate over comm::Gloo with CUDA tensors, and over comm::Nccl
+// where each has a GPU of its own (NCCL refuses two ranks of one communicator on one device),
+// or alone (a world of one, which still runs every NCCL call of the strategies).
+//
+// Compiled on every machine with Gloo (CI: Debian's LibTorch, which has no CUDA); run by
+// scripts/gpu-check.sh on a machine with a GPU. Without one the driver exits 77 (skipped),
+// unless PARATRAIN_TEST_DEVICE=cpu asks for the same checks on the CPU.
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "paratrain/checkpoint/checkpoint.hpp"
+#include "paratrain/comm/device.hpp"
+#include "paratrain/comm/gloo/gloo.hpp"
+#include "paratrain/core/config.hpp"
+#include "paratrain/data/loader.hpp"
+#include "paratrain/data/tensor_dataset.hpp"
+#include "paratrain/fit/fit.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/recompute.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#if PARATRAIN_HAS_NCCL
+#include "paratrain/comm/nccl/bootstrap_over_store.hpp"
+#include "paratrain/comm/nccl/nccl.hpp"
+#endif
+#include "support/doctest.hpp"
+#include "support/equivalence.hpp"
+#include "support/gloo_world.hpp"
+
+namespace {
+
+namespace comm = paratrain::comm;
+namespace zero = paratrain::zero;
+using namespace paratrain_test;
+
+// The device under test: the GPU; PARATRAIN_TEST_DEVICE=cpu runs the same checks on the CPU
+// (the suite's own logic, checked in CI where there is no GPU).
+torch::Device gpu() {
+  const char* device = std::getenv("PARATRAIN_TEST_DEVICE");
+  return paratrain::local_device(device != nullptr ? device : "cuda");
+}
+
+// DDP and ZeRO 1-3 over `c`, SGD with momentum (Adam would hide a gradient off by a factor)
+// and Adam, against the reference on the same GPU.
+template <class Comm, class Update, class Optim, class Opts>
+void check_on_gpu(Comm c, Scenario s, Opts opts) {
+  s.device = gpu();
+  const auto want = reference<Optim>(s, c.size(), opts);
+  const auto got = distributed<Comm, Update>(s, std::move(c), opts);
+  REQUIRE(got.size() == want.size());
+  CHECK(got.front().device() == s.device);
+  CHECK(max_relative_difference(got, want) <= 1e-5);
+}
+
+template <class Comm>
+void check_every_strategy(const Comm& c) {
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  const auto adam = torch::optim::AdamOptions(1e-2);
+  for (const Scenario& s : {Scenario{}, Scenario{.varied_batch = true}, Scenario{.batch = 8, .micro_batches = 2}}) {
+    CAPTURE(s.varied_batch);
+    CAPTURE(s.micro_batches);
+    check_on_gpu<Comm, torch::optim::SGD, torch::optim::SGD>(c, s, sgd);
+    check_on_gpu<Comm, torch::optim::Adam, torch::optim::Adam>(c, s, adam);
+    check_on_gpu<Comm, paratrain::Sharded<torch::optim::SGD, zero::stage1>, torch::optim::SGD>(c, s, sgd);
+    check_on_gpu<Comm, paratrain::Sharded<torch::optim::SGD, zero::stage2>, torch::optim::SGD>(c, s, sgd);
+    check_on_gpu<Comm, paratrain::Sharded<torch::optim::SGD, zero::stage3>, torch::optim::SGD>(c, s, sgd);
+    check_on_gpu<Comm, paratrain::Sharded<torch::optim::Adam, zero::stage3>, torch::optim::Adam>(c, s, adam);
+  }
+}
+
+// Two stages of the reference's MLP, each built on the GPU from a seed of its own.
+struct FrontImpl : torch::nn::Module {
+  FrontImpl() : fc(register_module("fc", torch::nn::Linear(8, 16))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(fc(x)); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Front);
+struct BackImpl : torch::nn::Module {
+  BackImpl() : fc(register_module("fc", torch::nn::Linear(16, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc(x); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Back);
+
+template <class M>
+M built_on_gpu(int seed) {
+  torch::manual_seed(seed);
+  M m;
+  m->to(gpu());
+  return m;
+}
+
+// A two-stage pipeline (one stage per rank, the other ranks replicas) over `c`, against the
+// two stages trained as one model on the GPU on every replica's micro-batches.
+template <class Comm>
+void check_pipeline(const Comm& c, paratrain::pipeline::Kind schedule) {
+  if (c.size() % 2 != 0) return;  // two stages: an even world
+  const int replicas = c.size() / 2, steps = 6, micro = 4;
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  const auto batch_of = [](int step, int replica) {  // the same on every rank, on the host
+    torch::manual_seed(1000 * step + replica);
+    return paratrain::Batch(torch::randn({8 + 4 * replica, 8}), torch::randn({8 + 4 * replica, 4}));
+  };
+  const auto mse = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); };
+
+  paratrain::DataParallel<paratrain::Pipeline<Front, Back>, Comm, torch::optim::SGD> pipe(
+      paratrain::Pipeline<Front, Back>([] { return built_on_gpu<Front>(1); }, [] { return built_on_gpu<Back>(2); }), c,
+      sgd, {.schedule = schedule});
+  auto front = built_on_gpu<Front>(1);
+  auto back = built_on_gpu<Back>(2);
+  std::vector<torch::Tensor> params = front->parameters();
+  for (const auto& p : back->parameters()) params.push_back(p);
+  torch::optim::SGD reference(params, sgd);
+  for (int t = 0; t < steps; ++t) {
+    const auto mine = batch_of(t, pipe.data_shard().index);
+    std::vector<paratrain::Batch> micro_batches;
+    for (int m = 0; m < micro; ++m) micro_batches.push_back(mine.narrow(m * mine.size() / micro, mine.size() / micro));
+    pipe.step(std::span<const paratrain::Batch>(micro_batches), mse);
+    std::vector<torch::Tensor> xs, ys;
+    for (int r = 0; r < replicas; ++r) {
+      const auto b = batch_of(t, r);
+      xs.push_back(b.input());
+      ys.push_back(b.target);
+    }
+    reference.zero_grad();
+    torch::mse_loss(back(front(torch::cat(xs).to(gpu()))), torch::cat(ys).to(gpu())).backward();
+    reference.step();
+  }
+  const auto got = pipe.full_parameters();  // this rank's stage's: stage rank % 2
+  const auto want = c.rank() % 2 == 0 ? front->parameters() : back->parameters();
+  REQUIRE(got.size() == want.size());
+  CHECK(max_relative_difference(got, want) <= 1e-5);
+}
+
+// A CUDA generator's stream, drawn from after a save and again after loading that save.
+template <class Strategy>
+void check_generator_in_checkpoint(Strategy& s, const std::filesystem::path& dir) {
+  if (!gpu().is_cuda()) return;  // the CPU's generator: tests/unit/checkpoint_test.cpp
+  torch::manual_seed(3);
+  paratrain::checkpoint::save(s, dir, /*step=*/1);
+  const auto first = torch::rand({16}, torch::TensorOptions().device(gpu())).cpu();
+  static_cast<void>(torch::rand({16}, torch::TensorOptions().device(gpu())));  // the stream moves on
+  paratrain::checkpoint::load(s, dir / "step-000000001");
+  const auto again = torch::rand({16}, torch::TensorOptions().device(gpu())).cpu();
+  CHECK(torch::equal(first, again));
+}
+
+std::filesystem::path scratch(const std::string& what) {
+  // Unique to this launch (its port), the same on every rank.
+  const char* port = std::getenv("MASTER_PORT");
+  return std::filesystem::temp_directory_path() / ("paratrain-gpu-" + what + "-" + (port ? port : "0"));
+}
+
+}  // namespace
+
+TEST_CASE("[gpu] DDP and ZeRO 1-3 over comm::Gloo, CUDA models, equal single-device training on the GPU") {
+  check_every_strategy(gloo_world());
+}
+
+TEST_CASE("[gpu] pipelines over comm::Gloo, stages on the GPU, equal the stages trained as one model") {
+  for (const auto schedule : {paratrain::pipeline::Kind::gpipe, paratrain::pipeline::Kind::one_f_one_b,
+                              paratrain::pipeline::Kind::zero_bubble_h1})
+    check_pipeline(gloo_world(), schedule);
+}
+
+TEST_CASE("[gpu] DataParallel moves host batches to the GPU, and fit's loader pins them") {
+  paratrain::data::TensorDataset data(torch::randn({64, 8}), torch::randint(4, {64}));
+  paratrain::data::Loader<paratrain::data::TensorDataset> loader(data, std::vector<torch::Tensor>{torch::arange(16)},
+                                                                  paratrain::data::for_device({}, gpu()));
+  CHECK(loader.next()->input().is_pinned() == gpu().is_cuda());
+  auto model = make_model(Features{}, 0);
+  model->to(gpu());
+  paratrain::DataParallel<Mlp, comm::Gloo, torch::optim::SGD> s(model, gloo_world(), torch::optim::SGDOptions(0.1));
+  CHECK(s.device() == gpu());
+  const auto result = paratrain::fit(s, data, {.epochs = 2, .batch_size = 8, .eval = &data, .progress = false});
+  REQUIRE(result.epochs.size() == 2);
+  CHECK(result.epochs.back().eval_samples == 64);  // every sample once, over the ranks
+  CHECK(std::isfinite(result.epochs.back().eval_loss));
+}
+
+TEST_CASE("[gpu] a checkpoint keeps the GPU's random stream") {
+  auto model = make_model(Features{}, 0);
+  model->to(gpu());
+  paratrain::DataParallel<Mlp, comm::Gloo, torch::optim::SGD> s(model, gloo_world(), torch::optim::SGDOptions(0.1));
+  const auto dir = scratch("checkpoint");
+  if (s.rank() == 0) std::filesystem::remove_all(dir);
+  gloo_world().barrier();
+  check_generator_in_checkpoint(s, dir);
+  gloo_world().barrier();
+  if (s.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// Linear, dropout, tanh, Linear: dropout draws from the GPU's generator.
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    drop = register_module("drop", torch::nn::Dropout(0.5));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::tanh(drop(fc1(x)))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(Block);
+
+TEST_CASE("[gpu] Recompute on the GPU redraws dropout's mask: the plain layer's gradients, exactly") {
+  const auto grads = [](auto block) {
+    block->to(gpu());
+    torch::manual_seed(5);
+    const auto x = torch::randn({10, 8}, torch::TensorOptions().device(gpu())).requires_grad_(true);
+    (block(x) * 1.5).sum().backward();
+    std::vector<torch::Tensor> g{x.grad()};
+    for (const auto& p : block->parameters()) g.push_back(p.grad());
+    return g;
+  };
+  torch::manual_seed(9);
+  const auto plain = grads(Block());
+  torch::manual_seed(9);
+  const auto recomputed = grads(paratrain::Recompute<Block>());
+  REQUIRE(recomputed.size() == plain.size());
+  for (std::size_t i = 0; i < plain.size(); ++i) CHECK(torch::equal(recomputed[i], plain[i]));
+}
+
+#if PARATRAIN_HAS_NCCL
+TEST_CASE("[gpu] comm::Nccl, a world of one per process: DDP and ZeRO 1-3 equal single-device training") {
+  if (!gpu().is_cuda()) return;  // NCCL reduces on GPUs only
+  comm::Rendezvous alone({.rank = 0, .world_size = 1, .local_rank = gloo_world().rank(), .master_addr = "", .file = ""});
+  check_every_strategy(comm::Nccl(alone));
+}
+
+TEST_CASE("[gpu] comm::Nccl across the processes, one GPU each: every strategy and pipelines") {
+  const int ranks = gloo_world().size();
+  if (!gpu().is_cuda() || ranks == 1 || ranks > comm::Nccl::device_count()) return;  // NCCL: one rank per GPU
+  const auto file = scratch("nccl-store");
+  if (gloo_world().rank() == 0) std::filesystem::remove(file);
+  gloo_world().barrier();
+  comm::Rendezvous meeting({.rank = gloo_world().rank(), .world_size = ranks, .local_rank = gloo_world().rank(),
+                            .file = file.string()});
+  comm::Nccl nccl(meeting);
+  check_every_strategy(nccl);
+  for (const auto schedule : {paratrain::pipeline::Kind::gpipe, paratrain::pipeline::Kind::one_f_one_b})
+    check_pipeline(nccl, schedule);
+}
+#endif
