@@ -53,7 +53,10 @@ def run(rank, args):
     net = nn.Sequential(nn.Conv2d(1, 16, 5), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
                         nn.Conv2d(16, 32, 5), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
                         nn.Flatten(), nn.Linear(512, 128), nn.ReLU(), nn.Linear(128, 10))
-    model = DistributedDataParallel(net)
+    device = torch.device(args.device)
+    net.to(device)
+    # One rank: the plain model (what fashion_mnist_single trains), else PyTorch's DDP.
+    model = DistributedDataParallel(net) if args.ranks > 1 else net
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     sampler = DistributedSampler(range(len(xtr)), num_replicas=args.ranks, rank=rank, shuffle=True, seed=0)
     steps = math.ceil(sampler.num_samples / args.batch)
@@ -68,7 +71,7 @@ def run(rank, args):
                 g["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * (epoch + k / steps) / args.epochs))
             b = idx[k * args.batch:(k + 1) * args.batch]
             opt.zero_grad()
-            F.cross_entropy(model(xtr[b]), ytr[b]).backward()
+            F.cross_entropy(model(xtr[b].to(device, non_blocking=True)), ytr[b].to(device, non_blocking=True)).backward()
             opt.step()
             samples += len(b) * args.ranks
         train_seconds += time.time() - begin
@@ -78,7 +81,7 @@ def run(rank, args):
             correct = torch.tensor([0.0, 0.0])
             for i in range(0, len(shard), 1000):
                 s = shard[i:i + 1000]
-                correct += torch.tensor([(model(xte[s]).argmax(1) == yte[s]).sum().item(), len(s)])
+                correct += torch.tensor([(model(xte[s].to(device)).argmax(1) == yte[s].to(device)).sum().item(), len(s)])
             dist.all_reduce(correct)
             accuracy = (correct[0] / correct[1]).item()
         if seconds_to_90 is None and accuracy >= 0.90:
@@ -86,7 +89,8 @@ def run(rank, args):
         if rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs}: test accuracy {100 * accuracy:.2f}%", flush=True)
     if rank == 0:
-        print(json.dumps({"implementation": "pytorch", "strategy": "ddp", "world_size": args.ranks,
+        print(json.dumps({"implementation": "pytorch", "strategy": "ddp" if args.ranks > 1 else "single",
+                          "world_size": args.ranks, "device": args.device,
                           "epochs": args.epochs, "test_accuracy": round(accuracy, 4),
                           "samples_per_second": round(samples / train_seconds, 1),
                           "wall_seconds": round(time.time() - START, 2), "seconds_to_90": seconds_to_90}), flush=True)
@@ -100,5 +104,6 @@ if __name__ == "__main__":
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one rank: the plain model, no DDP)")
     args = p.parse_args()
     peer.spawn(run, args, args.ranks)

@@ -90,7 +90,10 @@ def run(rank, args):
         from torch.utils.checkpoint import checkpoint
         for layer in [*transformer.encoder.layers, *transformer.decoder.layers]:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-    model = DistributedDataParallel(transformer)  # defaults: bucket_cap_mb=25
+    device = torch.device(args.device)
+    transformer.to(device)
+    # One rank: the plain model (what transformer_single trains), else PyTorch's DDP.
+    model = DistributedDataParallel(transformer) if world > 1 else transformer  # defaults: bucket_cap_mb=25
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001 * world)
     criterion = nn.CrossEntropyLoss()
 
@@ -101,9 +104,10 @@ def run(rank, args):
             dist.barrier()  # the timed steps start together
         start = time.perf_counter()  # the batch's gathering included, as in paratrain's fit
         s, t = next(batches)
+        s, t = s.to(device, non_blocking=True), t.to(device, non_blocking=True)
         waits.append(time.perf_counter() - start)
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             loss = criterion(model(s, t), t)
         loss.backward()
         optimizer.step()
@@ -122,7 +126,8 @@ def run(rank, args):
     if rank == 0:
         loss = last.item() / world
         print(json.dumps({
-            "implementation": "pytorch", "version": torch.__version__, "strategy": "ddp", "world_size": world,
+            "implementation": "pytorch", "version": torch.__version__, "strategy": "ddp" if world > 1 else "single",
+            "world_size": world, "device": args.device,
             "batch_per_replica": args.batch, "parameters": sum(p.numel() for p in model.parameters()),
             "steps": len(seconds), "warmup": args.warmup,
             "loss": loss if math.isfinite(loss) else None,
@@ -147,6 +152,7 @@ def main():
     p.add_argument("--workers", type=int, default=0, help="DataLoader's num_workers")
     p.add_argument("--tgt-len", type=int, default=20, help="the target's length")
     p.add_argument("--recompute", action="store_true", help="torch.utils.checkpoint around every layer")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one rank: the plain model, no DDP)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (gradients still summed in fp32: gloo)")
     args = p.parse_args()
     peer.spawn(run, args, args.ranks)

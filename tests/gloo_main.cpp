@@ -1,4 +1,4 @@
-// The driver of paratrain_gloo_tests and paratrain_gpu_tests, which need no MPI: tests/launch/torchrun_style.sh
+// The driver of paratrain_gloo_tests (the GPU suite's cases included), which needs no MPI: tests/launch/torchrun_style.sh
 // starts N copies with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as torchrun does, and
 // fails when any copy fails, stopping the others. Every rank runs the whole suite; rank 0
 // reports in full, the others only their failures. A failed check on one rank of several
@@ -34,7 +34,7 @@ REGISTER_LISTENER("abort_on_failure", 1, paratrain_test::AbortOnFailure);
 
 int main(int argc, char** argv) {
   at::set_num_threads(1);  // ranks share 2 cores; intra-op threads would oversubscribe them
-  // --requires-gpu (paratrain_gpu_tests, tests/gpu/): where LibTorch sees no GPU every rank
+  // --requires-gpu (the GPU suite, tests/gpu/): where LibTorch sees no GPU every rank
   // exits 77, which ctest reports as skipped (SKIP_RETURN_CODE), not as passed; unless
   // PARATRAIN_TEST_DEVICE=cpu asks for the suite's checks on the CPU.
   for (int i = 1; i < argc; ++i)

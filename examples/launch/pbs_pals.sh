@@ -1,5 +1,5 @@
 #!/bin/bash
-# fashion_mnist_ddp under PBS Pro with HPE Cray PALS (ALCF Polaris-style nodes: 4 GPUs and
+# fashion_mnist_ddp_nccl under PBS Pro with HPE Cray PALS (ALCF Polaris-style nodes: 4 GPUs and
 # 32 cores each): 2 nodes, one rank per GPU.
 #
 #   qsub examples/launch/pbs_pals.sh                (add -A <project> -q <queue> as your site requires)
@@ -30,8 +30,16 @@ ranks=$((nodes * ranks_per_node))
 # GPU choice: comm::Nccl takes the rank's index on its node modulo the node's visible GPUs,
 # so local rank r takes GPU r without a wrapper. Sites that ship an affinity wrapper setting
 # CUDA_VISIBLE_DEVICES from PMI_LOCAL_RANK (Polaris: set_affinity_gpu_polaris.sh) can put it
-# before the program; each rank then sees one GPU, which the same rule picks. The demo binary
-# trains on CPU over comm::Mpi; a DataParallel<Net, comm::Nccl> program runs the same way.
+# before the program; each rank then sees one GPU, which the same rule picks, and the model
+# goes there (--device cuda: paratrain::local_device). NCCL's ranks meet at MASTER_ADDR:
+# MASTER_PORT (comm::Rendezvous). BINARY=fashion_mnist_ddp trains on the CPU over comm::Mpi.
+binary=${BINARY:-fashion_mnist_ddp_nccl}
+device=()
+[[ $binary == *nccl* ]] && device=(--device cuda)
+MASTER_ADDR=$(head -n 1 "$PBS_NODEFILE")
+export MASTER_ADDR
+MASTER_PORT=$((20000 + $(echo "${PBS_JOBID:-0}" | tr -cd 0-9 | tail -c 4 | sed 's/^0*//;s/^$/0/') % 20000))
+export MASTER_PORT
 mpiexec -n "$ranks" --ppn "$ranks_per_node" --depth "$depth" --cpu-bind depth \
-  --env OMP_NUM_THREADS="$depth" --env OMP_PLACES=cores \
-  "$build/examples/fashion_mnist_ddp" --epochs 5
+  --env OMP_NUM_THREADS="$depth" --env OMP_PLACES=cores --env MASTER_ADDR="$MASTER_ADDR" --env MASTER_PORT="$MASTER_PORT" \
+  "$build/examples/$binary" --epochs 5 "${device[@]}"

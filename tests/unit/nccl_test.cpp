@@ -331,6 +331,41 @@ TEST_CASE("[gpu] comm::Nccl: send and recv pass buffers around a ring" * doctest
   }
 }
 
+TEST_CASE("[gpu] comm::Nccl: iexchange sends and receives around a ring at once" * doctest::skip(no_gpu)) {
+  comm::Mpi mpi;
+  comm::Nccl c(mpi);
+  if (c.size() == 1) return;
+  const int next = (c.rank() + 1) % c.size(), prev = (c.rank() + c.size() - 1) % c.size();
+  const auto on_gpu = torch::TensorOptions().device(torch::kCUDA, c.device());
+  // Every rank sends first: with separate calls this deadlocks (see the ring test above).
+  auto mine = values(c.rank(), 1001, torch::kFloat).to(on_gpu.device());
+  auto theirs = torch::zeros({1001}, on_gpu);
+  const std::vector<comm::Nccl::Message> sends{{mine, next, 3}}, recvs{{theirs, prev, 3}};
+  c.iexchange(sends, recvs).wait();
+  CHECK(torch::equal(theirs.cpu(), values(prev, 1001, torch::kFloat)));
+}
+
+TEST_CASE("[gpu] comm::Nccl: split groups ranks by colour, ordered by key" * doctest::skip(no_gpu)) {
+  comm::Mpi mpi;
+  comm::Nccl c(mpi);
+  const int colour = c.rank() % 2;
+  auto half = c.split(colour, -c.rank());  // reversed order within each colour
+  int expected_size = 0;
+  for (int r = 0; r < c.size(); ++r) expected_size += r % 2 == colour ? 1 : 0;
+  CHECK(half.size() == expected_size);
+  auto t = torch::full({4}, static_cast<double>(c.rank()), torch::TensorOptions(torch::kDouble).device(torch::kCUDA, c.device()));
+  half.all_reduce(t, reduce_op::sum);
+  double want = 0;
+  int higher = 0;  // ranks of my colour above me come first (key -rank)
+  for (int r = 0; r < c.size(); ++r)
+    if (r % 2 == colour) {
+      want += r;
+      higher += r > c.rank() ? 1 : 0;
+    }
+  CHECK(half.rank() == higher);
+  CHECK(torch::equal(t.cpu(), torch::full({4}, want, torch::kDouble)));
+}
+
 TEST_CASE("[gpu] comm::Nccl: misuse throws paratrain::error before reaching NCCL" * doctest::skip(no_gpu)) {
   comm::Mpi mpi;
   comm::Nccl c(mpi);

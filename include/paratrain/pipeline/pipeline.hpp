@@ -112,7 +112,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     if (const auto params = group_->parameters(); !params.empty()) device_ = params.front().device();
     inner_ = std::make_unique<Inner>(group_, std::move(stage_replicas), std::move(optimizer_options),
                                      options.data_parallel);
-    // Note [One group per direction]
+    // Two groups where sends are unbuffered: Note [One group per direction].
     if constexpr (pipeline::detail::unbuffered_sends<Comm>()) pipe_back_ = std::make_unique<Comm>(pipe_.split(0, p_));
     link_ = std::make_unique<pipeline::detail::Link<Comm>>(pipe_, pipe_back_ ? *pipe_back_ : pipe_, device_);
     // Clipping takes the norm of the whole model's gradients: every stage's.

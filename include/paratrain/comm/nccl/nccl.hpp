@@ -370,8 +370,11 @@ class Nccl {
         check_point_to_point(list == &sends ? "send" : "recv", m.tensor.scalar_type(), m.peer, m.tag);
         keep.push_back(m.tensor);
       }
+    if (sends.empty() && recvs.empty()) return Request{};
     check_async_error("exchange");
-    auto watch = skeleton().collective("exchange");
+    // Watched as its first message (a point-to-point operation: no collective fingerprint).
+    const auto& first = !sends.empty() ? sends.front() : recvs.front();
+    auto watch = skeleton().point_to_point(!sends.empty() ? "send" : "recv", first.peer, first.tag);
     const auto stream = after_default_stream("exchange");
     nccl_check(ncclGroupStart(), "exchange", rank());
     ncclResult_t rc = ncclSuccess;

@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# The GPU check: anyone with an NVIDIA GPU and a CUDA build of PyTorch can run it (docs/gpu.md).
+#
+#  1. builds paratrain against the LibTorch inside that PyTorch (torch.utils.cmake_prefix_path),
+#     with NCCL from its install (the nvidia-nccl wheel, else the CUDA toolkit's) and Gloo
+#     from its c10d; MPI only where there is one; the header-only dependencies (range-v3,
+#     doctest, nlohmann-json, CLI11) from the system or from a folder scripts/gpu-deps.sh
+#     prepared on a Debian machine (default .gpu-deps/);
+#  2. runs the equivalence suite on CUDA (tests/gpu/): one process, and two processes sharing
+#     the GPU over Gloo with CUDA tensors, each also over NCCL alone, and over NCCL across
+#     the processes where there are as many GPUs;
+#  3. trains the demo on the GPU (fashion_mnist_single, and fashion_mnist_ddp_nccl);
+#  4. runs the GPU benchmarks side by side with PyTorch on the same GPU, in this run:
+#     Fashion-MNIST time to 90% and steps/s (fashion_mnist_single against
+#     benchmarks/fashion_mnist_vs_torch.py, one process each), and the Transformer's bf16
+#     step time with its MFU (transformer_single --bf16 against transformer_vs_torch.py --bf16);
+#  5. prints one summary table (and writes it, with every log, to $out).
+#
+# Both sides run with the same allocator settings: glibc's MALLOC_MMAP_THRESHOLD_=67108864
+# MALLOC_TRIM_THRESHOLD_=2147483647 (paratrain's own, Note [Allocator]) for host memory, and
+# CUDA's caching allocator at its defaults (PYTORCH_CUDA_ALLOC_CONF unset) on the device.
+#
+# Without a GPU it still builds everything, runs the suite's checks on the CPU
+# (PARATRAIN_TEST_DEVICE=cpu) and reports the GPU parts as not run.
+#
+# Usage: scripts/gpu-check.sh [--quick]      (--quick: 1 epoch and fewer steps, for a smoke run)
+# Environment: PYTHON (python3), PARATRAIN_GPU_DEPS (.gpu-deps), PARATRAIN_GPU_BUILD (build-gpu),
+#   PARATRAIN_TORCH_PREFIX (instead of asking PyTorch), PARATRAIN_PEAK_TFLOPS (the GPU's dense
+#   bf16 peak, where the table below does not know the GPU), PARATRAIN_FASHION_MNIST (the data).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+python=${PYTHON:-python3}
+deps=$(realpath -m "${PARATRAIN_GPU_DEPS:-.gpu-deps}")
+build=$(realpath -m "${PARATRAIN_GPU_BUILD:-build-gpu}")
+out=$build/gpu-check
+quick=0
+[[ ${1:-} == --quick ]] && quick=1
+mkdir -p "$out"
+export MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647
+unset PYTORCH_CUDA_ALLOC_CONF
+say() { printf 'gpu-check: %s\n' "$*" >&2; }
+
+# ---- 1. what this machine has ---------------------------------------------------------------
+eval "$("$python" - <<'EOF'
+import os, shlex
+import torch
+def put(k, v): print(f"{k}={shlex.quote(str(v))}")
+put("torch_prefix", torch.utils.cmake_prefix_path)
+put("torch_dir", os.path.dirname(torch.__file__))
+put("torch_version", torch.__version__)
+put("torch_cuda", torch.version.cuda or "")
+put("gpus", torch.cuda.device_count())
+put("gpu_name", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+nccl = ""
+try:
+    import nvidia.nccl
+    nccl = list(nvidia.nccl.__path__)[0]
+except Exception:
+    pass
+put("wheel_nccl", nccl)
+EOF
+)"
+torch_prefix=${PARATRAIN_TORCH_PREFIX:-$torch_prefix}
+say "PyTorch $torch_version (CUDA ${torch_cuda:-none}), $gpus GPU(s)${gpu_name:+: $gpu_name}; LibTorch from $torch_prefix"
+
+cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O2 -DNDEBUG"
+            "-DCMAKE_PREFIX_PATH=$torch_prefix;$deps/usr;$deps/usr/lib/x86_64-linux-gnu/cmake;$deps/usr/share"
+            -DPARATRAIN_WITH_HDF5=OFF -DPARATRAIN_BUILD_BENCHMARKS=OFF -DPARATRAIN_BUILD_TOOLS=OFF)
+# NCCL: the wheel's (the one PyTorch itself loads), else whatever CMake finds (the toolkit's).
+if [[ -n $wheel_nccl && -f $wheel_nccl/include/nccl.h ]]; then
+  lib=$(ls "$wheel_nccl"/lib/libnccl.so* | head -n 1)
+  cmake_args+=("-DPARATRAIN_NCCL_INCLUDE_DIR=$wheel_nccl/include" "-DPARATRAIN_NCCL_LIBRARY=$lib")
+  export LD_LIBRARY_PATH=$wheel_nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+((gpus > 0)) && cmake_args+=(-DPARATRAIN_WITH_NCCL=ON)
+# Gloo's headers: LibTorch's own where it ships them, else Debian's from the folder.
+if [[ -f $torch_dir/include/gloo/context.h ]]; then
+  cmake_args+=("-DPARATRAIN_GLOO_INCLUDE_DIR=$torch_dir/include")
+elif [[ -f $deps/usr/include/gloo/context.h ]]; then
+  cmake_args+=("-DPARATRAIN_GLOO_INCLUDE_DIR=$deps/usr/include")
+fi
+command -v mpicxx >/dev/null || cmake_args+=(-DPARATRAIN_WITH_MPI=OFF)
+export LD_LIBRARY_PATH=$torch_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
+say "configuring in $build"
+cmake -S . -B "$build" "${cmake_args[@]}" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log" >&2; exit 1; }
+grep -E '^-- paratrain:' "$out/configure.log" | sed 's/^-- /gpu-check: /' >&2 || true
+targets=(paratrain_gloo_tests fashion_mnist_single transformer_single)
+grep -q 'paratrain::nccl with' "$out/configure.log" && targets+=(fashion_mnist_ddp_nccl)
+grep -q 'paratrain::gloo with' "$out/configure.log" || { say "no paratrain::gloo (c10d Gloo or its headers missing): run scripts/gpu-deps.sh"; exit 1; }
+start=$(date +%s)
+cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$out/build.log" 2>&1 || { grep -E 'error|FAILED' "$out/build.log" | head -30 >&2; exit 1; }
+say "built ${targets[*]} in $(($(date +%s) - start)) s"
+
+# ---- 2. the equivalence suite on CUDA ---------------------------------------------------------
+rows=()
+row() { rows+=("$(printf '%-44s %-16s %-16s %s' "$@")"); }
+suite() {  # $1: processes; the rest: environment
+  local n=$1
+  shift
+  if env "$@" OMP_NUM_THREADS=1 tests/launch/torchrun_style.sh --timeout 900 "$n" "$build/tests/paratrain_gloo_tests" \
+       --requires-gpu "--test-case=[gpu]*" >"$out/suite.np$n.log" 2>&1; then
+    grep -a -m1 -oE 'test cases: +[0-9]+ \| +[0-9]+ passed' "$out/suite.np$n.log" | tr -s ' ' || echo passed
+  else
+    local rc=$?
+    ((rc == 77)) && echo "skipped (no GPU)" || echo "FAILED (see $out/suite.np$n.log)"
+  fi
+}
+failed=0
+check_suite() {  # $1: the row's name, $2: its note, the rest: suite's arguments
+  local name=$1 note=$2 result
+  shift 2
+  result=$(suite "$@")
+  [[ $result == FAILED* ]] && failed=1
+  row "$name" "$result" "" "$note"
+}
+if ((gpus > 0)); then
+  check_suite "equivalence on CUDA, 1 process" "Gloo, NCCL alone" 1
+  check_suite "equivalence on CUDA, 2 processes" \
+    "$( ((gpus >= 2)) && echo "Gloo, NCCL alone and across" || echo "sharing the GPU: Gloo, NCCL alone")" 2
+else
+  check_suite "equivalence, the suite's checks on the CPU" "no GPU: not on CUDA" 2 PARATRAIN_TEST_DEVICE=cpu
+fi
+
+# ---- 3, 4. the demo and the benchmarks, side by side --------------------------------------------
+data=${PARATRAIN_FASHION_MNIST:-}
+for d in "$data" /usr/share/datasets/fashion-mnist "$deps/usr/share/datasets/fashion-mnist"; do
+  [[ -n $d && -f $d/train-images-idx3-ubyte.gz ]] && { data=$d; break; }
+done
+json() { grep -a '^{' "$1" | tail -n 1; }
+field() { "$python" -c 'import json,sys; v=json.loads(sys.argv[1]).get(sys.argv[2]); print("" if v is None else v)' "$1" "$2"; }
+ratio() { "$python" -c 'import sys; a,b=map(float,sys.argv[1:3]); print(f"{a/b:.2f}x")' "$1" "$2" 2>/dev/null || echo "-"; }
+if ((gpus == 0)); then
+  row "Fashion-MNIST, Transformer, MFU" "not run" "" "no GPU visible to PyTorch"
+elif [[ -z $data ]]; then
+  row "Fashion-MNIST time to 90%" "not run" "" "no data: install dataset-fashion-mnist or run gpu-deps.sh"
+else
+  epochs=$((quick ? 1 : 5))
+  "$build/examples/fashion_mnist_single" --device cuda --epochs "$epochs" --data "$data" >"$out/fashion_paratrain.log" 2>&1
+  "$python" benchmarks/fashion_mnist_vs_torch.py --ranks 1 --device cuda --epochs "$epochs" --data "$data" \
+    >"$out/fashion_pytorch.log" 2>&1
+  p=$(json "$out/fashion_paratrain.log") t=$(json "$out/fashion_pytorch.log")
+  row "Fashion-MNIST CNN, samples/s (batch 64)" "$(field "$p" samples_per_second)" "$(field "$t" samples_per_second)" \
+      "paratrain/PyTorch $(ratio "$(field "$p" samples_per_second)" "$(field "$t" samples_per_second)") (goal >= 1.2x)"
+  row "Fashion-MNIST, seconds to 90% test acc." "$(field "$p" seconds_to_90)" "$(field "$t" seconds_to_90)" \
+      "final accuracy $(field "$p" test_accuracy) / $(field "$t" test_accuracy)"
+  if [[ -x $build/examples/fashion_mnist_ddp_nccl ]]; then
+    n=$((gpus >= 2 ? 2 : 1))
+    tests/launch/torchrun_style.sh --timeout 900 "$n" "$build/examples/fashion_mnist_ddp_nccl" --epochs "$epochs" \
+      --data "$data" >"$out/fashion_nccl.log" 2>&1 || failed=1
+    q=$(json "$out/fashion_nccl.log" | sed 's/^\[rank 0\] //')
+    row "demo over NCCL, $n GPU(s)" "$(field "$q" test_accuracy)" "" "test accuracy after $epochs epochs"
+  fi
+fi
+if ((gpus > 0)); then
+  steps=$((quick ? 8 : 40)) warmup=$((quick ? 3 : 10))
+  common=(--batch 64 --samples 4096 --steps "$steps" --warmup "$warmup" --bf16)
+  "$build/examples/transformer_single" --device cuda "${common[@]}" >"$out/transformer_paratrain.log" 2>&1
+  "$python" benchmarks/transformer_vs_torch.py --ranks 1 --device cuda "${common[@]}" >"$out/transformer_pytorch.log" 2>&1
+  p=$(json "$out/transformer_paratrain.log") t=$(json "$out/transformer_pytorch.log")
+  pm=$(field "$p" ms_per_step) tm=$(field "$t" ms_per_step) params=$(field "$p" parameters)
+  # MFU: model FLOPs per second over the GPU's dense bf16 peak. Model FLOPs per step: 6 per
+  # parameter per token (forward 2, backward 4), tokens = batch x (source 1 + target 20).
+  peak=${PARATRAIN_PEAK_TFLOPS:-$("$python" - "$gpu_name" <<'EOF'
+import sys
+name = sys.argv[1]
+for key, tflops in [("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("L40S", 362.1),
+                    ("A10", 125.0), ("L4", 121.0), ("V100", 125.0), ("T4", 65.0)]:
+    if key in name:
+        print(tflops)
+        break
+EOF
+)}
+  mfu() { "$python" -c 'import sys; p,ms,peak=map(float,sys.argv[1:4]); print(f"{100*6*p*64*21/(ms/1e3)/(peak*1e12):.2f}%")' "$params" "$1" "$peak" 2>/dev/null || echo "-"; }
+  row "Transformer bf16 step, ms (batch 64)" "$pm" "$tm" "paratrain/PyTorch $(ratio "$pm" "$tm") (goal <= 1.00x)"
+  row "Transformer bf16 MFU (peak ${peak:-?} TFLOP/s)" "$(mfu "$pm")" "$(mfu "$tm")" "$params parameters"
+fi
+row "bench_zero's models" "not run" "" "$(command -v mpicxx >/dev/null && echo "scripts/bench.sh zero" || echo "needs MPI, absent here")"
+
+# ---- 5. the table -----------------------------------------------------------------------------
+{
+  echo "paratrain GPU check, $(date -u +%Y-%m-%dT%H:%MZ): ${gpu_name:-no GPU} x $gpus, PyTorch $torch_version, CUDA ${torch_cuda:-none}"
+  printf '%-44s %-16s %-16s %s\n' "" "paratrain" "PyTorch" ""
+  printf '%s\n' "${rows[@]}"
+  echo "host allocator: MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647 on both sides; CUDA caching allocator defaults"
+} | tee "$out/summary.txt"
+exit "$failed"
