@@ -25,7 +25,8 @@
 #
 # Usage: scripts/gpu-check.sh [--quick]      (--quick: 1 epoch and fewer steps, for a smoke run)
 # Environment: PYTHON (python3), PARATRAIN_GPU_DEPS (.gpu-deps), PARATRAIN_GPU_BUILD (build-gpu),
-#   PARATRAIN_TORCH_PREFIX (instead of asking PyTorch), PARATRAIN_PEAK_TFLOPS (the GPU's dense
+#   PARATRAIN_TORCH_PREFIX (instead of asking PyTorch), PARATRAIN_GPU_MPI (ON or OFF: with or
+#   without MPI; default: ON where mpicxx is found), PARATRAIN_PEAK_TFLOPS (the GPU's dense
 #   bf16 peak, where the table below does not know the GPU), PARATRAIN_FASHION_MNIST (the data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,7 +81,8 @@ if [[ -f $torch_dir/include/gloo/context.h ]]; then
 elif [[ -f $deps/usr/include/gloo/context.h ]]; then
   cmake_args+=("-DPARATRAIN_GLOO_INCLUDE_DIR=$deps/usr/include")
 fi
-command -v mpicxx >/dev/null || cmake_args+=(-DPARATRAIN_WITH_MPI=OFF)
+mpi=${PARATRAIN_GPU_MPI:-$(command -v mpicxx >/dev/null && echo ON || echo OFF)}
+cmake_args+=("-DPARATRAIN_WITH_MPI=$mpi")
 export LD_LIBRARY_PATH=$torch_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 say "configuring in $build"
@@ -176,7 +178,7 @@ EOF
   row "Transformer bf16 step, ms (batch 64)" "$pm" "$tm" "paratrain/PyTorch $(ratio "$pm" "$tm") (goal <= 1.00x)"
   row "Transformer bf16 MFU (peak ${peak:-?} TFLOP/s)" "$(mfu "$pm")" "$(mfu "$tm")" "$params parameters"
 fi
-row "bench_zero's models" "not run" "" "$(command -v mpicxx >/dev/null && echo "scripts/bench.sh zero" || echo "needs MPI, absent here")"
+row "bench_zero's models" "not run" "" "$([[ $mpi == ON ]] && echo "over MPI on the host: scripts/bench.sh zero" || echo "needs MPI, absent here")"
 
 # ---- 5. the table -----------------------------------------------------------------------------
 {
