@@ -26,16 +26,19 @@ cd "$(dirname "$0")/.."
 
 if [[ ${1:-} == --inside ]]; then
   build=/build/paratrain-cuda
+  mkdir -p /build
   echo "paratrain: $(dpkg-query -W -f '${Package} ${Version}' libtorch-cuda-dev), CUDA $(dpkg-query -W -f '${Version}' nvidia-cuda-toolkit), NCCL $(dpkg-query -W -f '${Version}' libnccl-dev), g++ $(g++ -dumpversion)"
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O0 -DNDEBUG" \
     -DCMAKE_EXE_LINKER_FLAGS=-Wl,--allow-shlib-undefined -DPARATRAIN_WITH_NCCL=ON -DPARATRAIN_WITH_GLOO=ON \
     -DPARATRAIN_WITH_HDF5=OFF -DCUDAToolkit_ROOT=/usr >"$build.configure.log" 2>&1 ||
     { tail -40 "$build.configure.log"; exit 1; }
-  grep -E '^-- paratrain:|CUDA|Torch' "$build.configure.log" | head -20
-  mapfile -t alone < <(ninja -C "$build" -t targets all | grep -oE '^paratrain_[a-z0-9_]*headers_alone[a-z_]*:' | tr -d : | sort -u)
+  grep -E '^-- paratrain:' "$build.configure.log"
+  # Not mapfile < <(...): the root has no /dev/fd.
+  alone=$(ninja -C "$build" -t targets all | grep -oE '^paratrain_[a-z0-9_]*headers_alone[a-z_]*:' | tr -d : | sort -u)
+  read -r -d '' -a alone <<<"$alone" || true
   start=$(date +%s)
   cmake --build "$build" -j "$(nproc)" --target "${alone[@]}" paratrain_gloo_tests paratrain_nccl_tests \
-    paratrain_tests fashion_mnist_ddp_nccl fashion_mnist_ddp_gloo transformer_single
+    paratrain_tests fashion_mnist_ddp_nccl fashion_mnist_ddp_gloo transformer_single -- -k 0  # every error, not the first
   echo "paratrain: compiled and linked against the CUDA LibTorch in $(($(date +%s) - start)) s"
   exit 0
 fi
@@ -43,7 +46,7 @@ fi
 root=${PARATRAIN_CUDA_ROOT:-/var/cache/paratrain/trixie-cuda}
 mirror=${PARATRAIN_COMPAT_MIRROR:-http://deb.debian.org/debian}
 packages=(
-  libtorch-cuda-dev nvidia-cuda-toolkit libnccl-dev libgloo-dev g++ cmake ninja-build
+  libtorch-cuda-dev nvidia-cuda-toolkit libnccl-dev libgloo-cuda-dev g++ cmake ninja-build
   libopenmpi-dev openmpi-bin libboost-mpi-dev librange-v3-dev doctest-dev nlohmann-json3-dev
   libcli11-dev zlib1g-dev python3
 )
@@ -74,8 +77,11 @@ EOF
   start=$(date +%s)
   "${sudo[@]}" rm -rf "$root.new"
   "${sudo[@]}" mkdir -p "$(dirname "$root")"
+  # The stand-in is copied to the same path inside the root (apt names it to dpkg there), not
+  # bind-mounted: a mount would outlive a failed run and block the next one's clean-up.
   "${sudo[@]}" mmdebstrap --quiet --variant=apt --components="main contrib non-free" \
-    --hook-dir=/usr/share/mmdebstrap/hooks/file-mirror-automount \
+    --setup-hook="mkdir -p \"\$1$stand_in\" && cp $stand_in/nvidia-cudnn.deb \"\$1$stand_in/\"" \
+    --customize-hook="rm -rf \"\$1$stand_in\"" \
     --include="$stand_in/nvidia-cudnn.deb" --include="$(IFS=,; echo "${packages[*]}")" \
     trixie "$root.new" "$mirror"
   "${sudo[@]}" rm -rf "$root.new/var/cache/apt/archives"/*.deb  # 4 GB of packages, installed already

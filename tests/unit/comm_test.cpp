@@ -2,9 +2,6 @@
 // locally from a formula (tests/support/collectives.hpp, shared with comm::Gloo's tests).
 #include <torch/torch.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -19,6 +16,7 @@
 #include "paratrain/concepts/communicator.hpp"
 #include "support/collectives.hpp"
 #include "support/doctest.hpp"
+#include "support/ports.hpp"
 #include "support/shared_dir.hpp"
 
 namespace comm = paratrain::comm;
@@ -173,20 +171,6 @@ TEST_CASE("comm::Mpi: a world of one under WORLD_SIZE > 1 says how to launch ins
 
 namespace {
 
-// A port free on this host now: bound by the kernel's choice, then released.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
-  socklen_t length = sizeof address;
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0);
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
-
 // What every rank of `meeting` says, checked against what each rank was given.
 void check_meeting(comm::Rendezvous& meeting, const comm::Mpi& mpi) {
   CHECK(meeting.rank() == mpi.rank());
@@ -218,7 +202,7 @@ TEST_CASE("comm::Rendezvous: ranks meet in a file and agree values through it") 
 
 TEST_CASE("comm::Rendezvous: ranks meet at MASTER_ADDR:MASTER_PORT through rank 0's TCPStore") {
   comm::Mpi mpi;
-  auto port = torch::full({1}, mpi.rank() == 0 ? free_port() : 0, torch::kLong);
+  auto port = torch::full({1}, mpi.rank() == 0 ? paratrain_test::free_port() : 0, torch::kLong);
   mpi.all_reduce(port, paratrain::reduce_op::sum);
   comm::Rendezvous meeting({.rank = mpi.rank(),
                             .world_size = mpi.size(),

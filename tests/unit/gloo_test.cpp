@@ -2,8 +2,6 @@
 // checks every communicator passes (tests/support/collectives.hpp, as comm_test.cpp runs them
 // for comm::Mpi), what is particular to Gloo (rendezvous, emulated operations, timeouts), and
 // DataParallel over Gloo against single-device training.
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 #include <torch/torch.h>
 
@@ -17,6 +15,7 @@
 #include "paratrain/strategy/data_parallel.hpp"
 #include "support/collectives.hpp"
 #include "support/doctest.hpp"
+#include "support/ports.hpp"
 #include "support/equivalence.hpp"
 #include "support/gloo_world.hpp"
 #include "support/pipeline_equivalence.hpp"
@@ -156,15 +155,7 @@ TEST_CASE("comm::Gloo: a group that cannot meet says which variable to fix") {
                        doctest::Contains("Options::master_port=70000 is not a port number"), paratrain::error);
 
   // A port that is bound here but never listened on: connecting is refused until the timeout.
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
-  socklen_t length = sizeof address;
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0);
-  const int port = ntohs(address.sin_port);
+  const auto [fd, port] = paratrain_test::bind_loopback_port();
   CHECK_THROWS_WITH_AS(comm::Gloo({.rank = 1,
                                    .world_size = 2,
                                    .master_addr = "127.0.0.1",

@@ -96,9 +96,11 @@ class DeviceBuffer {
 
 // ---- every machine ------------------------------------------------------------------
 
-TEST_CASE("comm::Nccl::unique_id gives every rank rank 0's 128 bytes, fresh on each call") {
-  comm::Mpi mpi;
-  const ncclUniqueId id = comm::Nccl::unique_id(mpi);
+// Every rank of `mpi` holds rank 0's id (not zeros), and the next id differs: NCCL draws a
+// random magic number for every id, so a stale one would show.
+template <class Bootstrap>
+void check_unique_ids(comm::Mpi& mpi, Bootstrap& bootstrap) {
+  const ncclUniqueId id = comm::Nccl::unique_id(bootstrap);
   static_assert(sizeof id == 128);
   std::vector<char> all(sizeof id * static_cast<std::size_t>(mpi.size()));
   REQUIRE(MPI_Allgather(&id, sizeof id, MPI_BYTE, all.data(), sizeof id, MPI_BYTE, mpi.native()) == MPI_SUCCESS);
@@ -108,26 +110,20 @@ TEST_CASE("comm::Nccl::unique_id gives every rank rank 0's 128 bytes, fresh on e
     CAPTURE(r);
     CHECK(std::string(all.data() + r * sizeof id, sizeof id) == first);
   }
-  // NCCL draws a random magic number for every id, so a stale id would show here.
-  const ncclUniqueId again = comm::Nccl::unique_id(mpi);
+  const ncclUniqueId again = comm::Nccl::unique_id(bootstrap);
   CHECK(std::memcmp(&again, &id, sizeof id) != 0);
+}
+
+TEST_CASE("comm::Nccl::unique_id gives every rank rank 0's 128 bytes, fresh on each call") {
+  comm::Mpi mpi;
+  check_unique_ids(mpi, mpi);
 }
 
 TEST_CASE("comm::Nccl started from a store: every rank gets rank 0's id, fresh on each call, without MPI") {
   comm::Mpi mpi;  // starts the processes and compares; the ids travel through the file
   const auto dir = paratrain_test::shared_dir(mpi, "nccl-store");
   comm::Rendezvous meeting({.rank = mpi.rank(), .world_size = mpi.size(), .local_rank = 0, .file = (dir / "store").string()});
-  const ncclUniqueId id = comm::Nccl::unique_id(meeting);
-  std::vector<char> all(sizeof id * static_cast<std::size_t>(mpi.size()));
-  REQUIRE(MPI_Allgather(&id, sizeof id, MPI_BYTE, all.data(), sizeof id, MPI_BYTE, mpi.native()) == MPI_SUCCESS);
-  const std::string first(all.data(), sizeof id);
-  CHECK(first != std::string(sizeof id, '\0'));
-  for (int r = 0; r < mpi.size(); ++r) {
-    CAPTURE(r);
-    CHECK(std::string(all.data() + r * sizeof id, sizeof id) == first);
-  }
-  const ncclUniqueId again = comm::Nccl::unique_id(meeting);
-  CHECK(std::memcmp(&again, &id, sizeof id) != 0);
+  check_unique_ids(mpi, meeting);
 }
 
 TEST_CASE("comm::Nccl started from a store without a GPU throws on every rank, before NCCL" * doctest::skip(!no_gpu)) {

@@ -4,6 +4,7 @@
 /// strategy at any world size: each rank reads the ranges it holds (resharding).
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cstdint>
@@ -132,7 +133,7 @@ void stage_optimizer(Optim& optimizer, const CheckpointLayout& layout, const Con
 
 template <class Optim>
 void commit(Staged& staged, Optim& optimizer) {
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (auto& [to, from] : staged.copies) to.detach().copy_(from.view(to.sizes()));
   auto& groups = optimizer.param_groups();
   for (std::size_t g = 0; g < staged.group_options.size(); ++g)

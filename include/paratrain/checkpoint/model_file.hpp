@@ -4,6 +4,7 @@
 /// Python's `torch.load` and LibTorch's `torch::pickle_load` read: a state dict.
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <ATen/core/Dict.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
@@ -126,7 +127,7 @@ void load_model(S& s, const fs::path& file) {
     err = detail::message_of(e);
   }
   detail::agree(s, "checkpoint::load_model", err);
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   for (auto& [to, from] : copies) to.detach().copy_(from.view(to.sizes()));
   s.loaded();
 }

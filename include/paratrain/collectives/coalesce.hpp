@@ -3,6 +3,7 @@
 /// Broadcasting many small tensors as few large ones.
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <map>
 #include <vector>
@@ -17,7 +18,7 @@ namespace paratrain::detail {
 template <communicator Comm>
 void broadcast_coalesced(Comm& comm, const std::vector<at::Tensor>& tensors, int root) {
   if (comm.size() == 1 || tensors.empty()) return;
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;
   std::map<at::ScalarType, std::vector<at::Tensor>> groups;
   for (const auto& t : tensors) groups[t.scalar_type()].push_back(t);
   for (auto& [dtype, group] : groups) {

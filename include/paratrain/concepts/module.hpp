@@ -149,7 +149,7 @@ class EvalMode {
   ~EvalMode() { module_.train(training_); }
 
  private:
-  at::NoGradGuard no_grad_;
+  c10::NoGradGuard no_grad_;
   torch::nn::Module& module_;
   bool training_;
 };

@@ -5,6 +5,7 @@
 /// one mechanism under DataParallel at every ZeRO stage.
 
 #include <torch/csrc/autograd/function.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/variable.h>
 #include <c10/core/ScalarType.h>
 
@@ -404,7 +405,7 @@ class GradientBuckets {
     const auto& p = layout_->params()[i];
     auto view = buckets_[p.bucket].grad.narrow(0, p.offset, p.tensor.numel());
     if (g.defined() && g.data_ptr() == view.data_ptr()) return;
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     if (g.defined()) view.copy_(g.reshape({-1}));
     else view.zero_();
     g = view.view(p.tensor.sizes());

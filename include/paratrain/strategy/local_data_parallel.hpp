@@ -3,6 +3,7 @@
 /// paratrain::LocalDataParallel — one process, several replicas (PyTorch's nn.DataParallel).
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
 #include <torch/optim/sgd.h>
@@ -119,7 +120,7 @@ class LocalDataParallel {
     const double samples = std::exchange(pending_samples_, 0.0);
     accumulating_ = false;
     if (samples > 0) {
-      at::NoGradGuard no_grad;
+      c10::NoGradGuard no_grad;
       for (auto& p : model_->parameters())
         if (p.grad().defined()) p.mutable_grad().div_(samples);
       optimizer_->step();
@@ -209,7 +210,7 @@ class LocalDataParallel {
   }
 
   void sum_replica_grads(int used) {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     auto master = model_->parameters();
     for (int i = 1; i < used; ++i) {
       auto params = replicas_[i]->parameters();
@@ -224,7 +225,7 @@ class LocalDataParallel {
   }
 
   void copy_to_replicas() {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     const auto master = model_->parameters();
     for (std::size_t i = 1; i < replicas_.size(); ++i) {
       auto params = replicas_[i]->parameters();
@@ -234,7 +235,7 @@ class LocalDataParallel {
 
   // Like nn.DataParallel, which re-replicates buffers from device 0 on every forward.
   void copy_buffers_to_replicas() {
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     const auto master = model_->buffers();
     for (std::size_t i = 1; i < replicas_.size(); ++i) {
       auto buffers = replicas_[i]->buffers();

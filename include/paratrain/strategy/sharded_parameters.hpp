@@ -4,6 +4,7 @@
 /// shard of them, the optimizer over its pieces, and ZeRO-3's gather / free per Unit.
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -261,7 +262,7 @@ class ShardedParameters final : public detail::UnitObserver {
     const auto& layout = layout_;
     const auto rank = comm.rank();
     const auto& buckets = layout.buckets();
-    at::NoGradGuard no_grad;
+    c10::NoGradGuard no_grad;
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       auto& s = shards_.emplace_back();
       s.full = layout.zeros(b);

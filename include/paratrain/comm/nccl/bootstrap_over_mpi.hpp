@@ -49,12 +49,7 @@ namespace paratrain::comm {
   int without = devices == 0 ? 1 : 0;
   detail::check_bootstrap_mpi(MPI_Allreduce(MPI_IN_PLACE, &without, 1, MPI_INT, MPI_SUM, mpi.native()), "comm::Nccl",
                               b.rank);
-  if (without > 0)
-    throw error("comm::Nccl", b.rank,
-                (devices == 0 ? std::string("no CUDA device is visible (cudaGetDeviceCount failed or found none)")
-                              : "no CUDA device is visible on " + std::to_string(without) + " of the " +
-                                    std::to_string(b.size) + " ranks") +
-                    "; use comm::Mpi for CPU tensors, or check CUDA_VISIBLE_DEVICES and the driver");
+  if (without > 0) throw Nccl::no_gpu_error(b.rank, devices, without, b.size, "comm::Mpi");
   MPI_Comm node = MPI_COMM_NULL;
   detail::check_bootstrap_mpi(
       MPI_Comm_split_type(mpi.native(), MPI_COMM_TYPE_SHARED, mpi.rank(), MPI_INFO_NULL, &node), "comm::Nccl", b.rank);

@@ -52,12 +52,7 @@ namespace paratrain::comm {
   const auto counts = meeting.all_gather("nccl-devices", std::to_string(devices));
   int without = 0;
   for (const auto& c : counts) without += c == "0" ? 1 : 0;
-  if (without > 0)
-    throw error("comm::Nccl", b.rank,
-                (devices == 0 ? std::string("no CUDA device is visible (cudaGetDeviceCount failed or found none)")
-                              : "no CUDA device is visible on " + std::to_string(without) + " of the " +
-                                    std::to_string(b.size) + " ranks") +
-                    "; use comm::Gloo for CPU tensors, or check CUDA_VISIBLE_DEVICES and the driver");
+  if (without > 0) throw Nccl::no_gpu_error(b.rank, devices, without, b.size, "comm::Gloo");
   b.id = nccl_unique_id(meeting);
   return b;
 }

@@ -139,6 +139,16 @@ class Nccl {
     return nccl_unique_id(bootstrap);
   }
 
+  /// A bootstrap's error where `without` of `size` ranks see no GPU, this one seeing
+  /// `devices`; `alternative` names the communicator for CPU tensors.
+  [[nodiscard]] static error no_gpu_error(int rank, int devices, int without, int size, const char* alternative) {
+    return error("comm::Nccl", rank,
+                 (devices == 0 ? std::string("no CUDA device is visible (cudaGetDeviceCount failed or found none)")
+                               : "no CUDA device is visible on " + std::to_string(without) + " of the " +
+                                     std::to_string(size) + " ranks") +
+                     "; use " + alternative + " for CPU tensors, or check CUDA_VISIBLE_DEVICES and the driver");
+  }
+
   /// The number of CUDA devices this process sees; 0 where there is no GPU or driver.
   [[nodiscard]] static int device_count() noexcept {
     int n = 0;
