@@ -64,23 +64,9 @@ if [[ "$(cat "$root/.paratrain-packages" 2>/dev/null)" != "${packages[*]}" ]]; t
 fi
 [[ ${1:-} == --prepare ]] && exit 0
 
-# The sources: what git tracks or would track here. A file whose content the root's copy
-# already has is left as it is there, time included, so that the root's build (kept in
-# /build/paratrain) recompiles only what changed, also from a fresh clone (CI's), whose
-# files are all new to the clock; a file gone here goes there too.
-src=$root/src/paratrain
-"${sudo[@]}" mkdir -p "$src"
-git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
-  [[ -f $f ]] || continue
-  if ! cmp -s "$f" "$src/$f"; then
-    "${sudo[@]}" mkdir -p "$src/$(dirname "$f")"
-    "${sudo[@]}" cp "$f" "$src/$f"
-  fi
-  printf '%s\n' "$f"
-done | sort >"${TMPDIR:-/tmp}/paratrain-compat-files.$$"
-(cd "$src" && find . -type f | sed 's|^\./||' | sort) |
-  comm -23 - "${TMPDIR:-/tmp}/paratrain-compat-files.$$" | while IFS= read -r gone; do "${sudo[@]}" rm -f "$src/$gone"; done
-rm -f "${TMPDIR:-/tmp}/paratrain-compat-files.$$"
+# The sources, copied in so that the root's build (kept in /build/paratrain) recompiles only
+# what changed.
+scripts/sync-into-root.sh "$root/src/paratrain"
 
 # In a mount namespace of its own: the root's /proc, /dev and /sys vanish with it.
 "${sudo[@]}" unshare --mount --fork bash -euo pipefail -c '

@@ -92,13 +92,5 @@ EOF
 fi
 [[ ${1:-} == --prepare ]] && exit 0
 
-src=$root/src/paratrain
-"${sudo[@]}" mkdir -p "$src"
-git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
-  [[ -f $f ]] || continue
-  if ! cmp -s "$f" "$src/$f"; then
-    "${sudo[@]}" mkdir -p "$src/$(dirname "$f")"
-    "${sudo[@]}" cp "$f" "$src/$f"
-  fi
-done
+scripts/sync-into-root.sh "$root/src/paratrain"
 "${sudo[@]}" chroot "$root" bash -c "cd /src/paratrain && scripts/cuda-compile.sh --inside"

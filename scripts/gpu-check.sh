@@ -30,7 +30,6 @@
 #   bf16 peak, where the table below does not know the GPU), PARATRAIN_FASHION_MNIST (the data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-root=$PWD
 python=${PYTHON:-python3}
 deps=$(realpath -m "${PARATRAIN_GPU_DEPS:-.gpu-deps}")
 build=$(realpath -m "${PARATRAIN_GPU_BUILD:-build-gpu}")
