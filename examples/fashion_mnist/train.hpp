@@ -61,54 +61,55 @@ inline std::optional<int> parse(int argc, char** argv, Args& a) {
   }
 }
 
-// MPI is started only for the strategies that communicate through it.
-template <class S>
-constexpr bool uses_mpi() {
-#if PARATRAIN_HAS_MPI
-  if constexpr (requires { typename S::communicator_type; })
-    return std::same_as<typename S::communicator_type, paratrain::comm::Mpi>;
-#endif
-  return false;
+// Whether strategy S communicates through C (LocalDataParallel has no communicator).
+template <class S, class C>
+constexpr bool communicates_over() {
+  if constexpr (requires { typename S::communicator_type; }) return std::same_as<typename S::communicator_type, C>;
+  else return false;
 }
 
-// comm::Nccl is made from a meeting of the ranks (torchrun's variables, or srun's with
-// MASTER_ADDR and MASTER_PORT): it needs no MPI.
+// MPI is started only for the strategies that communicate through it. comm::Nccl is made from
+// a meeting of the ranks (torchrun's variables, or srun's with MASTER_ADDR and MASTER_PORT):
+// it needs no MPI.
+#if PARATRAIN_HAS_MPI
 template <class S>
-constexpr bool uses_nccl() {
-#if PARATRAIN_HAS_NCCL
-  if constexpr (requires { typename S::communicator_type; })
-    return std::same_as<typename S::communicator_type, paratrain::comm::Nccl>;
+constexpr bool uses_mpi = communicates_over<S, paratrain::comm::Mpi>();
+#else
+template <class S>
+constexpr bool uses_mpi = false;
 #endif
-  return false;
-}
+#if PARATRAIN_HAS_NCCL
+template <class S>
+constexpr bool uses_nccl = communicates_over<S, paratrain::comm::Nccl>();
+#else
+template <class S>
+constexpr bool uses_nccl = false;
+#endif
 
 // What the alias chose, for the summary line.
 template <class S>
 constexpr const char* name_of() {
-  if constexpr (requires { typename S::communicator_type; }) {
-    if constexpr (std::same_as<typename S::communicator_type, paratrain::comm::SingleDevice>) return "single";
+  if constexpr (!requires { typename S::communicator_type; }) return "dp";
+  else if constexpr (communicates_over<S, paratrain::comm::SingleDevice>()) return "single";
 #if PARATRAIN_HAS_GLOO
-    else if constexpr (std::same_as<typename S::communicator_type, paratrain::comm::Gloo>) return "ddp-gloo";
+  else if constexpr (communicates_over<S, paratrain::comm::Gloo>()) return "ddp-gloo";
 #endif
-    else if constexpr (uses_nccl<S>()) return "ddp-nccl";
-    else if constexpr (S::stage > 0) {
-      constexpr const char* zero[] = {"", "zero1", "zero2", "zero3"};
-      return zero[S::stage];
-    } else return "ddp";
-  } else {
-    return "dp";
-  }
+  else if constexpr (uses_nccl<S>) return "ddp-nccl";
+  else if constexpr (S::stage > 0) {
+    constexpr const char* zero[] = {"", "zero1", "zero2", "zero3"};
+    return zero[S::stage];
+  } else return "ddp";
 }
 
 // The device to train on: --device, or by default a GPU where there is one and the
 // strategy's communicator can reduce there (comm::Mpi reduces host memory only).
 template <class S>
 torch::Device device_for(const Args& args) {
-  if (args.device.empty() && uses_mpi<S>()) return torch::kCPU;
-  if (args.device == "cuda" && uses_mpi<S>())
+  if (args.device.empty() && uses_mpi<S>) return torch::kCPU;
+  if (args.device == "cuda" && uses_mpi<S>)
     throw std::runtime_error("--device cuda: this build reduces over MPI, in host memory; on GPUs run "
                              "fashion_mnist_ddp_nccl (or fashion_mnist_ddp_gloo)");
-  if (args.device != "cuda" && uses_nccl<S>()) {
+  if (args.device != "cuda" && uses_nccl<S>) {
     if (args.device == "cpu") throw std::runtime_error("--device cpu: this build reduces over NCCL, on GPUs only");
     return paratrain::local_device("cuda");
   }
@@ -118,7 +119,7 @@ torch::Device device_for(const Args& args) {
 // The strategy over its communicator: comm::Nccl started from the launcher's variables.
 template <class S>
 S make_strategy(Net net, double lr) {
-  if constexpr (uses_nccl<S>()) {
+  if constexpr (uses_nccl<S>) {
 #if PARATRAIN_HAS_NCCL
     paratrain::comm::Rendezvous meeting;
     return S(std::move(net), paratrain::comm::Nccl(meeting), torch::optim::AdamOptions(lr));
@@ -200,7 +201,7 @@ template <paratrain::strategy Strategy>
 int run(int argc, char** argv) {
 #if PARATRAIN_HAS_MPI
   std::optional<paratrain::comm::Mpi::Environment> mpi;
-  if constexpr (uses_mpi<Strategy>()) mpi.emplace(argc, argv);
+  if constexpr (uses_mpi<Strategy>) mpi.emplace(argc, argv);
 #endif
   Args args;
   if (const auto status = parse(argc, argv, args)) return *status;
