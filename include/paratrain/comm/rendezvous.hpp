@@ -92,10 +92,8 @@ class Rendezvous {
         where_ = "file " + o.file;
         store_ = c10::make_intrusive<c10d::FileStore>(o.file, size_);
         store_->setTimeout(o.timeout);
-        // FileStore's constructor does not wait for the others: a barrier on the file does,
-        // whose last arrival sets the key every rank waits for.
-        if (store_->add(key("joined"), 1) == size_) store_->set(key("everyone"), std::vector<std::uint8_t>{1});
-        store_->wait({key("everyone")}, o.timeout);
+        // FileStore's constructor does not wait for the others: a barrier on the file does.
+        arrive_and_wait("paratrain/rendezvous/");
       } else if (size_ == 1) {
         store_ = c10::make_intrusive<c10d::HashStore>();  // a world of one meets nobody
       } else {
@@ -188,31 +186,34 @@ class Rendezvous {
 
   [[noreturn]] void fail(int rank, const std::string& message) const { throw error(who_, rank, message); }
 
-  std::vector<std::uint8_t> get(const std::string& k, std::string_view what) {
+  // One store call of an agreement, whose failure names what was waited for.
+  template <class Call>
+  auto waiting(const std::string& what, Call&& call) {
     try {
-      return store_->get(k);
+      return call();
     } catch (const std::exception& e) {
-      fail(rank_, "waiting at " + (where_.empty() ? std::string("the store") : where_) + " for " + std::string(what) +
-                      " (key " + k + ") failed: " + paratrain::detail::message_of(e) +
+      fail(rank_, "waiting at " + (where_.empty() ? std::string("the store") : where_) + " for " + what +
+                      " failed: " + paratrain::detail::message_of(e) +
                       "; a rank has not reached the same point, or has died");
     }
+  }
+
+  std::vector<std::uint8_t> get(const std::string& k, std::string_view what) {
+    return waiting(std::string(what) + " (key " + k + ")", [&] { return store_->get(k); });
+  }
+
+  // Returns once every rank has arrived at `prefix`: the last to arrive sets the key the
+  // others wait for.
+  void arrive_and_wait(const std::string& prefix) {
+    if (store_->add(prefix + "arrived", 1) == size_) store_->set(prefix + "all-arrived", std::vector<std::uint8_t>{1});
+    store_->wait({prefix + "all-arrived"}, timeout_);
   }
 
   // Returns once every rank has read the agreement's keys: rank 0, whose TCPStore serves
   // them, may then go on, and even end, without leaving a reader behind.
   void everyone_read(const std::string& prefix, std::string_view what) {
-    try {
-      if (store_->add(prefix + "read", 1) == size_) store_->set(prefix + "all-read", std::vector<std::uint8_t>{1});
-      store_->wait({prefix + "all-read"}, timeout_);
-    } catch (const std::exception& e) {
-      fail(rank_, "waiting at " + (where_.empty() ? std::string("the store") : where_) + " for every rank to read " +
-                      std::string(what) + " failed: " + paratrain::detail::message_of(e) +
-                      "; a rank has not reached the same point, or has died");
-    }
+    waiting("every rank to read " + std::string(what), [&] { arrive_and_wait(prefix); });
   }
-
-  // The file's barrier: the last to arrive sets "everyone".
-  std::string key(std::string_view name) const { return "paratrain/rendezvous/" + std::string(name); }
 
   // The rendezvous address: Options first, then the environment. nullopt when neither says.
   std::optional<std::pair<std::string, int>> address(const Options& o) const {
