@@ -203,10 +203,13 @@ class Rendezvous {
   }
 
   // Returns once every rank has arrived at `prefix`: the last to arrive sets the key the
-  // others wait for.
+  // others wait for. Rank 0, whose TCPStore serves the others, returns last: once every rank
+  // has left its wait, so that none is still waiting on a server that has gone on and ended.
   void arrive_and_wait(const std::string& prefix) {
     if (store_->add(prefix + "arrived", 1) == size_) store_->set(prefix + "all-arrived", std::vector<std::uint8_t>{1});
     store_->wait({prefix + "all-arrived"}, timeout_);
+    if (store_->add(prefix + "left", 1) == size_) store_->set(prefix + "all-left", std::vector<std::uint8_t>{1});
+    if (rank_ == 0) store_->wait({prefix + "all-left"}, timeout_);
   }
 
   // Returns once every rank has read the agreement's keys: rank 0, whose TCPStore serves
