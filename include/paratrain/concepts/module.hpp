@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "paratrain/core/move_to.hpp"
 #include "paratrain/core/error.hpp"
 
 namespace paratrain {
@@ -154,11 +155,12 @@ class EvalMode {
   bool training_;
 };
 
-/// `tensors`, each on `device` (no copy where one is there already).
+/// `tensors`, each on `device` (no copy where one is there already): detail::move_to, Note
+/// [One move per batch].
 inline std::vector<at::Tensor> to_device(const std::vector<at::Tensor>& tensors, at::Device device) {
   std::vector<at::Tensor> out;
   out.reserve(tensors.size());
-  for (const auto& t : tensors) out.push_back(t.to(device));
+  for (const auto& t : tensors) out.push_back(move_to(t, device));
   return out;
 }
 

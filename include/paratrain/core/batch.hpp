@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "paratrain/core/error.hpp"
+#include "paratrain/core/move_to.hpp"
 
 namespace paratrain {
 
@@ -42,13 +43,10 @@ struct Batch {
   /// asynchronously from page-locked memory (data::LoaderOptions::pin_memory, which fit
   /// turns on for a CUDA model). Strategies call it once per batch: Note [One move per batch].
   [[nodiscard]] Batch to(at::Device device) const {
-    const auto move = [&](const at::Tensor& t) {
-      return t.defined() ? t.to(device, /*non_blocking=*/t.is_pinned()) : t;
-    };
     Batch out;
     out.inputs.reserve(inputs.size());
-    for (const auto& x : inputs) out.inputs.push_back(move(x));
-    out.target = move(target);
+    for (const auto& x : inputs) out.inputs.push_back(detail::move_to(x, device));
+    out.target = detail::move_to(target, device);
     return out;
   }
 };

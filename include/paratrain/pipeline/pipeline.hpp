@@ -423,7 +423,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const auto outputs = forward(a.stage, inputs);
     Flags needs;
     if (a.stage == S - 1) {
-      at::Tensor l = loss(outputs.front(), batch.target.to(outputs.front().device()));
+      at::Tensor l = loss(outputs.front(), detail::move_to(batch.target, outputs.front().device()));
       const auto n = static_cast<double>(batch.size());
       st.roots = {l * n};  // Note [Exact averaging]: the gradient of the sum over the samples
       run.loss_sum = run.loss_sum.to(l.device()) + l.detach().to(at::kDouble) * n;

@@ -153,7 +153,7 @@ class LocalDataParallel {
         r->train();
         if (i > 0)
           for (auto& p : r->parameters()) p.mutable_grad() = at::Tensor();
-        const auto y = targets[i].to(devices_[i]);
+        const auto y = detail::move_to(targets[i], devices_[i]);  // Note [One move per batch]
         const auto n_i = static_cast<double>(y.size(0));
         at::Tensor l = loss(detail::forward(r, detail::to_device(inputs[i], devices_[i])), y);
         (l * n_i).backward();  // the sum over the replica's samples
