@@ -106,8 +106,8 @@ class Gloo {
     /// timeout is set a little later. By default PARATRAIN_TIMEOUT (seconds), else 10 minutes.
     std::chrono::milliseconds timeout = detail::default_timeout();
     /// The network interface to connect over (as PyTorch's GLOO_SOCKET_IFNAME, its default).
-    /// Empty: loopback when MASTER_ADDR is a loopback address, else the address this host's
-    /// name resolves to.
+    /// Empty: loopback when MASTER_ADDR is a loopback address (or the world is one rank), else
+    /// the address this host's name resolves to (also for ranks that meet in a file).
     std::string interface = env_string("GLOO_SOCKET_IFNAME");
     /// As comm::Mpi::Options::validate: check that every rank calls the same collective with
     /// the same dtype, element count and root, and throw on every rank if not.
@@ -310,9 +310,14 @@ class Gloo {
     return host == "localhost" || host == "::1" || host.substr(0, 4) == "127.";
   }
 
-  static std::shared_ptr<::gloo::transport::Device> device(const Options& o, std::string_view host) {
+  // Where this rank listens for the others: Options::interface; loopback for a world of one
+  // and for a meeting at a loopback address (every rank on this host); else the address this
+  // host's name resolves to, as PyTorch's default. A meeting in a file says nothing about
+  // where the ranks are (they may be on several hosts that share the file system), so it
+  // takes that default too.
+  static std::shared_ptr<::gloo::transport::Device> device(const Options& o, std::string_view host, int size) {
     if (!o.interface.empty()) return c10d::ProcessGroupGloo::createDeviceForInterface(o.interface);
-    if (host.empty() || is_loopback(host)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+    if (size == 1 || is_loopback(host)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
     return c10d::ProcessGroupGloo::createDefaultDevice();
   }
 
@@ -320,7 +325,7 @@ class Gloo {
                                                               int size, const Options& o, std::string_view host) {
     // Past the watchdog's deadline and its grace, so that the watchdog reports first.
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(o.timeout + std::chrono::seconds(15));
-    gloo_options->devices.push_back(device(o, host));
+    gloo_options->devices.push_back(device(o, host, size));
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, gloo_options);
   }
 
