@@ -406,11 +406,11 @@ class Nccl {
 
   /// Waits for everything enqueued on this communicator, on every rank.
   void barrier() {
-    float* one = nullptr;
-    cuda_check(cudaMalloc(&one, sizeof(float)), "barrier", rank());
-    auto r = iall_reduce(one, 1, at::kFloat, reduce_op::sum);
-    r.wait();
-    cudaFree(one);
+    // A float of its own, made once: cudaMalloc and cudaFree would synchronise the device on
+    // every call (and the word collectives' scratch may be regrown by the all-reduce's preamble).
+    auto& word = state_->barrier_word;
+    if (word == nullptr) cuda_check(cudaMalloc(&word, sizeof(float)), "barrier", rank());
+    iall_reduce(word, 1, at::kFloat, reduce_op::sum).wait();
   }
 
  private:
@@ -419,6 +419,7 @@ class Nccl {
   struct State {
     ~State() {
       if (scratch != nullptr) cudaFree(scratch);
+      if (barrier_word != nullptr) cudaFree(barrier_word);
       if (comm != nullptr && aborted.empty()) ncclCommDestroy(comm);
       if (ready != nullptr) cudaEventDestroy(ready);
       if (stream != nullptr) cudaStreamDestroy(stream);
@@ -427,6 +428,7 @@ class Nccl {
     cudaStream_t stream = nullptr;
     cudaEvent_t ready = nullptr;  // Note [Stream order]
     void* scratch = nullptr;      // the word collectives' device buffer
+    void* barrier_word = nullptr;  // barrier()'s float
     std::size_t scratch_bytes = 0;
     int device = 0;
     Options options;
@@ -575,15 +577,22 @@ class Nccl {
     return stream();
   }
 
-  // The operation's completion, watched from its start (Note [Watchdog]) to its wait().
+  // The operation's completion, watched from its start (Note [Watchdog]) to its wait(). Where
+  // CUDA cannot give it an event, the operation is already enqueued and no request will keep
+  // its buffers: the stream is waited for before the throw, so that no buffer is freed under it.
   Request record(const char* op, detail::Watch watch) {
     cudaEvent_t e = nullptr;
-    cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), op, rank());
+    const auto failed = [&](cudaError_t rc) {
+      if (e != nullptr) cudaEventDestroy(e);
+      cudaStreamSynchronize(stream());
+      cuda_check(rc, op, rank());
+    };
+    if (const auto rc = cudaEventCreateWithFlags(&e, cudaEventDisableTiming); rc != cudaSuccess) failed(rc);
+    if (const auto rc = cudaEventRecord(e, stream()); rc != cudaSuccess) failed(rc);
     Request r(op, rank(), {});
     r.native_.event = e;
     r.native_.state = state_;
     r.watch_ = std::move(watch);
-    cuda_check(cudaEventRecord(e, stream()), op, rank());
     return r;
   }
 
