@@ -24,6 +24,7 @@
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/concepts/strategy.hpp"
+#include "paratrain/collectives/model_device.hpp"
 #include "paratrain/core/batch.hpp"
 #include "paratrain/util/fnv1a.hpp"
 #include "paratrain/core/error.hpp"
@@ -110,6 +111,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     group_ = std::make_shared<detail::StageGroupImpl>();
     build(stages, std::index_sequence_for<Stage...>{});
     if (const auto params = group_->parameters(); !params.empty()) device_ = params.front().device();
+    detail::check_model_device(world_, device_, "Pipeline");  // every stage's rank, before any link
     inner_ = std::make_unique<Inner>(group_, std::move(stage_replicas), std::move(optimizer_options),
                                      options.data_parallel);
     // Two groups where sends are unbuffered: Note [One group per direction].

@@ -26,6 +26,7 @@
 #include "paratrain/collectives/all_reduce_on.hpp"
 #include "paratrain/strategy/detail/allocator.hpp"
 #include "paratrain/collectives/coalesce.hpp"
+#include "paratrain/collectives/model_device.hpp"
 #include "paratrain/collectives/same_model.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/core/timeline.hpp"
@@ -155,6 +156,7 @@ class DataParallel {
       : model_(std::move(model)), comm_(std::move(comm)), options_(options), device_(detail::device_of(*model_)) {
     detail::tune_allocator();
     detail::check_precision(options.precision, device_, "DataParallel", comm_.rank());
+    detail::check_model_device(comm_, device_, "DataParallel");
     detail::check_same_model(*this, *model_, "DataParallel");  // Note [Same model]
     detail::broadcast_coalesced(comm_, model_->parameters(), 0);
     detail::broadcast_coalesced(comm_, model_->buffers(), 0);
