@@ -10,16 +10,10 @@
 #include <torch/torch.h>
 
 #include "paratrain/comm/mpi/mpi.hpp"
-#include "paratrain/core/config.hpp"
-#if PARATRAIN_HAS_NCCL
-#include "paratrain/comm/nccl/nccl.hpp"
-#endif
 #include "support/abort_on_failure.hpp"
 #include "support/doctest.hpp"
 
-#include <cstdio>
 #include <cstdlib>
-#include <string_view>
 
 namespace paratrain_test {
 
@@ -49,22 +43,6 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);  // ranks share 2 cores; intra-op threads would oversubscribe them
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-
-  // --requires-gpu (the GPU-only cases' ctest run): where no GPU is visible, every rank
-  // exits 77, which ctest reports as skipped (SKIP_RETURN_CODE), not as passed.
-  bool requires_gpu = false;
-  for (int i = 1; i < argc; ++i) requires_gpu = requires_gpu || std::string_view(argv[i]) == "--requires-gpu";
-  if (requires_gpu) {
-#if PARATRAIN_HAS_NCCL
-    const bool gpu = paratrain::comm::Nccl::device_count() > 0;
-#else
-    const bool gpu = false;
-#endif
-    if (!gpu) {
-      if (rank == 0) std::printf("skipped: no GPU is visible (--requires-gpu)\n");
-      return 77;
-    }
-  }
 
   doctest::Context context(argc, argv);
   if (rank != 0) context.setOption("minimal", true);

@@ -17,9 +17,7 @@
 #include <vector>
 
 #include "paratrain/checkpoint/checkpoint.hpp"
-#include "paratrain/comm/device.hpp"
 #include "paratrain/comm/gloo/gloo.hpp"
-#include "paratrain/core/config.hpp"
 #include "paratrain/data/loader.hpp"
 #include "paratrain/data/tensor_dataset.hpp"
 #include "paratrain/fit/fit.hpp"
@@ -27,10 +25,8 @@
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/sharded.hpp"
-#if PARATRAIN_HAS_NCCL
-#include "paratrain/comm/nccl/bootstrap_over_store.hpp"
-#include "paratrain/comm/nccl/nccl.hpp"
-#endif
+#include "gpu/gpu_support.hpp"
+#include "support/collectives.hpp"
 #include "support/doctest.hpp"
 #include "support/equivalence.hpp"
 #include "support/gloo_world.hpp"
@@ -40,13 +36,9 @@ namespace {
 namespace comm = paratrain::comm;
 namespace zero = paratrain::zero;
 using namespace paratrain_test;
-
-// The device under test: the GPU; PARATRAIN_TEST_DEVICE=cpu runs the same checks on the CPU
-// (the suite's own logic, checked in CI where there is no GPU).
-torch::Device gpu() {
-  const char* device = std::getenv("PARATRAIN_TEST_DEVICE");
-  return paratrain::local_device(device != nullptr ? device : "cuda");
-}
+using gpu_suite::gpu;
+using gpu_suite::scratch;
+using gpu_suite::skipped;
 
 // DDP and ZeRO 1-3 over `c`, SGD with momentum (Adam would hide a gradient off by a factor)
 // and Adam, against the reference on the same GPU.
@@ -102,7 +94,7 @@ M built_on_gpu(int seed) {
 // two stages trained as one model on the GPU on every replica's micro-batches.
 template <class Comm>
 void check_pipeline(const Comm& c, paratrain::pipeline::Kind schedule) {
-  if (c.size() % 2 != 0) return;  // two stages: an even world
+  if (skipped(c.size() % 2 != 0, "a two-stage pipeline needs an even number of ranks")) return;
   const int replicas = c.size() / 2, steps = 6, micro = 4;
   const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
   const auto batch_of = [](int step, int replica) {  // the same on every rank, on the host
@@ -143,7 +135,7 @@ void check_pipeline(const Comm& c, paratrain::pipeline::Kind schedule) {
 // A CUDA generator's stream, drawn from after a save and again after loading that save.
 template <class Strategy>
 void check_generator_in_checkpoint(Strategy& s, const std::filesystem::path& dir) {
-  if (!gpu().is_cuda()) return;  // the CPU's generator: tests/unit/checkpoint_test.cpp
+  if (skipped(!gpu().is_cuda(), "no GPU generator on the CPU (its own: tests/unit/checkpoint_test.cpp)")) return;
   torch::manual_seed(3);
   paratrain::checkpoint::save(s, dir, /*step=*/1);
   const auto first = torch::rand({16}, torch::TensorOptions().device(gpu())).cpu();
@@ -151,12 +143,6 @@ void check_generator_in_checkpoint(Strategy& s, const std::filesystem::path& dir
   paratrain::checkpoint::load(s, dir / "step-000000001");
   const auto again = torch::rand({16}, torch::TensorOptions().device(gpu())).cpu();
   CHECK(torch::equal(first, again));
-}
-
-std::filesystem::path scratch(const std::string& what) {
-  // Unique to this launch (its port), the same on every rank.
-  const char* port = std::getenv("MASTER_PORT");
-  return std::filesystem::temp_directory_path() / ("paratrain-gpu-" + what + "-" + (port ? port : "0"));
 }
 
 }  // namespace
@@ -229,24 +215,44 @@ TEST_CASE("[gpu] Recompute on the GPU redraws dropout's mask: the plain layer's 
   for (std::size_t i = 0; i < plain.size(); ++i) CHECK(torch::equal(recomputed[i], plain[i]));
 }
 
+TEST_CASE("[gpu] comm::Gloo's collectives and sends on CUDA tensors equal the formulas") {
+  // On the host they are paratrain_gloo_tests' own cases.
+  if (skipped(!gpu().is_cuda(), "CUDA tensors need a GPU")) return;
+  auto& c = gloo_world();
+  collectives::check_all_reduce(c, gpu());
+  collectives::check_broadcast(c, gpu());
+  collectives::check_ireduce_scatter(c, {}, gpu());
+  collectives::check_iall_gather(c, {}, gpu());
+  collectives::check_all_gather_in_place(c, {}, gpu());
+  collectives::check_requests(c, gpu());
+  if (c.size() > 1) collectives::check_ring(c, gpu());
+}
+
 #if PARATRAIN_HAS_NCCL
 TEST_CASE("[gpu] comm::Nccl, a world of one per process: DDP and ZeRO 1-3 equal single-device training") {
-  if (!gpu().is_cuda()) return;  // NCCL reduces on GPUs only
+  if (skipped(!gpu().is_cuda(), "NCCL reduces on GPUs only")) return;
   comm::Rendezvous alone({.rank = 0, .world_size = 1, .local_rank = gloo_world().rank(), .master_addr = "", .file = ""});
   check_every_strategy(comm::Nccl(alone));
 }
 
 TEST_CASE("[gpu] comm::Nccl across the processes, one GPU each: every strategy and pipelines") {
-  const int ranks = gloo_world().size();
-  if (!gpu().is_cuda() || ranks == 1 || ranks > comm::Nccl::device_count()) return;  // NCCL: one rank per GPU
-  const auto file = scratch("nccl-store");
-  if (gloo_world().rank() == 0) std::filesystem::remove(file);
-  gloo_world().barrier();
-  comm::Rendezvous meeting({.rank = gloo_world().rank(), .world_size = ranks, .local_rank = gloo_world().rank(),
-                            .file = file.string()});
-  comm::Nccl nccl(meeting);
+  if (skipped(!gpu().is_cuda() || !gpu_suite::nccl_across(), "NCCL across processes needs a GPU for each of them"))
+    return;
+  auto nccl = gpu_suite::nccl_world();
   check_every_strategy(nccl);
   for (const auto schedule : {paratrain::pipeline::Kind::gpipe, paratrain::pipeline::Kind::one_f_one_b})
     check_pipeline(nccl, schedule);
+}
+
+TEST_CASE("[gpu] a model on another device than comm::Nccl's is refused on every rank, naming both") {
+  if (skipped(!gpu().is_cuda(), "NCCL needs a GPU")) return;
+  auto nccl = gpu_suite::nccl_world();
+  auto model = make_model(Features{}, 0);  // on the CPU
+  using Ddp = paratrain::DataParallel<Mlp, comm::Nccl, torch::optim::SGD>;
+  CHECK_THROWS_WITH_AS(Ddp(model, nccl, torch::optim::SGDOptions(0.1)),
+                       doctest::Contains(("the model is on cpu but this rank's communicator works on cuda:" +
+                                          std::to_string(nccl.device()))
+                                             .c_str()),
+                       paratrain::error);
 }
 #endif

@@ -11,6 +11,7 @@
 // communicator with those members.
 #include <torch/torch.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,65 +51,87 @@ inline std::string describe(reduce_op op, torch::Dtype dtype, std::int64_t n) {
   return std::string(paratrain::to_string(op)) + " " + std::string(c10::toString(dtype)) + " n=" + std::to_string(n);
 }
 
+// Where a check puts its buffers: the device given, else the communicator's own GPU where it
+// takes device buffers only (comm::Nccl), else the host. comm::Gloo's checks run on the host
+// and, in the GPU suite, on the GPU.
+template <class C>
+at::Device device_for(const C& c, std::optional<at::Device> given) {
+  if (given) return *given;
+  if constexpr (requires {
+                  requires C::device_buffers_only;
+                  c.device();
+                })
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(c.device()));
+  else
+    return at::kCPU;
+}
+
+// Equal elements, compared on the host wherever each lives.
+inline bool same(const torch::Tensor& a, const torch::Tensor& b) { return torch::equal(a.cpu(), b.cpu()); }
+
 // ---- every communicator ------------------------------------------------------------
 
 template <class C>
-void check_all_reduce(C& c) {
+void check_all_reduce(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   for (auto dtype : all_dtypes)
     for (auto op : {reduce_op::sum, reduce_op::average, reduce_op::max, reduce_op::min})
       for (auto n : sizes) {
         if (op == reduce_op::average && !torch::isFloatingType(dtype)) continue;
         if (n > 2000 && dtype != torch::kFloat32 && op != reduce_op::sum) continue;  // keep the big case cheap
         CAPTURE(describe(op, dtype, n));
-        auto blocking = values(c.rank(), n, dtype);
+        auto blocking = values(c.rank(), n, dtype).to(d);
         c.all_reduce(blocking, op);
-        CHECK(torch::equal(blocking, expected(op, c.size(), n, dtype)));
+        CHECK(same(blocking, expected(op, c.size(), n, dtype)));
 
-        auto async = values(c.rank(), n, dtype);
+        auto async = values(c.rank(), n, dtype).to(d);
         auto request = c.iall_reduce(async, op);
         request.wait();
-        CHECK(torch::equal(async, expected(op, c.size(), n, dtype)));
+        CHECK(same(async, expected(op, c.size(), n, dtype)));
       }
 }
 
 template <class C>
-void check_broadcast(C& c) {
+void check_broadcast(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   const int root = c.size() - 1;
   for (auto dtype : all_dtypes)
     for (auto n : sizes) {
       CAPTURE(describe(reduce_op::sum, dtype, n));
-      auto t = c.rank() == root ? values(root, n, dtype) : torch::zeros({n}, dtype);
+      auto t = (c.rank() == root ? values(root, n, dtype) : torch::zeros({n}, dtype)).to(d);
       c.broadcast(t, root);
-      CHECK(torch::equal(t, values(root, n, dtype)));
+      CHECK(same(t, values(root, n, dtype)));
     }
 }
 
 template <class C>
-void check_reduce_scatter(C& c) {
+void check_reduce_scatter(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   for (auto dtype : all_dtypes)
     for (std::int64_t part : {0, 1, 333}) {
       for (auto op : {reduce_op::sum, reduce_op::max}) {
         CAPTURE(describe(op, dtype, part));
-        const auto in = values(c.rank(), part * c.size(), dtype);
-        auto out = torch::empty({part}, dtype);
+        const auto in = values(c.rank(), part * c.size(), dtype).to(d);
+        auto out = torch::empty({part}, torch::TensorOptions(dtype).device(d));
         c.reduce_scatter(in, out, op);
         const auto whole = expected(op, c.size(), part * c.size(), dtype);
-        CHECK(torch::equal(out, whole.slice(0, c.rank() * part, (c.rank() + 1) * part)));
+        CHECK(same(out, whole.slice(0, c.rank() * part, (c.rank() + 1) * part)));
       }
     }
 }
 
 template <class C>
-void check_all_gather(C& c) {
+void check_all_gather(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   for (auto dtype : all_dtypes)
     for (std::int64_t part : {0, 1, 333}) {
       CAPTURE(describe(reduce_op::sum, dtype, part));
-      const auto in = (torch::arange(part, torch::kLong) + 100 * c.rank()).to(dtype);
-      auto out = torch::empty({part * c.size()}, dtype);
+      const auto in = (torch::arange(part, torch::kLong) + 100 * c.rank()).to(dtype).to(d);
+      auto out = torch::empty({part * c.size()}, torch::TensorOptions(dtype).device(d));
       c.all_gather(in, out);
       std::vector<torch::Tensor> parts;
       for (int r = 0; r < c.size(); ++r) parts.push_back(torch::arange(part, torch::kLong) + 100 * r);
-      CHECK(torch::equal(out, torch::cat(parts).to(dtype)));
+      CHECK(same(out, torch::cat(parts).to(dtype)));
     }
 }
 
@@ -141,58 +164,61 @@ inline torch::Tensor all_gathered(int size, std::int64_t part, torch::Dtype dtyp
 
 // Blocking and non-blocking reduce_scatter, `parts` elements per rank (part_sizes by default).
 template <class C>
-void check_ireduce_scatter(C& c, std::vector<std::int64_t> parts = {}) {
+void check_ireduce_scatter(C& c, std::vector<std::int64_t> parts = {}, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   for (auto dtype : all_dtypes)
     for (auto part : parts.empty() ? part_sizes(c.size(), dtype) : parts)
       for (auto op : {reduce_op::sum, reduce_op::average, reduce_op::max}) {
         if (op == reduce_op::average && !torch::isFloatingType(dtype)) continue;
         if (part > 2000 && op != reduce_op::sum && dtype != torch::kFloat32) continue;  // keep the big case cheap
         CAPTURE(describe(op, dtype, part));
-        const auto in = values(c.rank(), part * c.size(), dtype);
+        const auto in = values(c.rank(), part * c.size(), dtype).to(d);
         const auto mine =
             expected(op, c.size(), part * c.size(), dtype).slice(0, c.rank() * part, (c.rank() + 1) * part);
 
-        auto async = torch::full({part}, -1, dtype);
+        auto async = torch::full({part}, -1, torch::TensorOptions(dtype).device(d));
         auto request = c.ireduce_scatter(in, async, op);
         request.wait();
-        CHECK(torch::equal(async, mine));
+        CHECK(same(async, mine));
 
-        auto blocking = torch::full({part}, -1, dtype);
+        auto blocking = torch::full({part}, -1, torch::TensorOptions(dtype).device(d));
         c.reduce_scatter(in, blocking, op);
-        CHECK(torch::equal(blocking, mine));
-        CHECK(torch::equal(in, values(c.rank(), part * c.size(), dtype)));  // `in` is left alone
+        CHECK(same(blocking, mine));
+        CHECK(same(in, values(c.rank(), part * c.size(), dtype)));  // `in` is left alone
       }
 }
 
 // Blocking and non-blocking all_gather, out of place, `parts` elements per rank.
 template <class C>
-void check_iall_gather(C& c, std::vector<std::int64_t> parts = {}) {
+void check_iall_gather(C& c, std::vector<std::int64_t> parts = {}, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   for (auto dtype : all_dtypes)
     for (auto part : parts.empty() ? part_sizes(c.size(), dtype) : parts) {
       CAPTURE(describe(reduce_op::sum, dtype, part));
-      const auto in = gathered(c.rank(), part, dtype);
-      auto async = torch::full({part * c.size()}, -1, dtype);
+      const auto in = gathered(c.rank(), part, dtype).to(d);
+      auto async = torch::full({part * c.size()}, -1, torch::TensorOptions(dtype).device(d));
       auto request = c.iall_gather(in, async);
       while (!request.test()) {
       }
-      CHECK(torch::equal(async, all_gathered(c.size(), part, dtype)));
+      CHECK(same(async, all_gathered(c.size(), part, dtype)));
 
-      auto blocking = torch::full({part * c.size()}, -1, dtype);
+      auto blocking = torch::full({part * c.size()}, -1, torch::TensorOptions(dtype).device(d));
       c.all_gather(in, blocking);
-      CHECK(torch::equal(blocking, all_gathered(c.size(), part, dtype)));
+      CHECK(same(blocking, all_gathered(c.size(), part, dtype)));
     }
 }
 
 // All-gather in place: `in` is part rank() of `out` itself, as when ZeRO gathers a flat
 // parameter buffer whose shard this rank updated where it lies.
 template <class C>
-void check_all_gather_in_place(C& c, std::vector<std::int64_t> parts = {}) {
+void check_all_gather_in_place(C& c, std::vector<std::int64_t> parts = {}, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   for (auto dtype : all_dtypes)
     for (auto part : parts.empty() ? part_sizes(c.size(), dtype) : parts)
       for (bool non_blocking : {false, true}) {
         CAPTURE(describe(reduce_op::sum, dtype, part));
         CAPTURE(non_blocking);
-        auto out = torch::full({part * c.size()}, -1, dtype);
+        auto out = torch::full({part * c.size()}, -1, torch::TensorOptions(dtype).device(d));
         auto in = out.narrow(0, c.rank() * part, part);
         in.copy_(gathered(c.rank(), part, dtype));
         if (non_blocking) {
@@ -201,59 +227,63 @@ void check_all_gather_in_place(C& c, std::vector<std::int64_t> parts = {}) {
         } else {
           c.all_gather(in, out);
         }
-        CHECK(torch::equal(out, all_gathered(c.size(), part, dtype)));
+        CHECK(same(out, all_gathered(c.size(), part, dtype)));
       }
 }
 
 // Several non-blocking collectives pending at once, progressed a different number of
 // times on each rank, then completed in reverse order.
 template <class C>
-void check_pending_segments(C& c) {
+void check_pending_segments(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   const std::int64_t part = 1001;
-  const auto in = values(c.rank(), part * c.size(), torch::kFloat32);
-  auto reduced = torch::full({part}, -1.0f);
+  const auto on = torch::TensorOptions(torch::kFloat32).device(d);
+  const auto in = values(c.rank(), part * c.size(), torch::kFloat32).to(d);
+  auto reduced = torch::full({part}, -1.0f, on);
   auto first = c.ireduce_scatter(in, reduced, reduce_op::sum);
   for (int i = 0; i < 3 * c.rank(); ++i) (void)first.test();  // rank r gets further than rank r - 1
-  auto gathered_out = torch::full({part * c.size()}, -1.0f);
-  auto mine = gathered(c.rank(), part, torch::kFloat32);
+  auto gathered_out = torch::full({part * c.size()}, -1.0f, on);
+  auto mine = gathered(c.rank(), part, torch::kFloat32).to(d);
   auto second = c.iall_gather(mine, gathered_out);
   if (c.rank() == 0) (void)second.test();
-  auto summed = values(c.rank(), 77, torch::kFloat32);
+  auto summed = values(c.rank(), 77, torch::kFloat32).to(d);
   c.all_reduce(summed, reduce_op::sum);  // blocking, between them
-  auto in_place = torch::full({part * c.size()}, -1.0f);
+  auto in_place = torch::full({part * c.size()}, -1.0f, on);
   in_place.narrow(0, c.rank() * part, part).copy_(gathered(c.rank(), part, torch::kFloat32));
   auto third = c.iall_gather(in_place.narrow(0, c.rank() * part, part), in_place);
   third.wait();
   second.wait();
   first.wait();
-  CHECK(torch::equal(summed, expected(reduce_op::sum, c.size(), 77, torch::kFloat32)));
-  CHECK(torch::equal(reduced, expected(reduce_op::sum, c.size(), part * c.size(), torch::kFloat32)
+  CHECK(same(summed, expected(reduce_op::sum, c.size(), 77, torch::kFloat32)));
+  CHECK(same(reduced, expected(reduce_op::sum, c.size(), part * c.size(), torch::kFloat32)
                                   .slice(0, c.rank() * part, (c.rank() + 1) * part)));
-  CHECK(torch::equal(gathered_out, all_gathered(c.size(), part, torch::kFloat32)));
-  CHECK(torch::equal(in_place, all_gathered(c.size(), part, torch::kFloat32)));
+  CHECK(same(gathered_out, all_gathered(c.size(), part, torch::kFloat32)));
+  CHECK(same(in_place, all_gathered(c.size(), part, torch::kFloat32)));
   gathered_out.fill_(-1);
   { auto dropped = c.iall_gather(mine, gathered_out); }  // the destructor finishes every segment
-  CHECK(torch::equal(gathered_out, all_gathered(c.size(), part, torch::kFloat32)));
+  CHECK(same(gathered_out, all_gathered(c.size(), part, torch::kFloat32)));
 }
 
 template <class C>
-void check_misuse(C& c) {
-  auto matrix = torch::ones({3, 4});
+void check_misuse(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
+  const auto on = torch::TensorOptions().device(d);
+  auto matrix = torch::ones({3, 4}, on);
   auto transposed = matrix.t();
   CHECK_THROWS_WITH_AS(c.all_reduce(transposed, reduce_op::sum), doctest::Contains("all_reduce on rank"),
                        paratrain::error);
   CHECK_THROWS_WITH_AS(c.all_reduce(transposed, reduce_op::sum), doctest::Contains(".contiguous()"),
                        paratrain::error);
-  auto ints = torch::ones({3}, torch::kInt32);
+  auto ints = torch::ones({3}, on.dtype(torch::kInt32));
   CHECK_THROWS_WITH_AS(c.all_reduce(ints, reduce_op::average), doctest::Contains("would truncate"), paratrain::error);
-  auto bytes = torch::ones({3}, torch::kUInt8);
+  auto bytes = torch::ones({3}, on.dtype(torch::kUInt8));
   CHECK_THROWS_WITH_AS(c.all_reduce(bytes, reduce_op::sum), doctest::Contains("supported are float32"),
                        paratrain::error);
-  auto floats = torch::ones({4});
-  auto doubles = torch::ones({4 * c.size()}, torch::kDouble);
+  auto floats = torch::ones({4}, on);
+  auto doubles = torch::ones({4 * c.size()}, on.dtype(torch::kDouble));
   CHECK_THROWS_WITH_AS(c.all_gather(floats, doubles), doctest::Contains("give both the same dtype"),
                        paratrain::error);
-  auto small = torch::ones({1});
+  auto small = torch::ones({1}, on);
   CHECK_THROWS_WITH_AS(c.all_gather(floats, small), doctest::Contains("out must have"), paratrain::error);
   CHECK_THROWS_WITH_AS(c.broadcast(floats, c.size()), doctest::Contains("is not in this communicator"),
                        paratrain::error);
@@ -262,35 +292,38 @@ void check_misuse(C& c) {
 // ---- communicators of several ranks ------------------------------------------------
 
 template <class C>
-void check_reduce_scatter_padding(C& c) {
+void check_reduce_scatter_padding(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   if (c.size() == 1) return;  // everything divides by one
-  const auto in = torch::ones({c.size() + 1});
-  auto out = torch::empty({1});
+  const auto in = torch::ones({c.size() + 1}, torch::TensorOptions().device(d));
+  auto out = torch::empty({1}, torch::TensorOptions().device(d));
   CHECK_THROWS_WITH_AS(c.reduce_scatter(in, out, reduce_op::sum),
                        doctest::Contains(("pad it to " + std::to_string(2 * c.size()) + " elements").c_str()), paratrain::error);
 }
 
 template <class C>
-void check_ring(C& c) {
+void check_ring(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   const int next = (c.rank() + 1) % c.size(), prev = (c.rank() + c.size() - 1) % c.size();
   for (auto dtype : all_dtypes) {
     CAPTURE(c10::toString(dtype));
-    const auto mine = values(c.rank(), 1001, dtype);
-    auto theirs = torch::empty({1001}, dtype);
+    const auto mine = values(c.rank(), 1001, dtype).to(d);
+    auto theirs = torch::empty({1001}, torch::TensorOptions(dtype).device(d));
     auto sent = c.isend(mine, next, /*tag=*/7);
     c.recv(theirs, prev, /*tag=*/7);
     sent.wait();
-    CHECK(torch::equal(theirs, values(prev, 1001, dtype)));
+    CHECK(same(theirs, values(prev, 1001, dtype)));
   }
 }
 
 template <class C>
-void check_wrong_length(C& c) {
+void check_wrong_length(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   const int next = (c.rank() + 1) % c.size(), prev = (c.rank() + c.size() - 1) % c.size();
   for (std::int64_t n : {4, 16}) {
     CAPTURE(n);
-    const auto mine = torch::ones({8});
-    auto other = torch::empty({n});
+    const auto mine = torch::ones({8}, torch::TensorOptions().device(d));
+    auto other = torch::empty({n}, torch::TensorOptions().device(d));
     auto sent = c.isend(mine, next, 3);
     CHECK_THROWS_WITH_AS(c.recv(other, prev, 3), doctest::Contains("sent 32 bytes (tag 3)"), paratrain::error);
     sent.wait();
@@ -298,47 +331,51 @@ void check_wrong_length(C& c) {
 }
 
 template <class C>
-void check_split(C& c) {
+void check_split(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
   auto half = c.split(c.rank() % 2, c.rank());
   int expected_size = 0, expected_sum = 0;
   for (int r = 0; r < c.size(); ++r)
     if (r % 2 == c.rank() % 2) ++expected_size, expected_sum += r;
   CHECK(half.size() == expected_size);
   CHECK(half.rank() == c.rank() / 2);
-  auto t = torch::full({5}, c.rank(), torch::kLong);
+  auto t = torch::full({5}, c.rank(), torch::TensorOptions(torch::kLong).device(d));
   half.all_reduce(t, reduce_op::sum);
-  CHECK(torch::equal(t, torch::full({5}, expected_sum, torch::kLong)));
+  CHECK(same(t, torch::full({5}, expected_sum, torch::kLong)));
   CHECK_THROWS_AS((void)c.split(-1), paratrain::error);
 }
 
 template <class C>
-void check_requests(C& c) {
-  auto a = torch::ones({1 << 20});
+void check_requests(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
+  auto a = torch::ones({1 << 20}, torch::TensorOptions().device(d));
   auto r = c.iall_reduce(a, reduce_op::sum);
   while (!r.test()) {
   }
   CHECK(r.test());
-  CHECK(torch::equal(a, torch::full({1 << 20}, float(c.size()))));
+  CHECK(same(a, torch::full({1 << 20}, float(c.size()))));
   // A request dropped unwaited completes in its destructor: rank r's r + 1 become the sum
   // 1 + ... + size (a sum, so that a request that never ran shows on 2 ranks or more).
-  auto b = torch::full({1000}, float(c.rank() + 1));
+  auto b = torch::full({1000}, float(c.rank() + 1), torch::TensorOptions().device(d));
   { auto dropped = c.iall_reduce(b, reduce_op::sum); }
-  CHECK(torch::equal(b, torch::full({1000}, float(c.size() * (c.size() + 1) / 2))));
+  CHECK(same(b, torch::full({1000}, float(c.size() * (c.size() + 1) / 2))));
 }
 
 // `c` must have been made with validation on.
 template <class C>
-void check_validation(C& c) {
-  auto t = torch::ones({c.rank() == 0 ? 3 : 4});
+void check_validation(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
+  const auto on = torch::TensorOptions().device(d);
+  auto t = torch::ones({c.rank() == 0 ? 3 : 4}, on);
   if (c.size() > 1) {
     CHECK_THROWS_WITH_AS(c.all_reduce(t, reduce_op::sum), doctest::Contains("ranks disagree on the element count"),
                          paratrain::error);
-    auto typed = c.rank() == 0 ? torch::ones({4}) : torch::ones({4}, torch::kDouble);
+    auto typed = c.rank() == 0 ? torch::ones({4}, on) : torch::ones({4}, on.dtype(torch::kDouble));
     CHECK_THROWS_WITH_AS(c.broadcast(typed, 0), doctest::Contains("ranks disagree on the dtype"), paratrain::error);
   }
-  auto same = torch::ones({4});
-  c.all_reduce(same, reduce_op::sum);  // agreement still works, and the ranks are still in step
-  CHECK(torch::equal(same, torch::full({4}, float(c.size()))));
+  auto agreed = torch::ones({4}, on);
+  c.all_reduce(agreed, reduce_op::sum);  // agreement still works, and the ranks are still in step
+  CHECK(same(agreed, torch::full({4}, float(c.size()))));
 }
 
 // Note [Collective fingerprint]: a fresh communicator whose ranks issue 63 equal all-reduces
@@ -346,8 +383,9 @@ void check_validation(C& c) {
 // itself completes it, with a wrong result): the fingerprint comparison that comes with the
 // 64th throws on every rank, naming collective #64 and what each rank issued.
 template <class C>
-void check_fingerprint(C& c) {
-  auto t = torch::ones({4});
+void check_fingerprint(C& c, std::optional<at::Device> device = {}) {
+  const auto d = device_for(c, device);
+  auto t = torch::ones({4}, torch::TensorOptions().device(d));
   for (int i = 0; i < 63; ++i) c.all_reduce(t, reduce_op::max);
   if (c.size() == 1) return;
   const auto op = c.rank() == 0 ? reduce_op::sum : reduce_op::max;

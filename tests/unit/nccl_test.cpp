@@ -1,17 +1,12 @@
-// comm::Nccl. Its bootstrap (NCCL's unique id, broadcast over MPI by
-// comm/nccl/bootstrap_over_mpi.hpp, or given as a Nccl::Bootstrap) and its refusal to start without
-// a GPU run on every machine. The collectives, tagged [gpu], skip
-// themselves where no CUDA device is visible; they use comm_test.cpp's formula (rank r
-// holds f(r, i) = i % 7 + r + 1, the expectation is computed on the host). Debian's
-// LibTorch has no CUDA, so device buffers are cudaMalloc'd and filled by cudaMemcpy
-// from CPU tensors: Note [NCCL without CUDA-enabled LibTorch].
+// comm::Nccl on every machine: its bootstrap (NCCL's unique id, broadcast over MPI by
+// comm/nccl/bootstrap_over_mpi.hpp, agreed in a store, or given as a Nccl::Bootstrap), its
+// refusal to start without a GPU, and every strategy instantiated over it. Its operations on
+// GPUs are the GPU suite's (tests/gpu/nccl_gpu_test.cpp), which needs no MPI.
 #include <torch/torch.h>
 
-#include <cuda_runtime.h>
 #include <mpi.h>
 #include <nccl.h>
 
-#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <regex>
@@ -29,11 +24,9 @@
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/concepts/communicator.hpp"
-#include "support/collectives.hpp"
 #include "support/doctest.hpp"
 #include "support/shared_dir.hpp"
 
-using paratrain::reduce_op;
 namespace comm = paratrain::comm;
 
 static_assert(paratrain::communicator<comm::Nccl>);
@@ -49,48 +42,6 @@ namespace {
 
 // Read at static initialisation, when doctest's skip() decorators are evaluated.
 const bool no_gpu = comm::Nccl::device_count() == 0;
-
-// The formula-based values and expectations every communicator's tests share.
-using collectives::all_dtypes;
-using collectives::expected;
-using collectives::values;
-
-// NCCL averages floating-point buffers by multiplying each input by 1/size before the
-// sum, which is exact only where size is a power of two; elsewhere allow 16-bit rounding.
-bool matches(const torch::Tensor& actual, const torch::Tensor& want, reduce_op op) {
-  if (op != reduce_op::average) return torch::equal(actual, want);
-  return torch::allclose(actual.to(torch::kDouble), want.to(torch::kDouble), /*rtol=*/2e-2, /*atol=*/0);
-}
-
-std::string describe(reduce_op op, torch::Dtype dtype, std::int64_t n) {
-  return std::string(paratrain::to_string(op)) + " " + std::string(c10::toString(dtype)) + " n=" + std::to_string(n);
-}
-
-/// A cudaMalloc'd copy of a contiguous CPU tensor; to_host() copies it back.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(const torch::Tensor& host) : like_(host), bytes_(host.numel() * host.element_size()) {
-    REQUIRE(cudaMalloc(&data_, std::max<std::size_t>(bytes_, 1)) == cudaSuccess);
-    REQUIRE(cudaMemcpy(data_, host.data_ptr(), bytes_, cudaMemcpyHostToDevice) == cudaSuccess);
-  }
-  DeviceBuffer(std::int64_t n, torch::Dtype dtype) : DeviceBuffer(torch::zeros({n}, dtype)) {}
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { cudaFree(data_); }
-
-  [[nodiscard]] void* get() const { return data_; }
-  [[nodiscard]] std::size_t count() const { return static_cast<std::size_t>(like_.numel()); }
-  [[nodiscard]] torch::Tensor to_host() const {
-    auto t = torch::empty_like(like_);
-    REQUIRE(cudaMemcpy(t.data_ptr(), data_, bytes_, cudaMemcpyDeviceToHost) == cudaSuccess);
-    return t;
-  }
-
- private:
-  torch::Tensor like_;
-  std::size_t bytes_;
-  void* data_ = nullptr;
-};
 
 }  // namespace
 
@@ -250,134 +201,3 @@ using Zero = paratrain::Sharded<O, std::conditional_t<N == 1, paratrain::zero::s
     &train<Piped<Zero<torch::optim::Adam, 3>>, paratrain::Pipeline<Half, Net>, comm::Rendezvous, Adam>);
 
 }  // namespace nccl_strategies
-
-// ---- GPUs only ------------------------------------------------------------------------
-
-TEST_CASE("[gpu] comm::Nccl: all_reduce matches the formula for every dtype and op" * doctest::skip(no_gpu)) {
-  comm::Mpi mpi;
-  comm::Nccl c(mpi);
-  for (auto dtype : all_dtypes)
-    for (auto op : {reduce_op::sum, reduce_op::average, reduce_op::max, reduce_op::min})
-      for (std::int64_t n : {std::int64_t{1}, std::int64_t{1001}, std::int64_t{(16 << 20) / 4 + 7}}) {
-        if (op == reduce_op::average && !torch::isFloatingType(dtype)) continue;
-        if (n > 2000 && (dtype != torch::kFloat32 || op != reduce_op::sum)) continue;  // one large case
-        CAPTURE(describe(op, dtype, n));
-        DeviceBuffer buffer(values(c.rank(), n, dtype));
-        auto request = c.iall_reduce(buffer.get(), buffer.count(), dtype, op);
-        if (n == 1001) {
-          while (!request.test()) {
-          }
-        }
-        request.wait();
-        CHECK(matches(buffer.to_host(), expected(op, c.size(), n, dtype), op));
-      }
-}
-
-TEST_CASE("[gpu] comm::Nccl: broadcast copies the root's buffer to every rank" * doctest::skip(no_gpu)) {
-  comm::Mpi mpi;
-  comm::Nccl c(mpi);
-  const int root = c.size() - 1;
-  for (auto dtype : all_dtypes) {
-    CAPTURE(c10::toString(dtype));
-    DeviceBuffer buffer(c.rank() == root ? values(root, 1001, dtype) : torch::zeros({1001}, dtype));
-    c.ibroadcast(buffer.get(), buffer.count(), dtype, root).wait();
-    CHECK(torch::equal(buffer.to_host(), values(root, 1001, dtype)));
-  }
-}
-
-TEST_CASE("[gpu] comm::Nccl: reduce_scatter and all_gather split and join in rank order" * doctest::skip(no_gpu)) {
-  comm::Mpi mpi;
-  comm::Nccl c(mpi);
-  for (auto dtype : all_dtypes)
-    for (std::int64_t part : {1, 333}) {
-      for (auto op : {reduce_op::sum, reduce_op::max}) {
-        CAPTURE(describe(op, dtype, part));
-        DeviceBuffer in(values(c.rank(), part * c.size(), dtype)), out(part, dtype);
-        c.ireduce_scatter(in.get(), out.get(), out.count(), dtype, op).wait();
-        const auto whole = expected(op, c.size(), part * c.size(), dtype);
-        CHECK(torch::equal(out.to_host(), whole.slice(0, c.rank() * part, (c.rank() + 1) * part)));
-      }
-      CAPTURE(describe(reduce_op::sum, dtype, part));
-      DeviceBuffer in((torch::arange(part, torch::kLong) + 100 * c.rank()).to(dtype)), out(part * c.size(), dtype);
-      c.iall_gather(in.get(), out.get(), in.count(), dtype).wait();
-      std::vector<torch::Tensor> parts;
-      for (int r = 0; r < c.size(); ++r) parts.push_back(torch::arange(part, torch::kLong) + 100 * r);
-      CHECK(torch::equal(out.to_host(), torch::cat(parts).to(dtype)));
-    }
-}
-
-TEST_CASE("[gpu] comm::Nccl: send and recv pass buffers around a ring" * doctest::skip(no_gpu)) {
-  comm::Mpi mpi;
-  comm::Nccl c(mpi);
-  if (c.size() == 1) return;  // a ring of one would send to itself
-  const int next = (c.rank() + 1) % c.size(), prev = (c.rank() + c.size() - 1) % c.size();
-  for (auto dtype : all_dtypes) {
-    CAPTURE(c10::toString(dtype));
-    DeviceBuffer mine(values(c.rank(), 1001, dtype)), theirs(1001, dtype);
-    // ncclSend and ncclRecv each hold the stream until their peer matches them, so a
-    // ring where every rank sends first would deadlock: even ranks send first.
-    if (c.rank() % 2 == 0) {
-      c.isend(mine.get(), mine.count(), dtype, next).wait();
-      c.irecv(theirs.get(), theirs.count(), dtype, prev).wait();
-    } else {
-      c.irecv(theirs.get(), theirs.count(), dtype, prev).wait();
-      c.isend(mine.get(), mine.count(), dtype, next).wait();
-    }
-    CHECK(torch::equal(theirs.to_host(), values(prev, 1001, dtype)));
-  }
-}
-
-TEST_CASE("[gpu] comm::Nccl: iexchange sends and receives around a ring at once" * doctest::skip(no_gpu)) {
-  comm::Mpi mpi;
-  comm::Nccl c(mpi);
-  if (c.size() == 1) return;
-  const int next = (c.rank() + 1) % c.size(), prev = (c.rank() + c.size() - 1) % c.size();
-  const auto on_gpu = torch::TensorOptions().device(torch::kCUDA, c.device());
-  // Every rank sends first: with separate calls this deadlocks (see the ring test above).
-  auto mine = values(c.rank(), 1001, torch::kFloat).to(on_gpu.device());
-  auto theirs = torch::zeros({1001}, on_gpu);
-  const std::vector<comm::Nccl::Message> sends{{mine, next, 3}}, recvs{{theirs, prev, 3}};
-  c.iexchange(sends, recvs).wait();
-  CHECK(torch::equal(theirs.cpu(), values(prev, 1001, torch::kFloat)));
-}
-
-TEST_CASE("[gpu] comm::Nccl: split groups ranks by colour, ordered by key" * doctest::skip(no_gpu)) {
-  comm::Mpi mpi;
-  comm::Nccl c(mpi);
-  const int colour = c.rank() % 2;
-  auto half = c.split(colour, -c.rank());  // reversed order within each colour
-  int expected_size = 0;
-  for (int r = 0; r < c.size(); ++r) expected_size += r % 2 == colour ? 1 : 0;
-  CHECK(half.size() == expected_size);
-  auto t = torch::full({4}, static_cast<double>(c.rank()), torch::TensorOptions(torch::kDouble).device(torch::kCUDA, c.device()));
-  half.all_reduce(t, reduce_op::sum);
-  double want = 0;
-  int higher = 0;  // ranks of my colour above me come first (key -rank)
-  for (int r = 0; r < c.size(); ++r)
-    if (r % 2 == colour) {
-      want += r;
-      higher += r > c.rank() ? 1 : 0;
-    }
-  CHECK(half.rank() == higher);
-  CHECK(torch::equal(t.cpu(), torch::full({4}, want, torch::kDouble)));
-}
-
-TEST_CASE("[gpu] comm::Nccl: misuse throws paratrain::error before reaching NCCL" * doctest::skip(no_gpu)) {
-  comm::Mpi mpi;
-  comm::Nccl c(mpi);
-  auto cpu = torch::ones({4});
-  auto gathered = torch::ones({4 * c.size()});
-  CHECK_THROWS_WITH_AS(c.all_reduce(cpu, reduce_op::sum), doctest::Contains("comm::Nccl takes CUDA tensors"),
-                       paratrain::error);
-  CHECK_THROWS_WITH_AS(c.broadcast(cpu, 0), doctest::Contains("comm::Nccl takes CUDA tensors"), paratrain::error);
-  CHECK_THROWS_WITH_AS(c.all_gather(cpu, gathered), doctest::Contains("comm::Nccl takes CUDA tensors"),
-                       paratrain::error);
-  DeviceBuffer ints(4, torch::kInt32);
-  CHECK_THROWS_WITH_AS(c.iall_reduce(ints.get(), 4, torch::kInt32, reduce_op::average),
-                       doctest::Contains("would truncate"), paratrain::error);
-  CHECK_THROWS_WITH_AS(c.ibroadcast(ints.get(), 4, torch::kUInt8, 0),
-                       doctest::Contains("is not supported by comm::Nccl"), paratrain::error);
-  CHECK_THROWS_WITH_AS(c.ibroadcast(ints.get(), 4, torch::kInt32, c.size()),
-                       doctest::Contains("is not in this communicator"), paratrain::error);
-  c.barrier();  // the ranks are still in step
-}
