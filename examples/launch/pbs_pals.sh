@@ -36,6 +36,11 @@ ranks=$((nodes * ranks_per_node))
 binary=${BINARY:-fashion_mnist_ddp_nccl}
 device=()
 [[ $binary == *nccl* ]] && device=(--device cuda)
+[[ -x $build/examples/$binary ]] || {
+  echo "$0: $build/examples/$binary is not built (the NCCL build needs CUDA and NCCL when configuring;" \
+       "BINARY=fashion_mnist_ddp trains on the CPU over MPI)" >&2
+  exit 1
+}
 MASTER_ADDR=$(head -n 1 "$PBS_NODEFILE")
 export MASTER_ADDR
 MASTER_PORT=$((20000 + $(echo "${PBS_JOBID:-0}" | tr -cd 0-9 | tail -c 4 | sed 's/^0*//;s/^$/0/') % 20000))
