@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Copies this working tree into DEST (a folder inside a build root: scripts/compat.sh's and
-# scripts/cuda-compile.sh's /src/paratrain): what git tracks or would track here. A file whose
+# Copies this working tree into DEST (a folder inside a build root: scripts/compat.sh's
+# /src/paratrain): what git tracks or would track here. A file whose
 # content DEST already has is left as it is there, time included, so that the root's build
 # recompiles only what changed, also from a fresh clone (CI's), whose files are all new to the
 # clock; a file gone here goes there too. Uses sudo where not root (DEST belongs to root).
