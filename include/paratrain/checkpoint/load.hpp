@@ -192,13 +192,15 @@ Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
     staged.device = detail::device_generator(s.device());
     if (const auto* record = c.find(cuda_rng); options.rng && record != nullptr && staged.device) {
       staged.device_rng = reader.read(cuda_rng, *record, 0, detail::numel_of(record->shape));
-      // CUDA's generator takes only a state of its own size: checked now, so that commit()
-      // cannot fail half-way.
+      // CUDA's generator takes only bytes, as many as its own state: checked now, so that
+      // commit() cannot fail half-way.
       std::lock_guard<std::mutex> lock(staged.device->mutex());
-      if (staged.device_rng.numel() != staged.device->get_state().numel())
+      if (staged.device_rng.scalar_type() != at::kByte || staged.device_rng.numel() != staged.device->get_state().numel())
         throw detail::file_error(path, "holds a malformed '" + cuda_rng + "' (" +
-                                           std::to_string(staged.device_rng.numel()) + " bytes; this GPU's generator has " +
-                                           std::to_string(staged.device->get_state().numel()) + ")",
+                                           std::to_string(staged.device_rng.numel()) + " elements of " +
+                                           c10::toString(staged.device_rng.scalar_type()) +
+                                           "; this GPU's generator has " +
+                                           std::to_string(staged.device->get_state().numel()) + " bytes)",
                                  0);
     }
     out = {path, c.step, c.world_size, c.extra,
