@@ -20,8 +20,8 @@
 # MALLOC_TRIM_THRESHOLD_=2147483647 (paratrain's own, Note [Allocator]) for host memory, and
 # CUDA's caching allocator at its defaults (PYTORCH_CUDA_ALLOC_CONF unset) on the device.
 #
-# Without a GPU it builds what it can (no NCCL), runs the suite's checks on the CPU
-# (PARATRAIN_TEST_DEVICE=cpu) and reports the GPU parts as not run.
+# Without a GPU it still builds everything it finds (NCCL too, where CMake finds CUDA), runs the
+# suite's checks on the CPU (PARATRAIN_TEST_DEVICE=cpu) and reports the GPU parts as not run.
 #
 # Usage: scripts/gpu-check.sh [--quick]      (--quick: 1 epoch and fewer steps, for a smoke run)
 # Environment: PYTHON (python3), PARATRAIN_GPU_DEPS (.gpu-deps), PARATRAIN_GPU_BUILD (build-gpu),
@@ -96,18 +96,19 @@ say "built ${targets[*]} in $(($(date +%s) - start)) s"
 
 # ---- 2. the equivalence suite on CUDA ---------------------------------------------------------
 rows=()
-row() { rows+=("$(printf '%-44s %-16s %-16s %s' "$@")"); }
+row() { rows+=("$(printf '%-44s %-22s %-16s %s' "$@")"); }
 suite() {  # $1: processes; the rest: environment
   local n=$1
   shift
   if env "$@" OMP_NUM_THREADS=1 tests/launch/torchrun_style.sh --timeout 900 "$n" "$build/tests/paratrain_gloo_tests" \
        --requires-gpu "--test-case=[gpu]*" >"$out/suite.np$n.log" 2>&1; then
-    # A case that cannot run here prints "skipped: why" (tests/gpu/gpu_support.hpp) and counts
-    # as passed in doctest's summary: counted apart (rank 0's lines), so that none hides.
-    local passed skipped
-    passed=$(grep -a -m1 -oE 'test cases: +[0-9]+ \| +[0-9]+ passed' "$out/suite.np$n.log" | grep -oE '[0-9]+ passed$' || true)
+    # A case that cannot run here prints "skipped: why" once (tests/gpu/gpu_support.hpp) and
+    # counts as passed in doctest's summary: counted apart (rank 0's lines), so that none hides.
+    local cases skipped
+    cases=$(grep -a -m1 -oE 'test cases: +[0-9]+ \| +[0-9]+ passed' "$out/suite.np$n.log" | grep -oE '[0-9]+ passed$' |
+      grep -oE '^[0-9]+' || true)
     skipped=$(grep -a '^\[rank 0\]' "$out/suite.np$n.log" | grep -c 'skipped: ' || true)
-    echo "${passed:-passed}, $skipped skipped"
+    echo "$((${cases:-0} - skipped)) passed, $skipped skipped"
   else
     local rc=$?
     ((rc == 77)) && echo "skipped (no GPU)" || echo "FAILED (see $out/suite.np$n.log)"
@@ -192,7 +193,7 @@ row "bench_zero's models" "not run" "" "$([[ $mpi == ON ]] && echo "over MPI on 
 # ---- 5. the table -----------------------------------------------------------------------------
 {
   echo "paratrain GPU check, $(date -u +%Y-%m-%dT%H:%MZ): ${gpu_name:-no GPU} x $gpus, PyTorch $torch_version, CUDA ${torch_cuda:-none}"
-  printf '%-44s %-16s %-16s %s\n' "" "paratrain" "PyTorch" ""
+  printf '%-44s %-22s %-16s %s\n' "" "paratrain" "PyTorch" ""
   printf '%s\n' "${rows[@]}"
   echo "host allocator: MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647 on both sides; CUDA caching allocator defaults"
 } | tee "$out/summary.txt"
