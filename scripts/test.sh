@@ -18,9 +18,9 @@ trap '[[ -n $prepare ]] && kill -- -"$prepare" 2>/dev/null; phases_report "$buil
 phase deps scripts/deps.sh
 if [[ $compat != 0 ]]; then
   # The last stage's Debian 13 root is made meanwhile: mmdebstrap waits on the network, the
-  # build on the cores. Unpacking its 4 GB takes about 3 CPU-minutes too: at the lowest CPU
-  # and I/O priority, so that it fills the cores' idle moments (ctest's waits) instead of
-  # slowing the build (unpacked beside the build at normal priority, it cost the build ~3 min).
+  # build on the cores. Unpacking its 4 GB of packages takes ~3 CPU-minutes and writes ~5 GB
+  # (compat.sh leaves out the CUDA static archives): at the lowest CPU and I/O priority, so
+  # that it takes the cores' idle moments rather than the compiler's.
   prepare_log=$(mktemp)
   setsid -w nice -n 19 ionice -c 3 scripts/compat.sh --prepare >"$prepare_log" 2>&1 &
   prepare=$!
