@@ -13,8 +13,8 @@
 #     and linked against the CUDA LibTorch (every strategy over comm::Nccl:
 #     tests/unit/nccl_test.cpp; the GPU suite: tests/gpu/; the examples' CUDA builds), and runs
 #     what runs without a GPU: the unit suite at 1 and 2 ranks, the NCCL bootstrap tests, the
-#     Gloo suite with the GPU suite's checks on the CPU, the compile-fail tests and the
-#     examples' smoke runs.
+#     Gloo suite with the GPU suite's checks on the CPU, the compile-fail tests and the smoke
+#     runs of one example build per kind of program (below).
 #
 # cuDNN: Debian's nvidia-cudnn package downloads cuDNN from NVIDIA when it is installed, which
 # a machine without that access cannot do, and libtorch-cuda-2.6 depends on it. The root holds
