@@ -1,6 +1,6 @@
-"""The PyTorch side of the *_vs_torch benchmarks: one gloo process group of spawned ranks,
-each on one intra-op thread, optionally pinned to its core as `mpirun --bind-to core` pins
-paratrain's ranks."""
+"""The PyTorch side of the *_vs_torch benchmarks: one process group of spawned ranks (gloo;
+nccl for ranks on GPUs), each on one intra-op thread, optionally pinned to its core as
+`mpirun --bind-to core` pins paratrain's ranks."""
 import os
 import socket
 
@@ -11,8 +11,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def join(rank, ranks, bind=True):
-    """In a spawned rank: pin it (bind), one thread, join the gloo group of `ranks`."""
+def join(rank, ranks, bind=True, backend="gloo"):
+    """In a spawned rank: pin it (bind), one thread, join the `backend` group of `ranks`."""
     import torch
     import torch.distributed as dist
 
@@ -20,7 +20,7 @@ def join(rank, ranks, bind=True):
         os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(ranks)
-    dist.init_process_group("gloo", init_method="env://")
+    dist.init_process_group(backend, init_method="env://")
 
 
 def spawn(run, args, ranks):

@@ -11,7 +11,8 @@
 #     clone's run, rebuilds what changed;
 #  3. builds there with paratrain::nccl and ::gloo, so that every CUDA code path is compiled
 #     and linked against the CUDA LibTorch (every strategy over comm::Nccl:
-#     tests/unit/nccl_test.cpp; the GPU suite: tests/gpu/; the examples' CUDA builds), and runs
+#     tests/unit/nccl_test.cpp; the GPU suite: tests/gpu/; the examples' CUDA builds; the GPU
+#     benchmark gpu-check.sh runs, with CUDA's allocator statistics: bench_zero_rendezvous), and runs
 #     what runs without a GPU: the unit suite at 1 and 2 ranks, the NCCL bootstrap tests, the
 #     Gloo suite with the GPU suite's checks on the CPU, the compile-fail tests and the smoke
 #     runs of one example build per kind of program (below).
@@ -63,7 +64,7 @@ if [[ ${1:-} == --inside ]]; then
       grep -oE '^paratrain_[a-z0-9_]*headers_alone[a-z_]*:' | tr -d : | sort -u)" || true
   fi
   cmake --build "$build" -j "$(nproc)" --target paratrain_tests paratrain_gloo_tests paratrain_nccl_tests \
-    "${examples[@]}" "${alone[@]}"
+    "${examples[@]}" bench_zero_rendezvous "${alone[@]}"
   cd "$build"
   ctest --output-on-failure -j "$(nproc)" -R '^paratrain_(tests|nccl_tests)\.np[12]$' "$@"
   ctest --output-on-failure -j "$(nproc)" -L '^(compile_fail|example|gloo)$' -E "$not_built" "$@"

@@ -13,7 +13,9 @@
 #  4. runs the GPU benchmarks side by side with PyTorch on the same GPU, in this run:
 #     Fashion-MNIST time to 90% and steps/s (fashion_mnist_single against
 #     benchmarks/fashion_mnist_vs_torch.py, one process each), and the Transformer's bf16
-#     step time with its MFU (transformer_single --bf16 against transformer_vs_torch.py --bf16);
+#     step time with its MFU (transformer_single --bf16 against transformer_vs_torch.py --bf16),
+#     and bench_zero's models at every ZeRO stage over NCCL (bench_zero_rendezvous against
+#     zero_vs_torch.py --device cuda: DDP, ZeroRedundancyOptimizer, FSDP), steps/s and peak memory;
 #  5. prints one summary table (and writes it, with every log, to $out).
 #
 # Both sides run with the same allocator settings: glibc's MALLOC_MMAP_THRESHOLD_=67108864
@@ -66,7 +68,7 @@ say "PyTorch $torch_version (CUDA ${torch_cuda:-none}), $gpus GPU(s)${gpu_name:+
 
 cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O2 -DNDEBUG"
             "-DCMAKE_PREFIX_PATH=$torch_prefix;$deps/usr;$deps/usr/lib/x86_64-linux-gnu/cmake;$deps/usr/share"
-            -DPARATRAIN_WITH_HDF5=OFF -DPARATRAIN_BUILD_BENCHMARKS=OFF -DPARATRAIN_BUILD_TOOLS=OFF)
+            -DPARATRAIN_WITH_HDF5=OFF -DPARATRAIN_BUILD_BENCHMARKS=ON -DPARATRAIN_BUILD_TOOLS=OFF)
 # NCCL: the wheel's (the one PyTorch itself loads), else whatever CMake finds (the toolkit's).
 if [[ -n $wheel_nccl && -f $wheel_nccl/include/nccl.h ]]; then
   lib=$(ls "$wheel_nccl"/lib/libnccl.so* | head -n 1)
@@ -87,7 +89,7 @@ export LD_LIBRARY_PATH=$torch_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 say "configuring in $build"
 cmake -S . -B "$build" "${cmake_args[@]}" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log" >&2; exit 1; }
 grep -E '^-- paratrain:' "$out/configure.log" | sed 's/^-- /gpu-check: /' >&2 || true
-targets=(paratrain_gloo_tests fashion_mnist_single transformer_single)
+targets=(paratrain_gloo_tests fashion_mnist_single transformer_single bench_zero_rendezvous)
 grep -q 'paratrain::nccl with' "$out/configure.log" && targets+=(fashion_mnist_ddp_nccl)
 grep -q 'paratrain::gloo with' "$out/configure.log" || { say "no paratrain::gloo (c10d Gloo or its headers missing): run scripts/gpu-deps.sh"; exit 1; }
 start=$(date +%s)
@@ -139,6 +141,7 @@ done
 # none: the row then shows empty fields).
 json() { sed 's/^\[rank 0\] //' "$1" | grep -a '^{' | tail -n 1 || true; }
 field() { "$python" -c 'import json,sys; v=json.loads(sys.argv[1]).get(sys.argv[2]); print("" if v is None else v)' "$1" "$2" 2>/dev/null || true; }
+millions() { awk -v n="$1" 'BEGIN { if (n != "") printf "%.1fM", n / 1e6 }'; }
 ratio() { "$python" -c 'import sys; a,b=map(float,sys.argv[1:3]); print(f"{a/b:.2f}x")' "$1" "$2" 2>/dev/null || echo "-"; }
 if ((gpus == 0)); then
   row "Fashion-MNIST, Transformer, MFU" "not run" "" "no GPU visible to PyTorch"
@@ -188,7 +191,35 @@ EOF
   row "Transformer bf16 step, ms (batch 64)" "$pm" "$tm" "paratrain/PyTorch $(ratio "$pm" "$tm") (goal <= 1.00x)"
   row "Transformer bf16 MFU (peak ${peak:-?} TFLOP/s)" "$(mfu "$pm")" "$(mfu "$tm")" "$params parameters"
 fi
-row "bench_zero's models" "not run" "" "$([[ $mpi == ON ]] && echo "over MPI on the host: scripts/bench.sh zero" || echo "needs MPI, absent here")"
+# bench_zero's models (16.8M and 50.4M parameters, Adam, batch 32 per rank) on the GPUs over
+# NCCL, one rank per GPU (NCCL allows no two on one), beside PyTorch's DDP,
+# ZeroRedundancyOptimizer and FSDP (fully_shard per Linear: ZeRO-3's peer) on the same GPUs;
+# paratrain's ZeRO-2 has no PyTorch peer. Peak memory: CUDA's caching allocator's, both sides.
+if ((gpus > 0)) && grep -q 'paratrain::nccl with' "$out/configure.log"; then
+  steps=$((quick ? 9 : 60))
+  for layers in 4 12; do
+    for strategy in ddp zero1 zero2 zero3; do
+      log=$out/zero_${strategy}_$layers
+      tests/launch/torchrun_style.sh --timeout 900 "$gpus" "$build/benchmarks/bench_zero_rendezvous" cuda \
+        "$strategy" "$layers" "$steps" >"$log.paratrain.log" 2>&1 || failed=1
+      case $strategy in ddp | zero1) peer=$strategy ;; zero3) peer=fsdp ;; *) peer="" ;; esac
+      t=""
+      if [[ -n $peer ]]; then
+        "$python" benchmarks/zero_vs_torch.py --device cuda --ranks "$gpus" --mode "$peer" --layers "$layers" \
+          --steps "$steps" >"$log.pytorch.log" 2>&1 || failed=1
+        t=$(json "$log.pytorch.log")
+      fi
+      p=$(json "$log.paratrain.log")
+      ps=$(field "$p" steps_per_s) ts=$(field "$t" steps_per_s) size=$(field "$p" parameters)
+      versus=""
+      [[ -n $peer ]] && versus="paratrain/PyTorch $(ratio "$ps" "$ts"); "
+      row "bench_zero $(millions "$size") $strategy x $gpus GPU, steps/s${peer:+ (vs $peer)}" "$ps" "${ts:--}" \
+          "${versus}peak GPU MiB $(field "$p" peak_gpu_mib) / $(field "$t" peak_gpu_mib); model states $(field "$p" held_mib) MiB"
+    done
+  done
+else
+  row "bench_zero's models" "not run" "" "$( ((gpus > 0)) && echo "no paratrain::nccl" || echo "no GPU visible to PyTorch")"
+fi
 
 # ---- 5. the table -----------------------------------------------------------------------------
 {

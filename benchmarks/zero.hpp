@@ -1,0 +1,105 @@
+#pragma once
+// The run of bench_zero (zero.cpp, over MPI) and bench_zero_rendezvous (zero_rendezvous.cpp,
+// NCCL on GPUs or Gloo on the CPU): DataParallel at one ZeRO stage on the model and data of
+// benchmarks/zero_vs_torch.py, timed, with what it holds, what paratrain::plan predicts and
+// the peak memory. Prints one JSON line on rank 0.
+//
+// MLP of `layers` x Linear(2048, 2048) with ReLU and a Linear(2048, 10) head, each layer a
+// paratrain::Unit; Adam(lr 1e-4); cross-entropy; batch 32 per rank of random inputs and
+// labels, made on the model's device (the step is measured, not the input pipeline).
+#include <sys/resource.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/plan.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "paratrain/strategy/unit.hpp"
+#include "timing.hpp"
+#include "wide_mlp.hpp"
+
+namespace paratrain::bench {
+
+struct ZeroRun {
+  std::string_view strategy;  // ddp, zero1, zero2 or zero3
+  int layers = 4, steps = 30, warmup = 3;
+};
+
+/// This process's peak resident set, MiB.
+inline double peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
+}
+
+/// Calls `f.template operator()<Update>(stage)` with the optimizer `run.strategy` names;
+/// false for a name it does not know.
+template <class F>
+bool with_zero_stage(std::string_view strategy, F&& f) {
+  using Adam = torch::optim::Adam;
+  using paratrain::plan::stage;
+  namespace zero = paratrain::zero;
+  if (strategy == "ddp") return f.template operator()<Adam>(stage::ddp), true;
+  if (strategy == "zero1") return f.template operator()<Sharded<Adam, zero::stage1>>(stage::stage1), true;
+  if (strategy == "zero2") return f.template operator()<Sharded<Adam, zero::stage2>>(stage::stage2), true;
+  if (strategy == "zero3") return f.template operator()<Sharded<Adam, zero::stage3>>(stage::stage3), true;
+  return false;
+}
+
+/// One configuration over `world`, the model on `device`; `extra` is appended to the JSON
+/// line (", \"key\": value" pairs, measured on every rank by the caller after the run).
+template <class Update, class Comm, class Extra>
+void run_zero(Comm world, const torch::Device& device, const Ranks& ranks, const ZeroRun& run,
+              paratrain::plan::stage stage, const char* communicator, Extra&& extra) {
+  constexpr std::int64_t batch = 32, pool = 8;
+  const int rank = world.rank(), size = world.size();
+  torch::manual_seed(1 + rank);
+  const auto x = torch::randn({pool * batch, wide_mlp_width}).to(device);
+  const auto y = torch::randint(0, 10, {pool * batch}, torch::kLong).to(device);
+  WideMlp net(run.layers);
+  net->to(device);
+  DataParallel<WideMlp, Comm, Update> s(std::move(net), std::move(world), torch::optim::AdamOptions(1e-4));
+  const auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  std::int64_t next = 0;
+  double exposed = 0;  // seconds waited for gradient reductions after backward
+  int calls = 0;       // steps that `exposed` sums over
+  const auto step = [&] {
+    const auto start = (next++ % pool) * batch;
+    s.step({x.narrow(0, start, batch), y.narrow(0, start, batch)}, loss);
+    exposed += s.exposed_communication_seconds();
+    ++calls;
+  };
+  for (int i = 0; i < run.warmup; ++i) step();
+  exposed = 0, calls = 0;
+  const auto seconds = time_alternating(ranks, 3, run.steps / 3, {step});
+  const auto held = s.model_state_bytes();
+  std::int64_t parameters = 0;
+  for (const auto& p : s.model()->parameters()) parameters += p.numel();
+  const auto planned = paratrain::plan::per_rank({.parameters = static_cast<double>(parameters),
+                                                  .param_bytes = 4,
+                                                  .grad_bytes = 4,
+                                                  .optimizer_bytes = paratrain::plan::optimizer_bytes("adam"),
+                                                  .ranks = size},
+                                                 stage);
+  const double rss = ranks.max(peak_rss_mib());  // the largest over the ranks
+  const std::string more = extra();
+  const double mib = 1 << 20;
+  if (rank == 0)
+    std::printf(
+        "{\"implementation\": \"paratrain\", \"strategy\": \"%s\", \"communicator\": \"%s\", \"device\": \"%s\", "
+        "\"ranks\": %d, \"layers\": %d, \"parameters\": %lld, \"batch_per_rank\": %lld, \"steps\": %d, "
+        "\"steps_per_s\": %.3f, \"peak_rss_mib\": %.1f, \"exposed_comm_share\": %.3f, \"held_mib\": %.1f, "
+        "\"planned_mib\": %.1f%s}\n",
+        std::string(run.strategy).c_str(), communicator, device.str().c_str(), size, run.layers,
+        static_cast<long long>(parameters), static_cast<long long>(batch), run.steps / 3 * 3, 1 / seconds[0], rss,
+        exposed / double(calls) / seconds[0], double(held.total()) / mib, planned.total() / mib, more.c_str());
+  std::fflush(stdout);
+}
+
+}  // namespace paratrain::bench
