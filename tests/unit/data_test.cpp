@@ -326,6 +326,33 @@ TEST_CASE("Loader stops its workers when dropped part-way, and rejects bad optio
   CHECK(error_of([&] { data::Loader(set, {}, {.workers = -1}); }).find("workers must be >= 0") != std::string::npos);
 }
 
+TEST_CASE("for_device has a GPU's batches pinned and copied beside the step; a GPU LibTorch cannot see is refused") {
+  // Note [Copies beside the step]: set for a GPU only, and never in place of the caller's.
+  const at::Device gpu0(at::kCUDA, 0), gpu1(at::kCUDA, 1);
+  const auto on_cpu = data::for_device({.workers = 2, .depth = 3}, at::kCPU);
+  CHECK_FALSE(on_cpu.pin_memory);
+  CHECK_FALSE(on_cpu.device.has_value());
+  CHECK(on_cpu.workers == 2);
+  const auto on_gpu = data::for_device({.workers = 2, .depth = 3}, gpu0);
+  CHECK(on_gpu.pin_memory);
+  CHECK(on_gpu.device == std::optional<at::Device>(gpu0));
+  CHECK(on_gpu.depth == 3);
+  CHECK(data::for_device({.device = gpu1}, gpu0).device == std::optional<at::Device>(gpu1));
+
+  // A device past the GPUs LibTorch sees: refused at construction, naming the option, the
+  // device and the count (never a worker thread failing on its own); with no worker the
+  // option has nothing to do.
+  Jittery set;
+  set.n = 8;
+  const auto gpus = static_cast<int>(torch::cuda::device_count());
+  const at::Device missing(at::kCUDA, static_cast<c10::DeviceIndex>(gpus));
+  const auto message = error_of([&] { data::Loader(set, {torch::arange(4)}, {.workers = 1, .device = missing}); });
+  CHECK(message.find("LoaderOptions::device is " + missing.str()) != std::string::npos);
+  CHECK(message.find("sees " + std::to_string(gpus) + " GPU(s)") != std::string::npos);
+  data::Loader on_host(set, {torch::arange(4)}, {.workers = 0, .device = missing});
+  CHECK(on_host.next()->input().is_cpu());
+}
+
 // ---- fit with other datasets and samplers ---------------------------------------------
 
 namespace {

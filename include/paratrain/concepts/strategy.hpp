@@ -36,7 +36,8 @@ concept loss_function = std::invocable<L&, const at::Tensor&, const at::Tensor&>
 /// - `all_reduce(t, op)`: reduce a tensor over all the strategy's ranks (for metrics);
 /// - `synchronize()`: make every rank's model evaluate alike (buffers); collective;
 /// - `device()`: where the strategy moves this rank's batches (its model's device; Note
-///   [One move per batch]): fit pins host batches when it is a GPU.
+///   [One move per batch]): where it is a GPU, fit's loader pins the batches and copies them
+///   there beside the step (Note [Copies beside the step]).
 template <class S>
 concept strategy = requires(S& s, const S& cs, std::span<const Batch> micro_batches, const Batch& b, at::Tensor& t,
                             at::Tensor (*loss)(const at::Tensor&, const at::Tensor&)) {

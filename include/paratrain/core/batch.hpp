@@ -53,12 +53,15 @@ struct Batch {
 
 // Note [One move per batch]
 // A batch arrives on the host (a dataset, the Loader) and the model may be on a GPU. The
-// strategy that runs the model moves the batch, not the user and not fit: DataParallel in
+// strategy that runs the model moves the batch, not the user: DataParallel in
 // forward_backward and predict, a pipeline at its first stage (inputs) and its last
 // (targets), LocalDataParallel per replica's slice. Each tensor moves once per batch,
 // before the forward that reads it; a strategy never moves it back. From pinned memory the
 // copy is asynchronous (non_blocking): the host goes on to enqueue the forward, which the
-// device orders after the copy on the same stream.
+// device orders after the copy on the same stream. fit and evaluate have their loader copy
+// the batches to a GPU ahead instead, beside the step (Note [Copies beside the step]): the
+// strategy's move then finds each tensor on its device and copies nothing, so each tensor
+// still moves once.
 
 namespace detail {
 

@@ -3,7 +3,10 @@
 /// paratrain::data::Loader — batches prepared by worker threads while the step computes.
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -33,17 +36,38 @@ struct LoaderOptions {
   /// Batches ready or in preparation at once, at least `workers`: memory for `depth`
   /// batches buys slack for steps and reads whose times vary.
   int depth = 2;
-  /// Copy each batch into page-locked memory in the worker, so that the strategy's copy to
-  /// the GPU is asynchronous (Note [One move per batch]). Needs CUDA. fit and evaluate turn
-  /// it on for a strategy whose device is a GPU (for_device).
+  /// Copy each batch into page-locked memory in the worker, so that its copy to the GPU is
+  /// asynchronous (Note [One move per batch]). Needs CUDA. fit and evaluate turn it on for a
+  /// strategy whose device is a GPU (for_device).
   bool pin_memory = false;
+  /// The GPU the batches are for, or none: the workers then also copy each batch there, on a
+  /// stream of their own, while the step computes (Note [Copies beside the step]). Needs at
+  /// least one worker (with none, the strategy's move does the copy). fit and evaluate set
+  /// it to a GPU strategy's device (for_device). Costs `depth` batches of GPU memory.
+  std::optional<at::Device> device;
 };
 
-/// `options` for batches bound for `device`: pinned where it is a GPU.
+/// `options` for batches bound for `device`: where it is a GPU, pinned and copied there by
+/// the workers, beside the step.
 [[nodiscard]] inline LoaderOptions for_device(LoaderOptions options, at::Device device) {
-  options.pin_memory = options.pin_memory || device.is_cuda();
+  if (!device.is_cuda()) return options;
+  options.pin_memory = true;
+  if (!options.device) options.device = device;
   return options;
 }
+
+// Note [Copies beside the step]
+// A batch copied to the GPU by the strategy, just before its forward, is copied on the
+// stream the forward runs on: asynchronous for the host (from pinned memory), but the GPU
+// does nothing else meanwhile. With LoaderOptions::device, each worker copies its batches
+// on a stream of its own (one from the device's pool, made current in the worker), while the
+// training thread's kernels of earlier steps run on theirs, and records an event after the
+// copy. next() makes the training thread's current stream wait for that event (on the GPU:
+// the host does not wait) and records the batch's memory as used by that stream, so that
+// CUDA's caching allocator does not hand it out again before the step that reads it is done
+// (it was allocated on the worker's stream). The strategy then finds the batch on its
+// device, and its move (Note [One move per batch]) copies nothing: each tensor still moves
+// once. A copy that fails (out of memory) fails that batch, in order (Note [Loader order]).
 
 // Note [Loader order]
 // Batch k is prepared into slot k % depth by whichever worker claims it, and the training
@@ -69,7 +93,8 @@ struct LoaderOptions {
 template <dataset D>
 class Loader {
  public:
-  /// Starts the workers. Throws paratrain::error if workers < 0 or depth < max(workers, 1).
+  /// Starts the workers. Throws paratrain::error if workers < 0 or depth < max(workers, 1),
+  /// or if options.device is a GPU that LibTorch does not see.
   Loader(const D& data, std::vector<at::Tensor> indices, LoaderOptions options = {})
       : data_(data), indices_(std::move(indices)), options_(options) {
     if (options_.workers < 0 || options_.depth < std::max(options_.workers, 1))
@@ -77,10 +102,11 @@ class Loader {
                   "LoaderOptions::workers must be >= 0 and depth at least max(workers, 1); they are " +
                       std::to_string(options_.workers) + " and " + std::to_string(options_.depth));
     if (options_.workers == 0) return;
+    if (options_.device && options_.device->is_cuda()) side_streams();
     slots_.resize(static_cast<std::size_t>(options_.depth));
     workers_.reserve(static_cast<std::size_t>(options_.workers));
     try {
-      for (int w = 0; w < options_.workers; ++w) workers_.emplace_back([this] { work(); });
+      for (int w = 0; w < options_.workers; ++w) workers_.emplace_back([this, w] { work(w); });
     } catch (...) {  // no thread left running: the destructor will not be called
       stop();
       throw;
@@ -110,6 +136,14 @@ class Loader {
     lock.unlock();
     changed_.notify_all();
     if (out.failure) std::rethrow_exception(out.failure);
+    if (out.copied) {  // Note [Copies beside the step]
+      const auto& device = *options_.device;
+      const auto stream = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+      out.copied->block(stream);
+      for (const auto& x : out.value.inputs)
+        if (x.defined()) x.record_stream(stream);
+      if (out.value.target.defined()) out.value.target.record_stream(stream);
+    }
     return std::move(out.value);
   }
 
@@ -131,10 +165,31 @@ class Loader {
     std::int64_t batch = -1;  ///< which batch the slot holds; -1: none yet
     Batch value;
     std::exception_ptr failure;
+    std::optional<c10::Event> copied;  ///< after the copy to options_.device, where there is one
   };
 
-  void work() {
+  /// One stream per worker for its copies to options_.device (Note [Copies beside the step]),
+  /// taken here, on the constructing thread, so that a GPU LibTorch cannot use fails there.
+  void side_streams() {
+    auto& device = *options_.device;
+    const auto gpus = c10::impl::hasDeviceGuardImpl(device.type())
+                          ? static_cast<int>(c10::impl::VirtualGuardImpl(device.type()).deviceCount())
+                          : 0;
+    if (gpus == 0 || device.index() >= gpus)
+      throw error("Loader", -1,
+                  "LoaderOptions::device is " + device.str() + ", but LibTorch sees " + std::to_string(gpus) +
+                      " GPU(s) (a LibTorch built without CUDA, no driver, or CUDA_VISIBLE_DEVICES); leave it "
+                      "unset to keep batches on the host");
+    const c10::impl::VirtualGuardImpl gpu(device.type());
+    if (!device.has_index()) device = gpu.getDevice();  // "cuda": the current GPU, as Tensor::to takes it
+    for (int w = 0; w < options_.workers; ++w) streams_.push_back(gpu.getStreamFromGlobalPool(device));
+  }
+
+  void work(int w) {
     const c10::NoGradGuard no_grad;  // reading data records nothing for autograd
+    // This worker's copies to the GPU: on its own stream (Note [Copies beside the step]).
+    std::optional<c10::StreamGuard> side;
+    if (!streams_.empty()) side.emplace(streams_[static_cast<std::size_t>(w)]);
     for (;;) {
       std::int64_t k = 0;
       {
@@ -147,6 +202,11 @@ class Loader {
       try {
         filled.value = load(k);
         if (options_.pin_memory) pin(filled.value);
+        if (side) {
+          filled.value = filled.value.to(*options_.device);
+          filled.copied.emplace(options_.device->type());
+          filled.copied->record(side->current_stream());
+        }
       } catch (...) {
         filled.failure = std::current_exception();
       }
@@ -203,6 +263,7 @@ class Loader {
   std::vector<at::Tensor> indices_;
   LoaderOptions options_;
   std::vector<Slot> slots_;
+  std::vector<c10::Stream> streams_;  ///< the workers' own, for copies to options_.device
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable changed_;
