@@ -211,10 +211,13 @@ if ((gpus > 0)) && grep -q 'paratrain::nccl with' "$out/configure.log"; then
       fi
       p=$(json "$log.paratrain.log")
       ps=$(field "$p" steps_per_s) ts=$(field "$t" steps_per_s) size=$(field "$p" parameters)
-      versus=""
-      [[ -n $peer ]] && versus="paratrain/PyTorch $(ratio "$ps" "$ts"); "
-      row "bench_zero $(millions "$size") $strategy x $gpus GPU, steps/s${peer:+ (vs $peer)}" "$ps" "${ts:--}" \
-          "${versus}peak GPU MiB $(field "$p" peak_gpu_mib) / $(field "$t" peak_gpu_mib); model states $(field "$p" held_mib) MiB"
+      if [[ -n $peer ]]; then
+        versus="vs PyTorch $peer: $(ratio "$ps" "$ts"); peak GPU MiB $(field "$p" peak_gpu_mib) / $(field "$t" peak_gpu_mib)"
+      else
+        versus="no PyTorch peer; peak GPU MiB $(field "$p" peak_gpu_mib)"
+      fi
+      row "bench_zero $(millions "$size") $strategy, steps/s" "$ps" "${ts:--}" \
+          "$versus; model states $(field "$p" held_mib) MiB; $gpus GPU(s)"
     done
   done
 else
