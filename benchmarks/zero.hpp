@@ -36,8 +36,8 @@ inline double peak_rss_mib() {
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
 }
 
-/// Calls `f.template operator()<Update>(stage)` with the optimizer `run.strategy` names;
-/// false for a name it does not know.
+/// Calls `f.template operator()<Update>(stage)` with the update `strategy` names (ddp,
+/// zero1, zero2, zero3; Adam underneath); false for a name it does not know.
 template <class F>
 bool with_zero_stage(std::string_view strategy, F&& f) {
   using Adam = torch::optim::Adam;
@@ -50,8 +50,9 @@ bool with_zero_stage(std::string_view strategy, F&& f) {
   return false;
 }
 
-/// One configuration over `world`, the model on `device`; `extra` is appended to the JSON
-/// line (", \"key\": value" pairs, measured on every rank by the caller after the run).
+/// One configuration over `world`, the model on `device`. `extra()` is called on every rank
+/// after the timed steps (it may be collective) and its text, ", \"key\": value" pairs, ends
+/// rank 0's JSON line.
 template <class Update, class Comm, class Extra>
 void run_zero(Comm world, const torch::Device& device, const Ranks& ranks, const ZeroRun& run,
               paratrain::plan::stage stage, const char* communicator, Extra&& extra) {
