@@ -18,7 +18,6 @@
 
 #include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/gloo/gloo.hpp"
-#include "paratrain/data/distributed_sampler.hpp"
 #include "paratrain/data/loader.hpp"
 #include "paratrain/data/tensor_dataset.hpp"
 #include "paratrain/fit/fit.hpp"
@@ -30,6 +29,7 @@
 #include "support/collectives.hpp"
 #include "support/doctest.hpp"
 #include "support/equivalence.hpp"
+#include "support/fit_reference.hpp"
 #include "support/gloo_world.hpp"
 
 namespace {
@@ -40,29 +40,6 @@ using namespace paratrain_test;
 using gpu_suite::gpu;
 using gpu_suite::scratch;
 using gpu_suite::skipped;
-
-// fit's case: a small classifier and 203 labelled samples (not a multiple of any batch).
-struct FitNetImpl : torch::nn::Module {
-  FitNetImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(6, 12));
-    fc2 = register_module("fc2", torch::nn::Linear(12, 3));
-  }
-  torch::Tensor forward(torch::Tensor x) { return fc2(torch::relu(fc1(x))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-};
-TORCH_MODULE(FitNet);
-
-FitNet make_fit_net() {
-  torch::manual_seed(7);
-  return FitNet();
-}
-
-paratrain::data::TensorDataset make_fit_data(std::int64_t n) {
-  torch::manual_seed(1);
-  auto x = torch::randn({n, 6});
-  auto y = (x.narrow(1, 0, 3).argmax(1) + (x.narrow(1, 3, 1).squeeze(1) > 1.5).to(torch::kLong)) % 3;
-  return {x, y};
-}
 
 // DDP and ZeRO 1-3 over `c`, SGD with momentum (Adam would hide a gradient off by a factor)
 // and Adam, against the reference on the same GPU.
@@ -185,7 +162,7 @@ TEST_CASE("[gpu] pipelines over comm::Gloo, stages on the GPU, equal the stages 
 TEST_CASE("[gpu] fit's loader copies batches to the GPU beside the step, and fit trains as one device does") {
   // The loader: on a GPU each batch arrives there, copied by the worker on its own stream
   // (Note [Copies beside the step]); on the CPU it stays where the dataset made it.
-  const auto train = make_fit_data(203);
+  const auto train = fit_reference::make_data(203, 1);  // not a multiple of any batch
   paratrain::data::Loader<paratrain::data::TensorDataset> loader(
       train, std::vector<torch::Tensor>{torch::arange(16), torch::arange(16, 40)},
       paratrain::data::for_device({.workers = 2, .depth = 2}, gpu()));
@@ -203,38 +180,18 @@ TEST_CASE("[gpu] fit's loader copies batches to the GPU beside the step, and fit
       .epochs = 2, .batch_size = 5, .seed = 3, .loader = {.workers = 2, .depth = 3}, .progress = false};
   const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
   const int world = gloo_world().size();
-  auto model = make_fit_net();
+  auto model = fit_reference::make_net();
   model->to(gpu());
-  paratrain::DataParallel<FitNet, comm::Gloo, torch::optim::SGD> s(model, gloo_world(), sgd);
+  paratrain::DataParallel<fit_reference::Net, comm::Gloo, torch::optim::SGD> s(model, gloo_world(), sgd);
   CHECK(s.device() == gpu());
   paratrain::fit(s, train, options);
 
-  auto net = make_fit_net();
+  auto net = fit_reference::make_net();
   net->to(gpu());
-  torch::optim::SGD optim(net->parameters(), sgd);
-  for (int epoch = 0; epoch < options.epochs; ++epoch) {
-    std::vector<std::vector<std::int64_t>> shards;
-    for (int r = 0; r < world; ++r) {
-      paratrain::data::DistributedSampler sampler(train.size(), {.num_replicas = world, .rank = r, .seed = 3});
-      sampler.set_epoch(epoch);
-      shards.push_back(sampler.indices());
-    }
-    for (std::size_t first = 0; first < shards[0].size(); first += 5) {
-      std::vector<std::int64_t> step;
-      for (auto& shard : shards)
-        step.insert(step.end(), shard.begin() + first, shard.begin() + std::min(first + 5, shard.size()));
-      const auto b = train.get(torch::tensor(step)).to(gpu());
-      optim.zero_grad();
-      torch::nn::functional::cross_entropy(net->forward(b.input()), b.target).backward();
-      optim.step();
-    }
-  }
+  fit_reference::train(net, train, world, options.epochs, 5, 3, sgd, gpu());
   const auto got = s.model()->parameters(), want = net->parameters();
-  REQUIRE(got.size() == want.size());
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    CHECK(got[i].device() == gpu());
-    CHECK(((got[i] - want[i]).abs().max() / want[i].abs().max()).item<double>() <= 1e-5);
-  }
+  CHECK(got.front().device() == gpu());
+  CHECK(max_relative_difference(got, want) <= 1e-5);
 }
 
 TEST_CASE("[gpu] a checkpoint keeps the GPU's random stream") {

@@ -12,6 +12,7 @@
 #include "paratrain/fit/metrics.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "support/doctest.hpp"
+#include "support/fit_reference.hpp"
 
 // A namespace of its own: this file shares a translation unit with others (Note [Unity groups]).
 namespace fit_test {
@@ -20,27 +21,10 @@ namespace {
 
 namespace comm = paratrain::comm;
 
-struct NetImpl : torch::nn::Module {
-  NetImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(6, 12));
-    fc2 = register_module("fc2", torch::nn::Linear(12, 3));
-  }
-  torch::Tensor forward(torch::Tensor x) { return fc2(torch::relu(fc1(x))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-};
-TORCH_MODULE(Net);
-
-Net make_net() {
-  torch::manual_seed(7);
-  return Net();
-}
-
-paratrain::data::TensorDataset make_data(std::int64_t n, std::uint64_t seed) {
-  torch::manual_seed(seed);
-  auto x = torch::randn({n, 6});
-  auto y = (x.narrow(1, 0, 3).argmax(1) + (x.narrow(1, 3, 1).squeeze(1) > 1.5).to(torch::kLong)) % 3;
-  return {x, y};
-}
+// fit's reference (tests/support/fit_reference.hpp): the classifier, its data, the loop.
+using paratrain_test::fit_reference::make_data;
+using paratrain_test::fit_reference::make_net;
+using paratrain_test::fit_reference::Net;
 
 }  // namespace
 
@@ -57,24 +41,7 @@ TEST_CASE_TEMPLATE("fit trains like a single-device loop over the union of the r
 
   // The reference: every rank's DistributedSampler batches, concatenated per step.
   auto net = make_net();
-  torch::optim::SGD optim(net->parameters(), sgd);
-  for (int epoch = 0; epoch < options.epochs; ++epoch) {
-    std::vector<std::vector<std::int64_t>> shards;
-    for (int r = 0; r < world; ++r) {
-      paratrain::data::DistributedSampler sampler(train.size(), {.num_replicas = world, .rank = r, .seed = 3});
-      sampler.set_epoch(epoch);
-      shards.push_back(sampler.indices());
-    }
-    for (std::size_t first = 0; first < shards[0].size(); first += 5) {
-      std::vector<std::int64_t> step;
-      for (auto& shard : shards)
-        step.insert(step.end(), shard.begin() + first, shard.begin() + std::min(first + 5, shard.size()));
-      const auto b = train.get(torch::tensor(step));
-      optim.zero_grad();
-      torch::nn::functional::cross_entropy(net->forward(b.input()), b.target).backward();
-      optim.step();
-    }
-  }
+  paratrain_test::fit_reference::train(net, train, world, options.epochs, 5, 3, sgd, torch::kCPU);
   const auto got = s.model()->parameters(), want = net->parameters();
   for (std::size_t i = 0; i < got.size(); ++i)
     CHECK(((got[i] - want[i]).abs().max() / want[i].abs().max()).template item<double>() <= 1e-5);
