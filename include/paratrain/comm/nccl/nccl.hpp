@@ -112,9 +112,11 @@ class Nccl {
         state->check_async_error(op, rank);
         return false;
       }
-      cuda_check(rc, op, rank);
+      // Complete or failed, the request is done with: the event and the state go either way, so
+      // that a failure is thrown once, not by every later wait() (the destructor's included).
       cudaEventDestroy(std::exchange(event, nullptr));
       state.reset();
+      cuda_check(rc, op, rank);
       return true;
     }
     void abandon() noexcept {  // leaked: Note [Dropped requests]
@@ -561,6 +563,10 @@ class Nccl {
     if (!t.is_cuda())
       throw error(op, rank(), "comm::Nccl takes CUDA tensors; this one is on " + t.device().str() +
                                   " (use comm::Mpi for CPU tensors)");
+    if (t.device().index() != state_->device)
+      throw error(op, rank(),
+                  "this comm::Nccl works on cuda:" + std::to_string(state_->device) + "; this tensor is on " +
+                      t.device().str() + " (move it there, or make the communicator on that GPU)");
   }
   static std::size_t n(const at::Tensor& t) { return static_cast<std::size_t>(t.numel()); }
 
