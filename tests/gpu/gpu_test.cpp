@@ -263,7 +263,8 @@ TEST_CASE("[gpu] comm::Nccl across the processes, one GPU each: every strategy a
   auto nccl = gpu_suite::nccl_world();
   check_every_strategy(nccl);
   if (nccl.size() % 2 == 0)  // two stages; an odd number of GPUs checks the strategies only
-    for (const auto schedule : {paratrain::pipeline::Kind::gpipe, paratrain::pipeline::Kind::one_f_one_b})
+    for (const auto schedule : {paratrain::pipeline::Kind::gpipe, paratrain::pipeline::Kind::one_f_one_b,
+                                paratrain::pipeline::Kind::zero_bubble_h1})
       check_pipeline(nccl, schedule);
 }
 
