@@ -116,14 +116,17 @@ torch::Device device_for(const Args& args) {
   return paratrain::local_device(args.device);
 }
 
-// The strategy over its communicator: comm::Nccl started from the launcher's variables.
+// The strategy over its communicator: comm::Nccl started from the launcher's variables;
+// LocalDataParallel's replicas on the CPU for --device cpu (on the GPUs otherwise, where any).
 template <class S>
-S make_strategy(Net net, double lr) {
+S make_strategy(Net net, double lr, const torch::Device& device) {
   if constexpr (uses_nccl<S>) {
 #if PARATRAIN_HAS_NCCL
     paratrain::comm::Rendezvous meeting;
     return S(std::move(net), paratrain::comm::Nccl(meeting), torch::optim::AdamOptions(lr));
 #endif
+  } else if constexpr (!requires { typename S::communicator_type; }) {
+    return S(std::move(net), torch::optim::AdamOptions(lr), {.cpu = device.is_cpu()});
   } else {
     return S(std::move(net), torch::optim::AdamOptions(lr));
   }
@@ -152,11 +155,11 @@ int train(const Args& args) {
   const auto device = device_for<Strategy>(args);
   Net net;
   net->to(device);  // the strategy moves each batch there (Note [One move per batch])
-  Strategy strategy = make_strategy<Strategy>(net, args.lr);
+  Strategy strategy = make_strategy<Strategy>(net, args.lr, device);
   const bool root = strategy.rank() == 0;
   if (root)
     std::printf("Fashion-MNIST, %s, %d process(es) on %s, batch %lld per process, %d epochs\n", name_of<Strategy>(),
-                strategy.world_size(), device.str().c_str(), static_cast<long long>(args.batch), args.epochs);
+                strategy.world_size(), strategy.device().str().c_str(), static_cast<long long>(args.batch), args.epochs);
 
   std::optional<double> seconds_to_90;
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };

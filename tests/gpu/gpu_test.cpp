@@ -23,6 +23,7 @@
 #include "paratrain/fit/fit.hpp"
 #include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/local_data_parallel.hpp"
 #include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "gpu/gpu_support.hpp"
@@ -192,6 +193,31 @@ TEST_CASE("[gpu] fit's loader copies batches to the GPU beside the step, and fit
   const auto got = s.model()->parameters(), want = net->parameters();
   CHECK(got.front().device() == gpu());
   CHECK(max_relative_difference(got, want) <= 1e-5);
+}
+
+// LocalDataParallel's case: a model it can clone into replicas.
+struct TinyImpl : torch::nn::Cloneable<TinyImpl> {
+  TinyImpl() { reset(); }
+  void reset() override { fc = register_module("fc", torch::nn::Linear(4, 2)); }
+  torch::Tensor forward(const torch::Tensor& x) { return fc(x); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Tiny);
+
+TEST_CASE("[gpu] LocalDataParallel puts its replicas on the GPUs, or on CPU threads where asked") {
+  if (skipped(!gpu().is_cuda(), "replicas on GPUs need a GPU")) return;
+  const auto sgd = torch::optim::SGDOptions(0.1);
+  const auto loss = [](const torch::Tensor& out, const torch::Tensor& y) { return torch::mse_loss(out, y); };
+  const paratrain::Batch batch(torch::randn({6, 4}), torch::randn({6, 2}));
+  paratrain::LocalDataParallel<Tiny, torch::optim::SGD> on_gpus(Tiny(), sgd);
+  CHECK(on_gpus.device() == torch::Device(torch::kCUDA, 0));
+  CHECK(on_gpus.replicas() == static_cast<int>(torch::cuda::device_count()));
+  CHECK(std::isfinite(on_gpus.step(batch, loss).loss));
+  paratrain::LocalDataParallel<Tiny, torch::optim::SGD> on_cpu(Tiny(), sgd, {.replicas = 2, .cpu = true});
+  CHECK(on_cpu.device() == torch::Device(torch::kCPU));
+  CHECK(on_cpu.replicas() == 2);
+  CHECK(on_cpu.model()->fc->weight.device() == torch::Device(torch::kCPU));
+  CHECK(std::isfinite(on_cpu.step(batch, loss).loss));
 }
 
 TEST_CASE("[gpu] a checkpoint keeps the GPU's random stream") {

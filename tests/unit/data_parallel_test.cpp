@@ -124,7 +124,8 @@ void check_local(int replicas, std::int64_t batch, int micro_batches, Opts opts)
   torch::manual_seed(5);
   CloneableMlp reference_model;
   torch::manual_seed(5);
-  paratrain::LocalDataParallel<CloneableMlp, Optim> dp(CloneableMlp(), opts, {.replicas = replicas});
+  // On CPU threads, so that `replicas` of them exist on a machine with GPUs too.
+  paratrain::LocalDataParallel<CloneableMlp, Optim> dp(CloneableMlp(), opts, {.replicas = replicas, .cpu = true});
   REQUIRE(dp.replicas() == replicas);
   Optim reference_optim(reference_model->parameters(), opts);
   for (int k = 0; k < 20; ++k) {

@@ -34,6 +34,8 @@ struct LocalDataParallelOptions {
   /// Where LibTorch sees CUDA devices, replicas go one per device, at most this many
   /// (0: all of them).
   int replicas = 0;
+  /// Replicas on CPU threads even where LibTorch sees CUDA devices (a `--device cpu`).
+  bool cpu = false;
 };
 
 /// Data parallelism inside one process: each step splits the batch across replicas of
@@ -77,7 +79,7 @@ class LocalDataParallel {
   LocalDataParallel(Model model, OptimOptions optimizer_options, Options options = {}) : model_(std::move(model)) {
     detail::tune_allocator();  // Note [Allocator]
     if (options.replicas < 0) throw error("LocalDataParallel", 0, "replicas must be >= 0 (0: one per hardware thread)");
-    const auto cuda = static_cast<int>(torch::cuda::device_count());
+    const auto cuda = options.cpu ? 0 : static_cast<int>(torch::cuda::device_count());
     const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     const int available = cuda > 0 ? cuda : threads;
     const int n = options.replicas > 0 ? (cuda > 0 ? std::min(options.replicas, cuda) : options.replicas) : available;
