@@ -27,8 +27,9 @@
 #
 # Usage: scripts/gpu-check.sh [--quick]      (--quick: 1 epoch and fewer steps, for a smoke run)
 # Environment: PYTHON (python3), PARATRAIN_GPU_DEPS (.gpu-deps), PARATRAIN_GPU_BUILD (build-gpu),
-#   PARATRAIN_TORCH_PREFIX (instead of asking PyTorch), PARATRAIN_GPU_MPI (ON or OFF: with or
-#   without MPI; default: ON where mpicxx is found), PARATRAIN_PEAK_TFLOPS (the GPU's dense
+#   PARATRAIN_TORCH_PREFIX (another LibTorch than the one inside that PyTorch, which the
+#   benchmarks still need), PARATRAIN_GPU_MPI (ON or OFF: with or without MPI; default: ON
+#   where mpicxx is found), PARATRAIN_PEAK_TFLOPS (the GPU's dense
 #   bf16 peak, where the table below does not know the GPU), PARATRAIN_FASHION_MNIST (the data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +45,7 @@ unset PYTORCH_CUDA_ALLOC_CONF
 say() { printf 'gpu-check: %s\n' "$*" >&2; }
 
 # ---- 1. what this machine has ---------------------------------------------------------------
-eval "$("$python" - <<'EOF'
+probe=$("$python" - <<'EOF'
 import os, shlex
 import torch
 def put(k, v): print(f"{k}={shlex.quote(str(v))}")
@@ -62,7 +63,9 @@ except Exception:
     pass
 put("wheel_nccl", nccl)
 EOF
-)"
+) || { say "$python cannot import torch: this check builds against a CUDA build of PyTorch (PYTHON names another)"; exit 1; }
+eval "$probe"
+
 torch_prefix=${PARATRAIN_TORCH_PREFIX:-$torch_prefix}
 say "PyTorch $torch_version (CUDA ${torch_cuda:-none}), $gpus GPU(s)${gpu_name:+: $gpu_name}; LibTorch from $torch_prefix"
 
@@ -113,7 +116,9 @@ suite() {  # $1: processes; the rest: environment
     echo "$((${cases:-0} - skipped)) passed, $skipped skipped"
   else
     local rc=$?
-    ((rc == 77)) && echo "skipped (no GPU)" || echo "FAILED (see $out/suite.np$n.log)"
+    # 77: the suite saw no GPU. Where PyTorch sees one, that is a failure (a LibTorch without
+    # CUDA was linked, say), not a skip: no case ran.
+    ((rc == 77 && gpus == 0)) && echo "skipped (no GPU)" || echo "FAILED (see $out/suite.np$n.log)"
   fi
 }
 failed=0

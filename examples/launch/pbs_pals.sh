@@ -47,4 +47,4 @@ MASTER_PORT=$((20000 + $(echo "${PBS_JOBID:-0}" | tr -cd 0-9 | tail -c 4 | sed '
 export MASTER_PORT
 mpiexec -n "$ranks" --ppn "$ranks_per_node" --depth "$depth" --cpu-bind depth \
   --env OMP_NUM_THREADS="$depth" --env OMP_PLACES=cores --env MASTER_ADDR="$MASTER_ADDR" --env MASTER_PORT="$MASTER_PORT" \
-  "$build/examples/$binary" --epochs 5 "${device[@]}"
+  "$build/examples/$binary" --epochs 5 ${device[@]+"${device[@]}"}  # bash < 4.4: an empty array is unset
