@@ -175,17 +175,23 @@ TEST_CASE("[gpu] fit's loader copies batches to the GPU beside the step, and fit
     CHECK(torch::equal(b->input().cpu(), train.get(k == 0 ? torch::arange(16) : torch::arange(16, 40)).input()));
   }
 
-  // fit over the ranks, batches of 5 per rank, 2 epochs, SGD with momentum, against a
-  // hand-written loop on the same GPU over the union of the ranks' DistributedSampler batches.
-  const paratrain::FitOptions options{
-      .epochs = 2, .batch_size = 5, .seed = 3, .loader = {.workers = 2, .depth = 3}, .progress = false};
+  // fit over the ranks, batches of 5 per rank, 2 epochs, SGD with momentum, evaluating the
+  // set after each epoch (its loader copies too), against a hand-written loop on the same GPU
+  // over the union of the ranks' DistributedSampler batches.
+  const paratrain::FitOptions options{.epochs = 2,
+                                      .batch_size = 5,
+                                      .seed = 3,
+                                      .eval = &train,
+                                      .eval_batch_size = 32,
+                                      .loader = {.workers = 2, .depth = 3},
+                                      .progress = false};
   const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
   const int world = gloo_world().size();
   auto model = fit_reference::make_net();
   model->to(gpu());
   paratrain::DataParallel<fit_reference::Net, comm::Gloo, torch::optim::SGD> s(model, gloo_world(), sgd);
   CHECK(s.device() == gpu());
-  paratrain::fit(s, train, options);
+  const auto result = paratrain::fit(s, train, options);
 
   auto net = fit_reference::make_net();
   net->to(gpu());
@@ -193,6 +199,12 @@ TEST_CASE("[gpu] fit's loader copies batches to the GPU beside the step, and fit
   const auto got = s.model()->parameters(), want = net->parameters();
   CHECK(got.front().device() == gpu());
   CHECK(max_relative_difference(got, want) <= 1e-5);
+  // The last evaluation: every sample once, over the ranks, with the trained model's loss.
+  REQUIRE(result.epochs.size() == 2);
+  const auto all = train.get(torch::arange(train.size())).to(gpu());
+  const auto want_loss = torch::nn::functional::cross_entropy(net->forward(all.input()), all.target).item<double>();
+  CHECK(result.epochs.back().eval_samples == train.size());
+  CHECK(result.epochs.back().eval_loss == doctest::Approx(want_loss).epsilon(1e-5));
 }
 
 // LocalDataParallel's case: a model it can clone into replicas.
