@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -125,6 +126,9 @@ struct Scenario {
   Features features;
   paratrain::DataParallelOptions options;
   torch::Device device = torch::kCPU;  // where both models live; the batches start on the host
+  // The strategy builds the model from a function, every rank from the reference's seed
+  // (sharded as it is built at ZeRO stage 3: Note [Sharded construction]).
+  bool built_by_strategy = false;
 };
 
 // The samples of rank r at step k: a fixed slice of one synthetic data set, b of the
@@ -193,10 +197,21 @@ template <class Comm, class Update, class Opts, class Model = Mlp>
 std::vector<torch::Tensor> distributed(const Scenario& s, Comm c, Opts opts) {
   const Data data;
   const int world = c.size(), rank = c.rank();
-  auto model = make_model<Model>(s.features, rank);
-  model->to(s.device);  // the batches stay on the host: the strategy moves them
-  auto groups = groups_of(s, model, opts);
-  paratrain::DataParallel<Model, Comm, Update> dp(model, std::move(c), std::move(groups), opts, s.options);
+  using Strategy = paratrain::DataParallel<Model, Comm, Update>;
+  const auto make = [&]() -> std::unique_ptr<Strategy> {
+    if (s.built_by_strategy) {
+      auto options = s.options;
+      options.build.device = s.device;
+      return std::make_unique<Strategy>([&] { return make_model<Model>(s.features, 0); }, std::move(c),
+                                        [&](Model& m) { return groups_of(s, m, opts); }, opts, options);
+    }
+    auto model = make_model<Model>(s.features, rank);
+    model->to(s.device);  // the batches stay on the host: the strategy moves them
+    auto groups = groups_of(s, model, opts);
+    return std::make_unique<Strategy>(model, std::move(c), std::move(groups), opts, s.options);
+  };
+  const auto strategy = make();
+  auto& dp = *strategy;
   const int mine = batches_of(s, rank);
   const auto batch = batch_of(s, rank);
   for (int k = 0;; ++k) {

@@ -242,7 +242,10 @@ void reshard_chain(const Opts& opts) {
   }
   world.barrier();
   {
-    paratrain::DataParallel<Mlp, comm::Mpi, Sharded<Optim, zero::stage3>> s(other_model(rank), world, opts);
+    // Built sharded (Note [Sharded construction]), from other values than the reference's,
+    // and loaded straight into the shards.
+    paratrain::DataParallel<Mlp, comm::Mpi, Sharded<Optim, zero::stage3>> s([] { return make_model({}, 7); }, world,
+                                                                           opts);
     CHECK(ckpt::load(s, ckpt::path_of(dir / "e", 20)).world_size == two);
     train(s, d, 20, 24);
     CAPTURE(w);

@@ -84,6 +84,11 @@ TEST_CASE("Pipeline x Sharded: each stage's replicas shard it, stages 1-3") {
     check_pipeline<T2::type, ChainOf<2>>({.schedule = pipeline::Kind::zero_bubble_h1}, micro);
     check_pipeline<T3::type, ChainOf<2>>({.schedule = pipeline::Kind::one_f_one_b}, micro);
     check_pipeline<T3::type, ChainOf<2>>({.schedule = pipeline::Kind::gpipe}, micro);
+    // Each stage sharded as it is built (its maker ends with .to(kDouble), a no-op then).
+    check_pipeline<T3::type, ChainOf<2>>({.schedule = pipeline::Kind::one_f_one_b,
+                                          .data_parallel = {.build = {.dtype = torch::kDouble}},
+                                          .sharded_construction = true},
+                                         micro);
   }
 }
 

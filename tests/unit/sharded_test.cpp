@@ -16,6 +16,7 @@
 #include "paratrain/strategy/plan.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
+#include "support/counting_allocator.hpp"
 #include "support/doctest.hpp"
 #include "support/equivalence.hpp"
 
@@ -79,6 +80,14 @@ TEST_CASE_TEMPLATE("Sharded equals single-device training at every ZeRO stage", 
   SUBCASE("uneven inputs: rank r has r fewer batches, joined") { check_equivalence<C, S>({.uneven = true}); }
   SUBCASE("a buffer, broadcast from rank 0; one parameter per bucket") {
     check_equivalence<C, S>({.features = {.buffer = true}, .options = {.bucket_cap_bytes = 1, .first_bucket_cap_bytes = 1}});
+  }
+  SUBCASE("built by the strategy (sharded as it is built at stage 3), different batch sizes per rank") {
+    check_equivalence<C, S>({.varied_batch = true, .built_by_strategy = true});
+  }
+  SUBCASE("built by the strategy, one parameter per bucket, with a buffer") {
+    check_equivalence<C, S>({.features = {.buffer = true},
+                             .options = {.bucket_cap_bytes = 1, .first_bucket_cap_bytes = 1},
+                             .built_by_strategy = true});
   }
 }
 
@@ -216,4 +225,96 @@ TEST_CASE("ZeRO stage 3: a step with an empty batch on some ranks takes part in 
     optim.step();
   }
   CHECK(max_relative_difference(dp.full_parameters(), model->parameters()) <= 1e-5);
+}
+
+namespace {
+
+// n units of width x width (and bias), and one parameter outside any unit.
+struct TowerImpl : torch::nn::Module {
+  TowerImpl(int n, std::int64_t width) {
+    for (int i = 0; i < n; ++i)
+      layers.push_back(register_module("l" + std::to_string(i), paratrain::Unit<torch::nn::Linear>(width, width)));
+    scale = register_parameter("scale", torch::randn({width}));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = torch::tanh(l(x));
+    return x * scale;
+  }
+  std::vector<paratrain::Unit<torch::nn::Linear>> layers;
+  torch::Tensor scale;
+};
+TORCH_MODULE(Tower);
+
+using Stage3Tower = paratrain::DataParallel<Tower, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>>;
+
+}  // namespace
+
+TEST_CASE("ZeRO-3 built sharded: a plain construction's initial values, and never the whole model at once") {
+  comm::Mpi c;
+  const int world = c.size();
+  CAPTURE(world);
+  constexpr int n = 12;
+  constexpr std::int64_t width = 256;  // units of 257 KiB, cut into buckets of 64 KiB
+  const std::int64_t unit_bytes = (width * width + width) * 4;
+  const paratrain::DataParallelOptions options{.bucket_cap_bytes = 64 << 10, .first_bucket_cap_bytes = 64 << 10};
+  std::int64_t peak = 0;
+  paratrain::ModelStateBytes held;
+  std::vector<torch::Tensor> initial;
+  {
+    const CountingCpuAllocator::Scope counting;
+    torch::manual_seed(5);
+    Stage3Tower s([&] { return Tower(n, width); }, c, torch::optim::SGDOptions(0.1), options);
+    peak = counting.peak();
+    held = s.model_state_bytes();
+    initial = s.full_parameters();
+  }
+  // What the strategy keeps (its shards, the parameter outside units, the gradients' shards),
+  // plus at most two units while one is built: Note [Sharded construction].
+  const auto bound = static_cast<std::int64_t>(held.total()) + 2 * unit_bytes;
+  CAPTURE(peak);
+  CAPTURE(bound);
+  CHECK(peak <= bound);
+  // The same, built whole and passed in: the whole model, then its flat copy, at once.
+  std::int64_t plain_peak = 0;
+  {
+    const CountingCpuAllocator::Scope counting;
+    torch::manual_seed(5);
+    Stage3Tower s(Tower(n, width), c, torch::optim::SGDOptions(0.1), options);
+    plain_peak = counting.peak();
+  }
+  CAPTURE(plain_peak);
+  if (world > 1) CHECK(bound < plain_peak);
+  torch::manual_seed(5);
+  const Tower plain(n, width);
+  const auto want = plain->parameters();
+  REQUIRE(initial.size() == want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) CHECK(torch::equal(initial[i], want[i]));
+}
+
+namespace {
+
+// Two units; rank 1 draws the second from another seed.
+struct SeededImpl : torch::nn::Module {
+  explicit SeededImpl(int rank) {
+    torch::manual_seed(1);
+    a = register_module("a", paratrain::Unit<torch::nn::Linear>(8, 8));
+    torch::manual_seed(rank == 1 ? 2 : 1);
+    b = register_module("b", paratrain::Unit<torch::nn::Linear>(8, 8));
+  }
+  torch::Tensor forward(torch::Tensor x) { return b(a(x)); }
+  paratrain::Unit<torch::nn::Linear> a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(Seeded);
+
+}  // namespace
+
+TEST_CASE("ZeRO-3 built sharded from different initial values is an error on every rank naming the unit") {
+  comm::Mpi c;
+  if (c.size() == 1) return;
+  const int rank = c.rank();
+  using Strategy = paratrain::DataParallel<Seeded, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>>;
+  const auto message = error_of([&] { Strategy s([rank] { return Seeded(rank); }, c, torch::optim::SGDOptions(0.1)); });
+  CAPTURE(message);
+  CHECK(message.find("unit 'b'") != std::string::npos);
+  CHECK(message.find("manual_seed") != std::string::npos);
 }

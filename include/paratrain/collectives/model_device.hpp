@@ -14,6 +14,18 @@
 
 namespace paratrain::detail {
 
+/// Where `comm` works: its GPU for a communicator of one GPU (comm::Nccl), else the CPU.
+template <class Comm>
+at::Device communicator_device(const Comm& comm) {
+  if constexpr (requires {
+                  requires Comm::device_buffers_only;
+                  { comm.device() } -> std::convertible_to<int>;
+                })
+    return {at::kCUDA, static_cast<c10::DeviceIndex>(comm.device())};
+  else
+    return at::kCPU;
+}
+
 /// Collective over `comm`. A communicator that works on one GPU of its own (comm::Nccl:
 /// `device_buffers_only` and `int device()`) reduces the model's tensors in place, so the
 /// model must be on that GPU: a model elsewhere would hand NCCL pointers of another device

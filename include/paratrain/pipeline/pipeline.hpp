@@ -47,6 +47,12 @@ struct PipelineOptions {
   int virtual_stages = 1;
   /// For the replicas of each stage (bucketing, broadcast_buffers, join).
   DataParallelOptions data_parallel{};
+  /// At ZeRO stage 3, each stage's replicas keep only their shard of each Unit from the
+  /// moment it is built, so no rank holds its stage whole (Note [Sharded construction]),
+  /// placed as data_parallel.build says; every replica must then draw the same initial
+  /// values (checked), and a stage maker must not touch a unit's parameters after building
+  /// it (ending with `.to(data_parallel.build's dtype or device)` is fine).
+  bool sharded_construction = false;
 };
 
 /// What the last step's schedule did on this rank (for measuring the bubble).
@@ -109,7 +115,19 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
         pipe_(world_.split(replica_, p_)) {
     Comm stage_replicas = world_.split(p_, replica_);
     group_ = std::make_shared<detail::StageGroupImpl>();
-    build(stages, std::index_sequence_for<Stage...>{});
+    if (options.sharded_construction && stage == 3) {
+      // Each stage's replicas shard it as it is built: Note [Sharded construction].
+      const auto& b = options.data_parallel.build;
+      const auto device = b.device ? *b.device : paratrain::detail::communicator_device(world_);
+      {
+        const ShardedConstruction scope(stage_replicas.rank(), stage_replicas.size(),
+                                        options.data_parallel.bucket_cap_bytes, device, b.dtype);
+        build(stages, std::index_sequence_for<Stage...>{});
+      }
+      paratrain::detail::move_whole_parameters(*group_, device, b.dtype);
+    } else {
+      build(stages, std::index_sequence_for<Stage...>{});
+    }
     if (const auto params = group_->parameters(); !params.empty()) device_ = params.front().device();
     detail::check_model_device(world_, device_, "Pipeline");  // every stage's rank, before any link
     inner_ = std::make_unique<Inner>(group_, std::move(stage_replicas), std::move(optimizer_options),

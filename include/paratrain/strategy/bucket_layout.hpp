@@ -64,8 +64,13 @@ class BucketLayout {
     at::TensorOptions options;        ///< dtype and device of its parameters
   };
 
-  /// `unit_of(name, tensor)` assigns a parameter to a unit (-1: none); buckets never mix
-  /// units, dtypes or devices.
+  /// unit_of's answer for a parameter that is not to be laid out.
+  static constexpr int excluded = -2;
+
+  /// `unit_of(name, tensor)` assigns a parameter to a unit (-1: none; `excluded`: leave it
+  /// out); buckets never mix units, dtypes or devices. A unit's buckets are cut at
+  /// `cap_bytes` wherever they fall (never at the first bucket's cap), so that they depend
+  /// on the unit alone: Note [Sharded construction].
   template <class UnitOf>
   BucketLayout(const torch::nn::Module& model, BucketOptions options, UnitOf&& unit_of, int rank)
       : pad_to_(std::max<std::int64_t>(options.pad_to, 1)) {
@@ -73,7 +78,8 @@ class BucketLayout {
     std::set<const void*> seen;
     for (const auto& item : model.named_parameters(/*recurse=*/true))
       if (item.value().requires_grad() && seen.insert(item.value().unsafeGetTensorImpl()).second)
-        params_.push_back({item.key(), item.value(), unit_of(item.key(), item.value())});
+        if (const int unit = unit_of(item.key(), item.value()); unit != excluded)
+          params_.push_back({item.key(), item.value(), unit});
     if (params_.empty()) throw error("DataParallel", rank, "the model has no parameter that requires a gradient");
     std::reverse(params_.begin(), params_.end());
     std::size_t cap = options.first_cap_bytes, bytes = 0;
@@ -83,7 +89,7 @@ class BucketLayout {
                         buckets_.back().options.dtype() == p.tensor.dtype() &&
                         buckets_.back().options.device() == p.tensor.device();
       if (!fits) {
-        if (!buckets_.empty()) cap = options.cap_bytes;
+        if (!buckets_.empty() || p.unit >= 0) cap = options.cap_bytes;
         buckets_.push_back({.unit = p.unit, .options = p.tensor.options().requires_grad(false)});
         bytes = 0;
       }

@@ -10,6 +10,7 @@
 #include <concepts>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -74,10 +75,20 @@ struct DataParallelOptions {
   /// Mixed precision: forward under autocast (bf16), gradients summed in bf16; the
   /// parameters and the optimizer's state stay fp32. Note [Mixed precision].
   Precision precision{};
+  /// Where and in which type a model the strategy builds (the constructors that take a
+  /// build function) is placed, unit by unit at ZeRO stage 3: Note [Sharded construction].
+  /// A model built already must be there (or these be unset).
+  BuildOptions build{};
 };
 
 template <class Model, class Comm, class Update>
 class DataParallel;
+
+/// A function that builds a `Model` (not a model itself: a module holder is callable too,
+/// so that is ruled out first). Note [Sharded construction].
+template <class F, class Model>
+concept model_builder = !std::is_base_of_v<torch::detail::ModuleHolderIndicator, std::remove_cvref_t<F>> &&
+                        std::invocable<F&> && std::same_as<std::invoke_result_t<F&>, Model>;
 
 /// The key to DataParallel's driver hooks (Note [Steps driven from outside]): only a
 /// DataParallel can make one, and only the pipeline's (`DataParallel<Pipeline<...>>`, which
@@ -144,7 +155,7 @@ class DataParallel {
   template <class OptimOptions>
     requires optimizer_from<optimizer_type, OptimOptions>
   DataParallel(Model model, Comm comm, OptimOptions optimizer_options, Options options = {})
-      : DataParallel(model, std::move(comm), ParamGroups{torch::optim::OptimizerParamGroup(model->parameters())},
+      : DataParallel(Built{}, [&](Comm&) { return std::move(model); }, std::move(comm), all_parameters,
                      std::move(optimizer_options), options) {}
 
   /// With parameter groups of different options (weight decay on weights only, say):
@@ -153,19 +164,31 @@ class DataParallel {
   template <class OptimOptions>
     requires optimizer_from<optimizer_type, OptimOptions>
   DataParallel(Model model, Comm comm, ParamGroups groups, OptimOptions defaults, Options options = {})
-      : model_(std::move(model)), comm_(std::move(comm)), options_(options), device_(detail::device_of(*model_)) {
-    detail::tune_allocator();
-    detail::check_precision(options.precision, device_, "DataParallel", comm_.rank());
-    detail::check_model_device(comm_, device_, "DataParallel");
-    detail::check_same_model(*this, *model_, "DataParallel");  // Note [Same model]
-    detail::broadcast_coalesced(comm_, model_->parameters(), 0);
-    detail::broadcast_coalesced(comm_, model_->buffers(), 0);
-    const BucketOptions bucketing{options.bucket_cap_bytes, options.first_bucket_cap_bytes};  // padding: the store's
-    store_ = std::make_unique<Store>(*model_, comm_, bucketing, std::move(groups), std::move(defaults));
-    grads_ = std::make_unique<Grads>(store_->layout(), comm_, options.find_unused_parameters,
-                                     [s = store_.get()](std::size_t b) { s->on_gradients_complete(b); },
-                                     options.precision.reduce);
-  }
+      : DataParallel(Built{}, [&](Comm&) { return std::move(model); }, std::move(comm),
+                     [&](Model&) { return std::move(groups); }, std::move(defaults), options) {}
+
+  /// Builds the model by calling `build()`: at ZeRO stage 3 inside a ShardedConstruction,
+  /// so that each Unit keeps only this rank's shard from the moment it is built and no
+  /// rank ever holds the whole model (Note [Sharded construction]); every rank must then
+  /// draw the same initial values (seed them alike: checked). Under every other strategy,
+  /// as passing `build()`'s model. The model is placed as `options.build` says. Collective.
+  ///
+  /// \code
+  ///   torch::manual_seed(0);  // the same on every rank
+  ///   Strategy s([] { return Net(); }, comm::Mpi(), torch::optim::AdamOptions(1e-3));
+  /// \endcode
+  template <model_builder<Model> Build, class OptimOptions>
+    requires optimizer_from<optimizer_type, OptimOptions>
+  DataParallel(Build build, Comm comm, OptimOptions optimizer_options, Options options = {})
+      : DataParallel(Built{}, sharded_build(build, options), std::move(comm), all_parameters,
+                     std::move(optimizer_options), options) {}
+
+  /// Builds the model as above, then asks `groups(model)` for its parameter groups. Collective.
+  template <model_builder<Model> Build, std::invocable<Model&> Groups, class OptimOptions>
+    requires std::same_as<std::invoke_result_t<Groups&, Model&>, ParamGroups> &&
+             optimizer_from<optimizer_type, OptimOptions>
+  DataParallel(Build build, Comm comm, Groups groups, OptimOptions defaults, Options options = {})
+      : DataParallel(Built{}, sharded_build(build, options), std::move(comm), groups, std::move(defaults), options) {}
 
   /// With a default-constructed communicator (comm::Mpi: the world; comm::SingleDevice),
   /// so that every strategy is made alike: `Strategy s(Net(), torch::optim::AdamOptions(1e-3));`.
@@ -173,6 +196,12 @@ class DataParallel {
     requires optimizer_from<optimizer_type, OptimOptions> && std::default_initializable<Comm>
   DataParallel(Model model, OptimOptions optimizer_options, Options options = {})
       : DataParallel(std::move(model), Comm{}, std::move(optimizer_options), options) {}
+
+  /// Built by `build()` (above), with a default-constructed communicator.
+  template <model_builder<Model> Build, class OptimOptions>
+    requires optimizer_from<optimizer_type, OptimOptions> && std::default_initializable<Comm>
+  DataParallel(Build build, OptimOptions optimizer_options, Options options = {})
+      : DataParallel(std::move(build), Comm{}, std::move(optimizer_options), options) {}
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
@@ -351,6 +380,55 @@ class DataParallel {
   }
 
  private:
+  struct Built {};  // the tag of the constructor every public one delegates to
+  static ParamGroups all_parameters(Model& model) { return {torch::optim::OptimizerParamGroup(model->parameters())}; }
+
+  /// `make(comm)` as the model: `build()` inside a ShardedConstruction at stage 3 (Note
+  /// [Sharded construction]), on options.device (default: the communicator's device).
+  template <class Build>
+  static auto sharded_build(Build& build, const Options& options) {
+    return [&build, &options](Comm& comm) -> Model {
+      const auto device = options.build.device ? *options.build.device : detail::communicator_device(comm);
+      std::optional<ShardedConstruction> scope;
+      if constexpr (stage == 3)
+        scope.emplace(comm.rank(), comm.size(), options.bucket_cap_bytes, device, options.build.dtype);
+      Model model = build();
+      scope.reset();
+      detail::move_whole_parameters(*model, device, options.build.dtype);
+      return model;
+    };
+  }
+
+  template <class Make, class Groups, class OptimOptions>
+  DataParallel(Built, Make&& make, Comm comm, Groups&& groups, OptimOptions defaults, Options options)
+      : comm_(std::move(comm)),
+        model_((detail::tune_allocator(), make(comm_))),
+        options_(options),
+        device_(detail::device_of(*model_)) {
+    if (options.build.device && *options.build.device != device_)
+      throw error("DataParallel", comm_.rank(),
+                  "DataParallelOptions::build.device is " + options.build.device->str() + " but the model is on " +
+                      device_.str() +
+                      "; it places a model the strategy builds (give a build function), and a model built already "
+                      "must be there");
+    detail::check_precision(options.precision, device_, "DataParallel", comm_.rank());
+    detail::check_model_device(comm_, device_, "DataParallel");
+    detail::check_same_model(*this, *model_, "DataParallel");  // Note [Same model]
+    // Replicas start from rank 0's values; what units built sharded hold, no rank has
+    // whole: their ranks checked instead that they drew the same (Note [Sharded construction]).
+    const auto sharded = detail::sharded_at_construction(*model_);
+    std::vector<at::Tensor> whole;
+    for (const auto& p : model_->parameters())
+      if (!sharded.count(p.unsafeGetTensorImpl())) whole.push_back(p);
+    detail::broadcast_coalesced(comm_, whole, 0);
+    detail::broadcast_coalesced(comm_, model_->buffers(), 0);
+    const BucketOptions bucketing{options.bucket_cap_bytes, options.first_bucket_cap_bytes};  // padding: the store's
+    store_ = std::make_unique<Store>(*model_, comm_, bucketing, groups(model_), std::move(defaults));
+    grads_ = std::make_unique<Grads>(store_->layout(), comm_, options.find_unused_parameters,
+                                     [s = store_.get()](std::size_t b) { s->on_gradients_complete(b); },
+                                     options.precision.reduce);
+  }
+
   template <class Loss>
   StepResult step_agreed(const Batch& batch, Loss& loss, bool has_next) {
     begin_step();
@@ -457,8 +535,8 @@ class DataParallel {
                     "steps instead)");
   }
 
+  Comm comm_;  // before model_, which sharded construction builds with it
   Model model_;
-  Comm comm_;
   Options options_;
   at::Device device_;  // the model's, where the communicator reduces (comm::Nccl: CUDA only)
   std::unique_ptr<Store> store_;  // before grads_, which points at its layout

@@ -12,18 +12,21 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
+#include "paratrain/collectives/all_reduce_on.hpp"
 #include "paratrain/strategy/detail/tensor_bytes.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
 #include "paratrain/strategy/parameter_store.hpp"
 #include "paratrain/strategy/detail/state_slices.hpp"
+#include "paratrain/strategy/sharded_construction.hpp"
 #include "paratrain/strategy/unit.hpp"
 
 namespace paratrain {
@@ -48,18 +51,30 @@ namespace detail {
 /// that requires a gradient the innermost unit that holds it.
 struct UnitMap {
   std::vector<UnitBase*> units;
+  std::vector<std::string> names;    // each unit's name in the model
   std::map<const void*, int> owner;  // TensorImpl* -> unit
 };
 
 inline UnitMap find_units(torch::nn::Module& model) {
   UnitMap map;
-  for (const auto& m : model.modules(/*include_self=*/true))
-    if (auto* u = dynamic_cast<UnitBase*>(m.get())) {
+  for (const auto& m : model.named_modules(/*name_prefix=*/"", /*include_self=*/true))
+    if (auto* u = dynamic_cast<UnitBase*>(m.value().get())) {
       const int index = static_cast<int>(map.units.size());
       map.units.push_back(u);
-      for (const auto& p : m->parameters(/*recurse=*/true)) map.owner[p.unsafeGetTensorImpl()] = index;
+      map.names.push_back(m.key().empty() ? std::string("(the model)") : m.key());
+      for (const auto& p : m.value()->parameters(/*recurse=*/true)) map.owner[p.unsafeGetTensorImpl()] = index;
     }
   return map;
+}
+
+/// The parameters that units built inside a ShardedConstruction hold as shards only:
+/// no rank has them whole (Note [Sharded construction]).
+inline std::set<const void*> sharded_at_construction(torch::nn::Module& model) {
+  std::set<const void*> out;
+  for (const auto& m : model.modules(/*include_self=*/true))
+    if (auto* u = dynamic_cast<UnitBase*>(m.get()); u != nullptr && u->constructed())
+      for (const auto& p : u->constructed()->layout.params()) out.insert(p.tensor.unsafeGetTensorImpl());
+  return out;
 }
 
 /// Each parameter's group index in `groups`; throws naming a parameter that is in none.
@@ -263,8 +278,23 @@ class ShardedParameters final : public detail::UnitObserver {
     const auto rank = comm.rank();
     const auto& buckets = layout.buckets();
     c10::NoGradGuard no_grad;
+    // Note [Sharded construction]: units built sharded hand over their buckets.
+    std::vector<std::shared_ptr<detail::ConstructedUnit>> constructed;
+    for (auto* u : units_) constructed.push_back(u->take_constructed());
+    std::vector<std::size_t> adopted(units_.size(), 0);
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       auto& s = shards_.emplace_back();
+      const int unit = buckets[b].unit;
+      s.resident = Stage < 3 || unit < 0;
+      if (!s.resident) units_state_.at(static_cast<std::size_t>(unit)).buckets.push_back(b);
+      if (!s.resident && constructed[static_cast<std::size_t>(unit)]) {
+        const auto& built = *constructed[static_cast<std::size_t>(unit)];
+        const auto k = adopted[static_cast<std::size_t>(unit)]++;
+        check_adoptable(built, k, b, units.names[static_cast<std::size_t>(unit)]);
+        s.full = built.full[k];
+        s.shard = built.shard[k];
+        continue;
+      }
       s.full = layout.zeros(b);
       for (auto i : buckets[b].params) {
         const auto& p = layout.params()[i];
@@ -273,13 +303,10 @@ class ShardedParameters final : public detail::UnitObserver {
         p.tensor.set_data(view);  // the parameter now lives in the flat buffer
       }
       const auto n = layout.shard_numel(b);
-      s.resident = Stage < 3 || buckets[b].unit < 0;
       s.shard = s.resident ? s.full.narrow(0, rank * n, n) : s.full.narrow(0, rank * n, n).clone();
-      if (!s.resident) {
-        release_storage(s.full);
-        units_state_.at(static_cast<std::size_t>(buckets[b].unit)).buckets.push_back(b);
-      }
+      if (!s.resident) detail::release_storage(s.full);
     }
+    check_same_initialisation(constructed, units.names);
     make_pieces();
     // Note [Optimizer on pieces]: the user's groups and options, over this rank's pieces.
     const auto group = detail::group_of(layout, groups, rank);
@@ -348,25 +375,48 @@ class ShardedParameters final : public detail::UnitObserver {
     }
   }
 
-  // The storage of a stage-3 bucket comes and goes; the parameters (views of it, saved
-  // for backward by autograd) keep pointing at the same StorageImpl.
-  static void allocate_storage(at::Tensor& full) {
-    auto* s = full.storage().unsafeGetStorageImpl();
-    if (s->data() != nullptr) return;
-    const auto bytes = detail::bytes_of(full);
-    s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
-    s->set_nbytes(bytes);
+  /// Bucket `b` of the layout is bucket `k` of a unit built sharded, parameter for parameter.
+  void check_adoptable(const detail::ConstructedUnit& built, std::size_t k, std::size_t b, const std::string& name) const {
+    const auto& want = layout_.buckets()[b];
+    bool same = k < built.full.size() && built.layout.buckets()[k].params.size() == want.params.size() &&
+                built.layout.buckets()[k].padded == want.padded;
+    for (std::size_t j = 0; same && j < want.params.size(); ++j)
+      same = built.layout.params()[built.layout.buckets()[k].params[j]].tensor.unsafeGetTensorImpl() ==
+             layout_.params()[want.params[j]].tensor.unsafeGetTensorImpl();
+    if (!same)
+      throw error("DataParallel", comm_->rank(),
+                  "unit '" + name +
+                      "' was built sharded, but the model lays its parameters out differently from the unit alone "
+                      "(a parameter it shares with another part of the model, or one of an inner unit between its "
+                      "own); build such a model whole and pass it to the strategy instead");
   }
-  static void release_storage(at::Tensor& full) {
-    auto* s = full.storage().unsafeGetStorageImpl();
-    s->set_data_ptr_noswap(at::DataPtr(nullptr, full.device()));
-    s->set_nbytes(0);
+
+  /// Every rank's units built sharded came from the same initial values: one all-reduce
+  /// of their hashes (Note [Sharded construction]). Collective.
+  void check_same_initialisation(const std::vector<std::shared_ptr<detail::ConstructedUnit>>& constructed,
+                                 const std::vector<std::string>& names) {
+    const auto n = static_cast<std::int64_t>(constructed.size());
+    if (std::none_of(constructed.begin(), constructed.end(), [](const auto& c) { return c != nullptr; })) return;
+    auto h = at::zeros({2 * n}, at::kLong);
+    for (std::int64_t u = 0; u < n; ++u) {
+      const auto v = constructed[static_cast<std::size_t>(u)] ? constructed[static_cast<std::size_t>(u)]->checksum : 0;
+      h[u] = v;
+      h[n + u] = -v;
+    }
+    detail::all_reduce_on(*comm_, h, layout_.buckets().front().options.device(), reduce_op::max);
+    for (std::int64_t u = 0; u < n; ++u)
+      if (h[u].item<std::int64_t>() != -h[n + u].item<std::int64_t>())
+        throw error("DataParallel", comm_->rank(),
+                    "the ranks built unit '" + names[static_cast<std::size_t>(u)] +
+                        "' with different initial values; a model built sharded is never broadcast from rank 0, so "
+                        "every rank must draw the same values: seed every rank alike before building it "
+                        "(torch::manual_seed(seed) with the same seed), or build the model whole and pass it instead");
   }
 
   void launch(std::size_t u) {
     auto& state = units_state_[u];
     for (auto b : state.buckets) {
-      allocate_storage(shards_[b].full);
+      detail::allocate_storage(shards_[b].full);
       state.inflight.push_back(gather_comm_.iall_gather(shards_[b].shard, shards_[b].full));
     }
     sequence_.push_back(u);
@@ -395,7 +445,7 @@ class ShardedParameters final : public detail::UnitObserver {
     auto& state = units_state_[u];
     settle(state);
     if (!state.gathered) return;
-    for (auto b : state.buckets) release_storage(shards_[b].full);
+    for (auto b : state.buckets) detail::release_storage(shards_[b].full);
     state.gathered = false;
   }
 

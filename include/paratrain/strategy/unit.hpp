@@ -9,11 +9,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 
 #include "paratrain/concepts/module.hpp"
+#include "paratrain/strategy/sharded_construction.hpp"
 
 namespace paratrain {
 
@@ -26,7 +28,9 @@ namespace paratrain {
 // output passes through an identity autograd node whose backward runs before the
 // layer's own backward nodes (autograd reaches it first), which is where the strategy
 // gathers the layer's parameters again. Under every other strategy the unit is not
-// attached and its forward is the layer's, plus one pointer test.
+// attached and its forward is the layer's, plus one pointer test. Built inside a
+// ShardedConstruction, a unit keeps only its shard from the end of its constructor on
+// (Note [Sharded construction]).
 
 namespace detail {
 
@@ -48,11 +52,21 @@ class UnitBase {
     observer_ = observer;
     index_ = index;
   }
+  /// This rank's shards, when the unit was built inside a ShardedConstruction; else null.
+  [[nodiscard]] const std::shared_ptr<ConstructedUnit>& constructed() const noexcept { return constructed_; }
+  /// Hands the shards over (to the strategy that adopts them).
+  std::shared_ptr<ConstructedUnit> take_constructed() noexcept { return std::move(constructed_); }
 
  protected:
   ~UnitBase() = default;
+  /// Called by the unit at the end of its construction: Note [Sharded construction].
+  bool shard_if_constructing(torch::nn::Module& self) {
+    if (auto* scope = ShardedConstruction::current()) constructed_ = scope->shard(self);
+    return constructed_ != nullptr;
+  }
   UnitObserver* observer_ = nullptr;
   std::size_t index_ = 0;
+  std::shared_ptr<ConstructedUnit> constructed_;
 };
 
 /// Identity in forward; in backward, tells the observer before the unit's own backward.
@@ -98,6 +112,11 @@ class UnitImpl<Impl, std::tuple<A...>> : public Impl, public detail::UnitBase {
     return detail::BeforeBackward::apply(out, reinterpret_cast<std::int64_t>(observer_),
                                          static_cast<std::int64_t>(index_));
   }
+
+ private:
+  // Initialised after both bases, by every constructor (the inherited ones too): the end
+  // of the unit's construction. Note [Sharded construction].
+  bool sharded_at_construction_ = shard_if_constructing(*this);
 };
 
 /// A layer that is one unit of ZeRO stage 3 and an ordinary layer everywhere else:

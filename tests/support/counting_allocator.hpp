@@ -1,0 +1,76 @@
+#pragma once
+// The bytes LibTorch's CPU tensors hold, counted at the allocator: while a
+// CountingCpuAllocator::Scope lives, every CPU tensor's storage comes from LibTorch's
+// default allocator through this one, which tracks the live bytes and their peak. A test
+// measures with it what a piece of code holds at most, exactly and whatever the heap
+// (glibc keeps freed memory resident, so the process's RSS cannot say).
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace paratrain_test {
+
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  // One for the process: storages made while counting keep pointing at it.
+  static CountingCpuAllocator& instance() {
+    static CountingCpuAllocator a;
+    return a;
+  }
+
+  // Counts from construction to destruction; peak() is relative to the bytes live then.
+  class Scope {
+   public:
+    Scope() : previous_(c10::GetCPUAllocator()) {
+      auto& a = instance();
+      a.base_ = a.live_.load();
+      a.peak_ = a.base_;
+      c10::SetCPUAllocator(&a, /*priority=*/255);
+    }
+    ~Scope() { c10::SetCPUAllocator(previous_, /*priority=*/255); }
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+    // Bytes live now and at most, above those live when the scope began.
+    [[nodiscard]] std::int64_t live() const { return instance().live_.load() - instance().base_; }
+    [[nodiscard]] std::int64_t peak() const { return instance().peak_.load() - instance().base_; }
+
+   private:
+    c10::Allocator* previous_;
+  };
+
+#if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 3 || TORCH_VERSION_MAJOR >= 3
+  c10::DataPtr allocate(std::size_t n) override { return count(n); }
+  void copy_data(void* dest, const void* src, std::size_t n) const override { default_copy_data(dest, src, n); }
+#else
+  c10::DataPtr allocate(std::size_t n) const override { return const_cast<CountingCpuAllocator*>(this)->count(n); }
+#endif
+
+ private:
+  struct Block {
+    c10::DataPtr inner;
+    std::size_t bytes;
+  };
+  c10::DataPtr count(std::size_t n) {
+    auto inner = c10::GetDefaultCPUAllocator()->allocate(n);
+    void* data = inner.get();
+    const auto now = live_ += static_cast<std::int64_t>(n);
+    auto seen = peak_.load();
+    while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
+    }
+    return {data, new Block{std::move(inner), n}, &release, c10::Device(c10::kCPU)};
+  }
+  static void release(void* ctx) {
+    auto* b = static_cast<Block*>(ctx);
+    instance().live_ -= static_cast<std::int64_t>(b->bytes);
+    delete b;
+  }
+  std::atomic<std::int64_t> live_{0}, peak_{0};
+  std::int64_t base_ = 0;
+};
+
+}  // namespace paratrain_test
