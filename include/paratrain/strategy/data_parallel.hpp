@@ -33,6 +33,7 @@
 #include "paratrain/core/timeline.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
+#include "paratrain/strategy/memory_check.hpp"
 #include "paratrain/strategy/parameter_store.hpp"
 #include "paratrain/strategy/precision.hpp"
 #include "paratrain/strategy/replicated_parameters.hpp"
@@ -79,6 +80,9 @@ struct DataParallelOptions {
   /// build function) is placed, unit by unit at ZeRO stage 3: Note [Sharded construction].
   /// A model built already must be there (or these be unset).
   BuildOptions build{};
+  /// Check at construction that paratrain::plan::peak fits the memory this process may
+  /// still use (Note [Checking the plan]); off by default.
+  MemoryCheck memory{};
 };
 
 template <class Model, class Comm, class Update>
@@ -364,6 +368,13 @@ class DataParallel {
     out.gradients = grads_->bytes();
     return out;
   }
+  /// The memory plan of this model, stage and world size (sizes read off the model at
+  /// construction): `plan::peak(s.memory_plan(), stage)` is what a rank should hold at most
+  /// (Note [Peak memory model]); planned_peak() is that figure for this strategy.
+  [[nodiscard]] const plan::Model& memory_plan() const noexcept { return plan_; }
+  [[nodiscard]] plan::Peak planned_peak() const { return plan::peak(plan_, planned_stage()); }
+  /// This strategy's stage in paratrain::plan's terms.
+  [[nodiscard]] static constexpr plan::stage planned_stage() noexcept { return plan::stage(stage); }
   /// Where this rank keeps the model's and optimizer's state (paratrain::checkpointable):
   /// DDP holds everything whole; ZeRO's optimizer steps pieces of the parameters, and
   /// at stage 3 the unit parameters at rest are this rank's pieces too.
@@ -420,6 +431,16 @@ class DataParallel {
     std::vector<at::Tensor> whole;
     for (const auto& p : model_->parameters())
       if (!sharded.count(p.unsafeGetTensorImpl())) whole.push_back(p);
+    // Note [Checking the plan]: before the strategy allocates anything of its own.
+    plan_ = detail::plan_of(*model_, comm_.size(), options.bucket_cap_bytes, defaults,
+                            options.precision.autocast.has_value(), options.precision.reduce.has_value(),
+                            options.memory.activation_bytes);
+    if (options.memory.check) {
+      double held = 0;  // what the model holds on this rank now: whole parameters, or shards
+      for (const auto& p : whole) held += static_cast<double>(detail::bytes_of(p));
+      held += detail::constructed_shard_bytes(*model_);
+      detail::agree(*this, "DataParallel", detail::plan_problem(plan_, planned_stage(), held, options.memory));
+    }
     detail::broadcast_coalesced(comm_, whole, 0);
     detail::broadcast_coalesced(comm_, model_->buffers(), 0);
     const BucketOptions bucketing{options.bucket_cap_bytes, options.first_bucket_cap_bytes};  // padding: the store's
@@ -547,6 +568,7 @@ class DataParallel {
   std::string pending_problem_;  // a batch accumulate() could not use: Note [Unusable batches]
   observe::StepTimeline* timeline_ = nullptr;
   std::function<void(at::Tensor&)> norm_elsewhere_;  // Note [Steps driven from outside]
+  plan::Model plan_;  // Note [Checking the plan]
 };
 
 }  // namespace paratrain

@@ -29,6 +29,15 @@
 
 namespace paratrain {
 
+// Note [Transient memory]
+// Sharded (ZeRO 2, 3), a bucket's whole-size gradient buffer exists only while it is
+// needed: allocated when its first gradient arrives (or one bucket ahead of the launch,
+// so that autograd writes into it directly), and freed as soon as its reduce-scatter has
+// completed and left this rank's shard, which the gradient hooks test in order while
+// backward runs; the rest are freed in finish(). The whole buffers alive at once are then
+// those of the buckets whose gradients are still arriving or in flight, not the whole
+// model's; paratrain::plan::peak counts two of the largest (Note [Peak memory model]).
+
 // Note [Exact averaging]
 // Each rank back-propagates loss * n (n = its sample count this step), so its gradient
 // is the sum over its samples. The buckets are summed across ranks and divided by the
@@ -376,6 +385,10 @@ class GradientBuckets {
       if (auto& r = buckets_[k].request) {
         if (!r->test()) break;
         if (timeline_) timeline_->completed(k);
+        if constexpr (shards) {  // its shard is reduced: the whole buffer goes (Note [Transient memory])
+          r.reset();
+          release(k);
+        }
       }
   }
 

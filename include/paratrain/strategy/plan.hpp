@@ -5,6 +5,7 @@
 /// Training Trillion Parameter Models", arXiv:1910.02054). Standard library only: no
 /// LibTorch, so a planning tool builds in a second. docs/plan.md.
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -112,6 +113,12 @@ struct Model {
   /// Bytes per gradient element summed across ranks: 2 with Precision::reduce = bf16;
   /// 0: grad_bytes.
   double reduce_bytes = 0;
+  // What plan::peak adds to the model states (Note [Peak memory model]); 0: left out.
+  double bucket_elements = 0;     ///< the largest gradient bucket, in elements
+  double unit_elements = 0;       ///< the largest paratrain::Unit, in parameters (ZeRO-3)
+  std::int64_t prefetch = 1;      ///< units gathered ahead of the one computing (ZeRO-3)
+  double largest_parameter = 0;   ///< the largest parameter tensor, in elements
+  double scratch_bytes = 0;       ///< the optimizer's temporaries per element it steps: scratch_bytes(name)
 };
 
 /// Bytes of each kind one rank holds under one stage.
@@ -208,6 +215,90 @@ inline void validate(const Model& m) {
 [[nodiscard]] inline std::array<Memory, 4> per_rank(const Model& m) {
   return {per_rank(m, stage::ddp), per_rank(m, stage::stage1), per_rank(m, stage::stage2),
           per_rank(m, stage::stage3)};
+}
+
+// Note [Peak memory model]
+// What a rank holds at its busiest moment of a step, beyond the process it started as:
+// the model states between steps (per_rank: parameters, gradients, optimizer state, the
+// user's activation estimate, autocast's copies, padding) plus what a step allocates and
+// frees again:
+//   gradient          autograd computes each parameter's gradient into a tensor of its
+//                     own before adding it to the parameter's bucket: the largest
+//                     parameter's, in B_g, at every stage;
+//   gradient buckets  stages 2 and 3 keep only a shard of the gradients between steps,
+//                     but gradients arrive whole: each bucket's whole buffer lives from its
+//                     first gradient until its reduce-scatter completes (Note [Transient
+//                     memory]), counted as three of the largest buckets (the one filling,
+//                     the one allocated ahead of it, the one in flight; at stage 3 no
+//                     bucket is larger than a unit), in B_g and, where the sum is
+//                     narrower, its narrowed copy and shard;
+//   gathered units    stage 3 gathers a unit whole around its forward and backward, and
+//                     `prefetch` more ahead of it: (1 + prefetch) of the largest unit;
+//   optimizer scratch the temporaries of one optimizer step on the largest tensor it
+//                     updates at once (a parameter; under ZeRO, a piece of it no longer
+//                     than a bucket's shard): scratch_bytes per element (Adam's denominator
+//                     and its square root: 8).
+// DDP and stage 1 hold their whole gradient buckets between steps: nothing transient for
+// gradients. Not counted: the allocator's fragmentation, communication libraries' own
+// buffers, a CUDA context; docs/benchmarks.md compares the figure with measured peaks.
+
+/// The bytes one rank holds at its peak in a step: the model states and the transient terms.
+struct Peak {
+  Memory states;
+  double gradient = 0;
+  double gradient_buckets = 0;
+  double gathered_units = 0;
+  double optimizer_scratch = 0;
+  [[nodiscard]] constexpr double transient() const noexcept {
+    return gradient + gradient_buckets + gathered_units + optimizer_scratch;
+  }
+  [[nodiscard]] constexpr double total() const noexcept { return states.total() + transient(); }
+};
+
+/// `per_rank(m, s)` plus what a step allocates and frees: Note [Peak memory model].
+[[nodiscard]] inline Peak peak(const Model& m, stage s) {
+  detail::require_non_negative(m.bucket_elements, "bucket_elements", "the largest bucket in elements, or 0");
+  detail::require_non_negative(m.unit_elements, "unit_elements", "the largest unit's parameters, or 0");
+  detail::require_non_negative(m.largest_parameter, "largest_parameter", "the largest parameter's elements, or 0");
+  detail::require_non_negative(m.scratch_bytes, "scratch_bytes", "plan::scratch_bytes(\"adam\") = 8, or 0");
+  if (m.prefetch < 0)
+    throw error(detail::operation, -1, "Model::prefetch is " + std::to_string(m.prefetch) + "; it must be >= 0");
+  Peak out{.states = per_rank(m, s)};
+  const double n = static_cast<double>(m.ranks);
+  // At stage 3 a unit's buckets hold that unit's parameters only.
+  const double bucket = std::min({m.bucket_elements, m.parameters,
+                                  s == stage::stage3 && m.unit_elements > 0 ? m.unit_elements : m.parameters});
+  if (s == stage::stage2 || s == stage::stage3) {
+    const double narrow = m.reduce_bytes > 0 && m.reduce_bytes < m.grad_bytes ? m.reduce_bytes * (1 + 1 / n) : 0;
+    out.gradient_buckets = 3 * bucket * (m.grad_bytes + narrow);
+  }
+  out.gradient = m.largest_parameter * m.grad_bytes;
+  if (s == stage::stage3) out.gathered_units = static_cast<double>(1 + m.prefetch) * m.unit_elements * m.param_bytes;
+  const double stepped = s == stage::ddp ? m.largest_parameter : std::min(m.largest_parameter, std::ceil(bucket / n));
+  out.optimizer_scratch = m.scratch_bytes * stepped;
+  return out;
+}
+
+/// Bytes of temporaries per element an optimizer step of a LibTorch optimizer allocates
+/// (on fp32 parameters): "adam" and "adamw" 8 (the denominator and its square root), "sgd"
+/// 0 (4 with weight decay: the decayed gradient), "sgd_momentum" 0, "rmsprop" 8, "adagrad" 8.
+/// The names of optimizer_bytes; others throw, naming them.
+[[nodiscard]] inline double scratch_bytes(std::string_view optimizer) {
+  struct Entry {
+    std::string_view name;
+    double bytes;
+  };
+  static constexpr std::array<Entry, 7> table{{{"sgd", 0},
+                                               {"sgd_momentum", 0},
+                                               {"adam", 8},
+                                               {"adamw", 8},
+                                               {"adagrad", 8},
+                                               {"rmsprop", 8},
+                                               {"rmsprop_momentum", 8}}};
+  for (const auto& e : table)
+    if (e.name == optimizer) return e.bytes;
+  throw error("plan::scratch_bytes", -1,
+              "unknown optimizer \"" + std::string(optimizer) + "\"; set Model::scratch_bytes yourself");
 }
 
 /// K, the optimizer-state bytes per parameter, of a LibTorch optimizer on fp32 parameters,

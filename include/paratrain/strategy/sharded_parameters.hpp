@@ -67,6 +67,15 @@ inline UnitMap find_units(torch::nn::Module& model) {
   return map;
 }
 
+/// The bytes of the shards units built inside a ShardedConstruction hold on this rank.
+inline double constructed_shard_bytes(torch::nn::Module& model) {
+  double n = 0;
+  for (const auto& m : model.modules(/*include_self=*/true))
+    if (auto* u = dynamic_cast<UnitBase*>(m.get()); u != nullptr && u->constructed())
+      for (const auto& t : u->constructed()->shard) n += static_cast<double>(bytes_of(t));
+  return n;
+}
+
 /// The parameters that units built inside a ShardedConstruction hold as shards only:
 /// no rank has them whole (Note [Sharded construction]).
 inline std::set<const void*> sharded_at_construction(torch::nn::Module& model) {
