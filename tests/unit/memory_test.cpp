@@ -62,7 +62,8 @@ paratrain::Batch part(int k, int world, int rank) {
   return {x.narrow(0, begin, end - begin), y.narrow(0, begin, end - begin)};
 }
 
-const auto adam = torch::optim::AdamOptions(1e-3);
+// SGD with momentum: a wrong gradient scale shows (Adam would hide it).
+const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
 
 std::filesystem::path reference_file() {
   const char* dir = std::getenv("PARATRAIN_CAPPED_DIR");
@@ -92,7 +93,7 @@ class DataCap {
 
 TEST_CASE("capped memory: the single-device reference" * doctest::skip()) {
   auto model = make_capped();
-  torch::optim::Adam optim(model->parameters(), adam);
+  torch::optim::SGD optim(model->parameters(), sgd);
   for (int k = 0; k < steps; ++k) {
     optim.zero_grad();
     const auto b = part(k, 1, 0);
@@ -110,23 +111,23 @@ TEST_CASE("capped memory: ZeRO-3 at 4 ranks trains a model DDP cannot hold, DDP 
   // Threads and pools LibTorch starts on its first operations, before the baseline.
   (void)torch::mm(torch::randn({256, 256}), torch::randn({256, 256})).sum().item<float>();
   const double psi = layers * (width * width + width);
-  // The cap: 12 bytes per parameter above the baseline (192 MiB), room for the model built
-  // whole (4) but not for DDP with Adam, which plans 16 (parameters, gradients, two moments)
-  // and its transients; ZeRO-3 at 4 ranks plans 4 and its transients, and the process
-  // needs some more besides (Open MPI's scratch, the heap's fragments: docs/benchmarks.md).
-  const double cap = 12 * psi;
-  using Ddp = paratrain::DataParallel<Capped, comm::Mpi, torch::optim::Adam>;
-  using Zero3 = paratrain::DataParallel<Capped, comm::Mpi, paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage3>>;
+  // The cap: 10 bytes per parameter above the baseline (160 MiB), room for the model built
+  // whole (4) but not for DDP, which plans 12 (parameters, gradients, momentum) and its
+  // transients; ZeRO-3 at 4 ranks plans 3 and its transients (Note [Peak memory model]),
+  // and the process needs some more besides (Open MPI's scratch, the heap's fragments).
+  const double cap = 10 * psi;
+  using Ddp = paratrain::DataParallel<Capped, comm::Mpi, torch::optim::SGD>;
+  using Zero3 = paratrain::DataParallel<Capped, comm::Mpi, paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>>;
   const paratrain::DataParallelOptions checked{.memory = {.check = true}};
   std::optional<DataCap> limit(std::in_place, cap);
-  const auto message = paratrain_test::error_of([&] { Ddp ddp(make_capped(), c, adam, checked); });
+  const auto message = paratrain_test::error_of([&] { Ddp ddp(make_capped(), c, sgd, checked); });
   CAPTURE(message);
   CHECK(message.find("memory plan of DDP at 4 ranks") != std::string::npos);
   CHECK(message.find("RLIMIT_DATA") != std::string::npos);
   // The smallest stage whose plan fits, at this world size.
   CHECK(message.find(" at 4 ranks plans ") != std::string::npos);
   CHECK(message.find("which fits") != std::string::npos);
-  Zero3 z(make_capped, c, adam, checked);
+  Zero3 z(make_capped, c, sgd, checked);
   CAPTURE(z.planned_peak().total());
   for (int k = 0; k < steps; ++k) z.step(part(k, world, rank), paratrain_test::loss_fn);
   limit.reset();

@@ -43,6 +43,9 @@ struct BucketOptions {
   std::size_t first_cap_bytes = std::size_t{1} << 20;
   /// Each bucket is padded to a multiple of this (the number of ranks, when sharded).
   std::int64_t pad_to = 1;
+  /// ZeRO-3: units gathered ahead of the one computing (Note [Pooled transients]); the
+  /// layout itself ignores it.
+  int prefetch = 1;
 };
 
 /// The parameters that require a gradient, bucketed: Note [Bucket order], Note [Shard layout].

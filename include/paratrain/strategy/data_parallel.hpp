@@ -76,6 +76,10 @@ struct DataParallelOptions {
   /// Mixed precision: forward under autocast (bf16), gradients summed in bf16; the
   /// parameters and the optimizer's state stay fp32. Note [Mixed precision].
   Precision precision{};
+  /// ZeRO-3: how many units are gathered ahead of the one computing, in forward and in
+  /// backward (FSDP's limit_all_gathers with a depth): more hides more of the gathers'
+  /// time behind compute, and holds that many more units whole (Note [Pooled transients]).
+  int prefetch = 1;
   /// Where and in which type a model the strategy builds (the constructors that take a
   /// build function) is placed, unit by unit at ZeRO stage 3: Note [Sharded construction].
   /// A model built already must be there (or these be unset).
@@ -432,7 +436,11 @@ class DataParallel {
     for (const auto& p : model_->parameters())
       if (!sharded.count(p.unsafeGetTensorImpl())) whole.push_back(p);
     // Note [Checking the plan]: before the strategy allocates anything of its own.
-    plan_ = detail::plan_of(*model_, comm_.size(), options.bucket_cap_bytes, defaults,
+    if (options.prefetch < 0)
+      throw error("DataParallel", comm_.rank(),
+                  "DataParallelOptions::prefetch is " + std::to_string(options.prefetch) +
+                      "; it is how many units ZeRO-3 gathers ahead, 0 or more");
+    plan_ = detail::plan_of(*model_, comm_.size(), options.bucket_cap_bytes, options.prefetch, defaults,
                             options.precision.autocast.has_value(), options.precision.reduce.has_value(),
                             options.memory.activation_bytes);
     if (options.memory.check) {
@@ -443,7 +451,9 @@ class DataParallel {
     }
     detail::broadcast_coalesced(comm_, whole, 0);
     detail::broadcast_coalesced(comm_, model_->buffers(), 0);
-    const BucketOptions bucketing{options.bucket_cap_bytes, options.first_bucket_cap_bytes};  // padding: the store's
+    const BucketOptions bucketing{.cap_bytes = options.bucket_cap_bytes,
+                                  .first_cap_bytes = options.first_bucket_cap_bytes,
+                                  .prefetch = options.prefetch};  // padding: the store's
     store_ = std::make_unique<Store>(*model_, comm_, bucketing, groups(model_), std::move(defaults));
     grads_ = std::make_unique<Grads>(store_->layout(), comm_, options.find_unused_parameters,
                                      [s = store_.get()](std::size_t b) { s->on_gradients_complete(b); },

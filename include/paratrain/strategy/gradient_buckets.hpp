@@ -9,18 +9,21 @@
 #include <torch/csrc/autograd/variable.h>
 #include <c10/core/ScalarType.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/collectives/all_reduce_on.hpp"
+#include "paratrain/strategy/detail/slot_pool.hpp"
 #include "paratrain/strategy/detail/tensor_bytes.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/core/timeline.hpp"
@@ -143,6 +146,7 @@ class GradientBuckets {
         reduce_dtype_(reduce_dtype),
         params_(layout.params().size()),
         buckets_(layout.buckets().size()) {
+    std::size_t largest = 0;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       if constexpr (shards) {
         buckets_[b].shard = at::zeros({layout.shard_numel(b)}, layout.buckets()[b].options);
@@ -150,7 +154,11 @@ class GradientBuckets {
       } else {
         allocate(b);
       }
+      largest = std::max(largest, static_cast<std::size_t>(layout.buckets()[b].padded) *
+                                      layout.buckets()[b].options.dtype().itemsize());
     }
+    // Note [Pooled transients]: the one filling, the one ahead of it, the one in flight.
+    if constexpr (shards) pool_ = detail::SlotPool(largest, 3, layout.buckets().front().options.device());
     for (std::size_t i = 0; i < params_.size(); ++i) {
       params_[i].accumulator = torch::autograd::impl::grad_accumulator(tensor(i));
       params_[i].hook_key = params_[i].accumulator->add_post_hook(std::make_unique<ReadyHook>(this, i));
@@ -330,6 +338,7 @@ class GradientBuckets {
     at::Tensor grad;   // the whole bucket, padded; sharded: only while gradients arrive
     at::Tensor shard;  // sharded: this rank's part of the sum
     int pending = 0;
+    int slot = -1;  // the pool's slot `grad` is in; -1: the allocator's
     std::optional<Request> request;
   };
 
@@ -350,16 +359,20 @@ class GradientBuckets {
   [[nodiscard]] static const at::Tensor& reduced(const Bucket& b) { return shards ? b.shard : b.grad; }
 
   // The whole-bucket buffer, with every gradient of the bucket a view into it.
+  // Sharded, from the pool where a slot is free (Note [Pooled transients]).
   void allocate(std::size_t b) {
     auto& bucket = buckets_[b];
     if (bucket.grad.defined()) return;
-    bucket.grad = layout_->zeros(b);
-    for (auto i : layout_->buckets()[b].params) keep_grad_in_bucket(i);
+    const auto& layout = layout_->buckets()[b];
+    bucket.slot = shards ? pool_.acquire(static_cast<std::size_t>(layout.padded) * layout.options.dtype().itemsize()) : -1;
+    bucket.grad = bucket.slot >= 0 ? pool_.view(bucket.slot, 0, layout.padded, layout.options).zero_() : layout_->zeros(b);
+    for (auto i : layout.params) keep_grad_in_bucket(i);
   }
 
   void release(std::size_t b) {
     buckets_[b].grad = at::Tensor();
     for (auto i : layout_->buckets()[b].params) tensor(i).mutable_grad() = at::Tensor();
+    pool_.release(std::exchange(buckets_[b].slot, -1));
   }
 
   void mark_ready(std::size_t i) {
@@ -435,6 +448,7 @@ class GradientBuckets {
   Hook hook_;
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
+  detail::SlotPool pool_;  // sharded: the whole buffers, Note [Pooled transients]
   std::vector<bool> used_anywhere_;
   std::size_t next_launch_ = 0;
   bool sync_ = true;

@@ -76,9 +76,9 @@ OptimizerBytes optimizer_bytes_of(const Options&) {
 
 /// The plan of `model` trained on `ranks` ranks: sizes read off its parameters and units.
 template <class OptimOptions>
-plan::Model plan_of(torch::nn::Module& model, std::int64_t ranks, std::size_t bucket_cap_bytes,
+plan::Model plan_of(torch::nn::Module& model, std::int64_t ranks, std::size_t bucket_cap_bytes, int prefetch,
                     const OptimOptions& optimizer, bool autocast, bool narrow_reduce, std::size_t activation_bytes) {
-  plan::Model m{.ranks = ranks, .activation_bytes = static_cast<double>(activation_bytes)};
+  plan::Model m{.ranks = ranks, .activation_bytes = static_cast<double>(activation_bytes), .prefetch = prefetch};
   std::set<const void*> seen;
   double bytes = 0;
   for (const auto& p : model.parameters(/*recurse=*/true))

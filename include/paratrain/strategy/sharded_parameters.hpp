@@ -15,6 +15,7 @@
 #include <set>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "paratrain/concepts/checkpointable.hpp"
@@ -25,6 +26,7 @@
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
 #include "paratrain/strategy/parameter_store.hpp"
+#include "paratrain/strategy/detail/slot_pool.hpp"
 #include "paratrain/strategy/detail/state_slices.hpp"
 #include "paratrain/strategy/sharded_construction.hpp"
 #include "paratrain/strategy/unit.hpp"
@@ -244,12 +246,12 @@ class ShardedParameters final : public detail::UnitObserver {
   // ---- detail::UnitObserver (stage 3) ---------------------------------------------
   void before_forward(std::size_t u) override {
     gather(u);
-    if (u + 1 < units_.size()) prefetch(u + 1);
+    for (std::size_t k = 1; k <= prefetch_ && u + k < units_.size(); ++k) prefetch(u + k);
   }
   void after_forward(std::size_t u) override { release(u); }
   void before_backward(std::size_t u) override {
     gather(u);
-    if (u > 0) prefetch(u - 1);
+    for (std::size_t k = 1; k <= prefetch_ && k <= u; ++k) prefetch(u - k);
   }
 
  private:
@@ -282,7 +284,8 @@ class ShardedParameters final : public detail::UnitObserver {
                 comm.rank()),
         comm_(&comm),
         gather_comm_(gather_communicator(comm)),
-        units_(std::move(units.units)) {
+        units_(std::move(units.units)),
+        prefetch_(static_cast<std::size_t>(std::max(0, bucketing.prefetch))) {
     const auto& layout = layout_;
     const auto rank = comm.rank();
     const auto& buckets = layout.buckets();
@@ -316,6 +319,18 @@ class ShardedParameters final : public detail::UnitObserver {
       if (!s.resident) detail::release_storage(s.full);
     }
     check_same_initialisation(constructed, units.names);
+    // Note [Pooled transients]: a unit's buckets side by side in one slot.
+    std::size_t slot_bytes = 0;
+    for (auto& state : units_state_) {
+      std::size_t at = 0;
+      for (auto b : state.buckets) {
+        state.offsets.push_back(at);
+        at += (detail::bytes_of(shards_[b].full) + 63) / 64 * 64;
+      }
+      slot_bytes = std::max(slot_bytes, at);
+    }
+    if (!units_state_.empty())
+      unit_pool_ = detail::SlotPool(slot_bytes, 1 + bucketing.prefetch, buckets.front().options.device());
     make_pieces();
     // Note [Optimizer on pieces]: the user's groups and options, over this rank's pieces.
     const auto group = detail::group_of(layout, groups, rank);
@@ -352,7 +367,9 @@ class ShardedParameters final : public detail::UnitObserver {
                                                                    std::declval<at::Tensor&>()));
   struct UnitState {
     std::vector<std::size_t> buckets;
+    std::vector<std::size_t> offsets;  // of each bucket in a pool slot
     std::vector<GatherRequest> inflight;
+    int slot = -1;  // the pool's slot its buckets are gathered into; -1: the allocator's
     bool gathered = false;
     int complete = 0;
   };
@@ -422,18 +439,36 @@ class ShardedParameters final : public detail::UnitObserver {
                         "(torch::manual_seed(seed) with the same seed), or build the model whole and pass it instead");
   }
 
-  void launch(std::size_t u) {
+  // Gathers unit u into a pool slot, or (`pooled_only` false) into the allocator's memory
+  // when every slot is taken; false when it started nothing.
+  bool launch(std::size_t u, bool pooled_only = false) {
     auto& state = units_state_[u];
-    for (auto b : state.buckets) {
-      detail::allocate_storage(shards_[b].full);
-      state.inflight.push_back(gather_comm_.iall_gather(shards_[b].shard, shards_[b].full));
+    std::size_t bytes = 0;
+    if (!state.buckets.empty())
+      bytes = state.offsets.back() + detail::bytes_of(shards_[state.buckets.back()].full);
+    state.slot = unit_pool_.acquire(bytes);
+    if (state.slot < 0 && pooled_only) return false;
+    for (std::size_t k = 0; k < state.buckets.size(); ++k) {
+      auto& full = shards_[state.buckets[k]].full;
+      if (state.slot >= 0) lend_storage(full, unit_pool_.data(state.slot) + state.offsets[k]);
+      else detail::allocate_storage(full);
+      state.inflight.push_back(gather_comm_.iall_gather(shards_[state.buckets[k]].shard, full));
     }
     sequence_.push_back(u);
+    return true;
   }
 
+  // A prefetch waits for a free slot rather than growing the process (Note [Pooled transients]).
   void prefetch(std::size_t u) {
     auto& state = units_state_[u];
-    if (!state.gathered && state.inflight.empty()) launch(u);
+    if (!state.gathered && state.inflight.empty()) launch(u, /*pooled_only=*/true);
+  }
+
+  // The bucket's storage points into a pool slot (not owned: the pool keeps it).
+  static void lend_storage(at::Tensor& full, char* data) {
+    auto* s = full.storage().unsafeGetStorageImpl();
+    s->set_data_ptr_noswap(at::DataPtr(data, full.device()));
+    s->set_nbytes(detail::bytes_of(full));
   }
 
   // Completes a gather in flight (a prefetch): the unit is then gathered.
@@ -455,6 +490,7 @@ class ShardedParameters final : public detail::UnitObserver {
     settle(state);
     if (!state.gathered) return;
     for (auto b : state.buckets) detail::release_storage(shards_[b].full);
+    unit_pool_.release(std::exchange(state.slot, -1));
     state.gathered = false;
   }
 
@@ -463,6 +499,8 @@ class ShardedParameters final : public detail::UnitObserver {
   Comm gather_comm_;
   std::vector<detail::UnitBase*> units_;
   std::vector<UnitState> units_state_ = std::vector<UnitState>(units_.size());
+  std::size_t prefetch_ = 1;
+  detail::SlotPool unit_pool_;  // Note [Pooled transients]
   std::vector<Shard> shards_;
   std::vector<Piece> pieces_;
   std::unique_ptr<Optim> optimizer_;
