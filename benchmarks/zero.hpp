@@ -12,6 +12,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 #include <string_view>
 
@@ -34,6 +35,15 @@ inline double peak_rss_mib() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
+}
+
+/// This process's resident set now, MiB (VmRSS).
+inline double rss_mib() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return 0;
 }
 
 /// Calls `f.template operator()<Update>(stage)` with the update `strategy` names (ddp,
@@ -61,9 +71,16 @@ void run_zero(Comm world, const torch::Device& device, const Ranks& ranks, const
   torch::manual_seed(1 + rank);
   const auto x = torch::randn({pool * batch, wide_mlp_width}).to(device);
   const auto y = torch::randint(0, 10, {pool * batch}, torch::kLong).to(device);
-  WideMlp net(run.layers);
-  net->to(device);
-  DataParallel<WideMlp, Comm, Update> s(std::move(net), std::move(world), torch::optim::AdamOptions(1e-4));
+  // The baseline: the process before the model (LibTorch's pools started by one operation).
+  (void)torch::mm(x.narrow(0, 0, batch), x.narrow(0, 0, batch).t()).sum().item<float>();
+  const double base = rss_mib();
+  const double baseline = ranks.max(base);
+  // Built by the strategy: at stage 3 sharded as it is built (Note [Sharded construction]).
+  torch::manual_seed(7);
+  DataParallel<WideMlp, Comm, Update> s([&] { return WideMlp(run.layers); }, std::move(world),
+                                        torch::optim::AdamOptions(1e-4), {.build = {.device = device}});
+  const double construction = ranks.max(peak_rss_mib() - base);
+  torch::manual_seed(1 + rank);
   const auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
     return torch::nn::functional::cross_entropy(out, target);
   };
@@ -89,6 +106,8 @@ void run_zero(Comm world, const torch::Device& device, const Ranks& ranks, const
                                                   .ranks = size},
                                                  stage);
   const double rss = ranks.max(peak_rss_mib());  // the largest over the ranks
+  const double above = ranks.max(peak_rss_mib() - base);
+  const double plan_peak = s.planned_peak().total() / double(1 << 20);
   const std::string more = extra();
   const double mib = 1 << 20;
   if (rank == 0)
@@ -96,10 +115,12 @@ void run_zero(Comm world, const torch::Device& device, const Ranks& ranks, const
         "{\"implementation\": \"paratrain\", \"strategy\": \"%s\", \"communicator\": \"%s\", \"device\": \"%s\", "
         "\"ranks\": %d, \"layers\": %d, \"parameters\": %lld, \"batch_per_rank\": %lld, \"steps\": %d, "
         "\"steps_per_s\": %.3f, \"peak_rss_mib\": %.1f, \"exposed_comm_share\": %.3f, \"held_mib\": %.1f, "
-        "\"planned_mib\": %.1f%s}\n",
+        "\"planned_mib\": %.1f, \"baseline_mib\": %.1f, \"peak_above_baseline_mib\": %.1f, \"plan_peak_mib\": %.1f, "
+        "\"construction_above_baseline_mib\": %.1f%s}\n",
         std::string(run.strategy).c_str(), communicator, device.str().c_str(), size, run.layers,
         static_cast<long long>(parameters), static_cast<long long>(batch), run.steps / 3 * 3, 1 / seconds[0], rss,
-        exposed / double(calls) / seconds[0], double(held.total()) / mib, planned.total() / mib, more.c_str());
+        exposed / double(calls) / seconds[0], double(held.total()) / mib, planned.total() / mib, baseline, above,
+        plan_peak, construction, more.c_str());
   std::fflush(stdout);
 }
 

@@ -220,3 +220,33 @@ TEST_CASE("plan: the table prints the paper's rounding") {
   // 41.25 GB is printed 41.3, as in Table 1 (iostreams alone would print 41.2).
   CHECK(plan::format_table(paper_model(7.5e9, 4)).find(" 41.3 ") != std::string::npos);
 }
+
+TEST_CASE("plan: the peak of a step adds the pools and the larger of gradients and optimizer scratch") {
+  // Ψ = 1000, Adam (K = 8, scratch 8), 4 ranks; largest bucket 100 elements, unit 200,
+  // parameter 50; prefetch 1. By hand (Note [Peak memory model]):
+  //   DDP     16000                          + max(2·50·4, 8·50)            = 16400
+  //   ZeRO-1  8000 + 8000/4                  + max(400, 8·min(50, 25))       = 10400
+  //   ZeRO-2  4000 + 12000/4 + 3·100·4       + max(400, 200)                 = 8600
+  //   ZeRO-3  16000/4 + 3·100·4 + 2·200·4    + max(400, 200)                 = 7200
+  const plan::Model m{.parameters = 1000,
+                      .optimizer_bytes = 8,
+                      .ranks = 4,
+                      .bucket_elements = 100,
+                      .unit_elements = 200,
+                      .prefetch = 1,
+                      .largest_parameter = 50,
+                      .scratch_bytes = plan::scratch_bytes("adam")};
+  CHECK(plan::peak(m, plan::stage::ddp).total() == 16400);
+  CHECK(plan::peak(m, plan::stage::stage1).total() == 10400);
+  CHECK(plan::peak(m, plan::stage::stage2).total() == 8600);
+  CHECK(plan::peak(m, plan::stage::stage3).total() == 7200);
+  // At stage 3 a bucket is never larger than a unit; a deeper prefetch holds more units.
+  auto deep = m;
+  deep.bucket_elements = 500;
+  deep.prefetch = 3;
+  CHECK(plan::peak(deep, plan::stage::stage3).gradient_buckets == 3 * 200 * 4);
+  CHECK(plan::peak(deep, plan::stage::stage3).gathered_units == 4 * 200 * 4);
+  CHECK_THROWS_WITH_AS((void)plan::peak({.parameters = 1, .prefetch = -1}, plan::stage::stage3),
+                       doctest::Contains("prefetch"), paratrain::error);
+  CHECK_THROWS_WITH_AS((void)plan::scratch_bytes("lamb"), doctest::Contains("scratch_bytes"), paratrain::error);
+}

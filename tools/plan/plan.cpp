@@ -40,6 +40,12 @@ stages 1-3 (Rajbhandari et al. 2019), in GB (1e9 bytes) and MiB.
                          copies of the weights from forward to backward; none (default)
   --reduce T             bf16 or fp32: the type gradients are summed in across ranks
                          (Precision::reduce); default: B_g
+  --bucket SIZE          the largest gradient bucket (25MiB: DataParallel's default cap;
+                         at least the largest parameter): adds the peak of a step
+  --unit N               the largest paratrain::Unit's parameter count (ZeRO-3's gathers)
+  --largest-param N      the largest parameter's element count (autograd's gradients,
+                         the optimizer's scratch)
+  --prefetch N           units ZeRO-3 gathers ahead (DataParallelOptions::prefetch, 1)
   --optimizer-bytes K    K in bytes per parameter, instead of --optimizer's
   --param-bytes B        B_p, instead of --precision's
   --grad-bytes B         B_g, instead of --precision's
@@ -126,6 +132,8 @@ plan::Model parse(int argc, char** argv) {
   double activations = 0;
   std::int64_t buckets = 0;
   double autocast_bytes = 0, reduce_bytes = 0;
+  double bucket_bytes = 0, unit = 0, largest = 0;
+  std::int64_t prefetch = 1;
 
   for (int i = 1; i < argc; ++i) {
     std::string_view flag = argv[i], value;
@@ -152,6 +160,10 @@ plan::Model parse(int argc, char** argv) {
     else if (flag == "--buckets") buckets = whole("--buckets", value);
     else if (flag == "--autocast") autocast_bytes = autocast_copy_bytes(value);
     else if (flag == "--reduce") reduce_bytes = reduced_bytes(value);
+    else if (flag == "--bucket") bucket_bytes = bytes("--bucket", value);
+    else if (flag == "--unit") unit = parameter_count(value);
+    else if (flag == "--largest-param") largest = parameter_count(value);
+    else if (flag == "--prefetch") prefetch = whole("--prefetch", value);
     else if (flag == "--optimizer-bytes") optimizer_bytes = per_parameter("--optimizer-bytes", value);
     else if (flag == "--param-bytes") param_bytes = per_parameter("--param-bytes", value);
     else if (flag == "--grad-bytes") grad_bytes = per_parameter("--grad-bytes", value);
@@ -174,7 +186,12 @@ plan::Model parse(int argc, char** argv) {
           .activation_bytes = activations,
           .buckets = buckets,
           .autocast_bytes = autocast_bytes,
-          .reduce_bytes = reduce_bytes};
+          .reduce_bytes = reduce_bytes,
+          .bucket_elements = bucket_bytes / grad_bytes.value_or(precision.grad_bytes),
+          .unit_elements = unit,
+          .prefetch = prefetch,
+          .largest_parameter = largest,
+          .scratch_bytes = optimizer_bytes ? 0.0 : plan::scratch_bytes(optimizer)};
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <concepts>
 #include <functional>
 #include <memory>
@@ -414,6 +415,24 @@ class DataParallel {
     };
   }
 
+  /// The elements of the largest bucket the store will lay out (padded): the plan's.
+  double largest_bucket(const Options& options) {
+    detail::UnitMap units;
+    if constexpr (stage == 3) units = detail::find_units(*model_);
+    const BucketLayout probe(
+        *model_,
+        {.cap_bytes = options.bucket_cap_bytes, .first_cap_bytes = options.first_bucket_cap_bytes,
+         .pad_to = stage > 0 ? comm_.size() : 1},
+        [&](auto&, const at::Tensor& p) {
+          const auto it = units.owner.find(p.unsafeGetTensorImpl());
+          return it != units.owner.end() ? it->second : -1;
+        },
+        comm_.rank());
+    double largest = 0;
+    for (const auto& b : probe.buckets()) largest = std::max(largest, static_cast<double>(b.padded));
+    return largest;
+  }
+
   template <class Make, class Groups, class OptimOptions>
   DataParallel(Built, Make&& make, Comm comm, Groups&& groups, OptimOptions defaults, Options options)
       : comm_(std::move(comm)),
@@ -440,7 +459,7 @@ class DataParallel {
       throw error("DataParallel", comm_.rank(),
                   "DataParallelOptions::prefetch is " + std::to_string(options.prefetch) +
                       "; it is how many units ZeRO-3 gathers ahead, 0 or more");
-    plan_ = detail::plan_of(*model_, comm_.size(), options.bucket_cap_bytes, options.prefetch, defaults,
+    plan_ = detail::plan_of(*model_, comm_.size(), largest_bucket(options), options.prefetch, defaults,
                             options.precision.autocast.has_value(), options.precision.reduce.has_value(),
                             options.memory.activation_bytes);
     if (options.memory.check) {

@@ -364,7 +364,19 @@ class GradientBuckets {
     auto& bucket = buckets_[b];
     if (bucket.grad.defined()) return;
     const auto& layout = layout_->buckets()[b];
-    bucket.slot = shards ? pool_.acquire(static_cast<std::size_t>(layout.padded) * layout.options.dtype().itemsize()) : -1;
+    const auto bytes = static_cast<std::size_t>(layout.padded) * layout.options.dtype().itemsize();
+    bucket.slot = shards ? pool_.acquire(bytes) : -1;
+    // Every slot taken: the oldest reduce-scatter in flight hands its slot back first, so
+    // that the pool bounds what is alive (Note [Pooled transients]); only buckets still
+    // filling (gradient accumulation) make it overflow to the allocator.
+    for (std::size_t k = 0; shards && bucket.slot < 0 && k < buckets_.size(); ++k)
+      if (auto& r = buckets_[k].request) {
+        r->wait();
+        if (timeline_) timeline_->completed(k);
+        r.reset();
+        release(k);
+        bucket.slot = pool_.acquire(bytes);
+      }
     bucket.grad = bucket.slot >= 0 ? pool_.view(bucket.slot, 0, layout.padded, layout.options).zero_() : layout_->zeros(b);
     for (auto i : layout.params) keep_grad_in_bucket(i);
   }

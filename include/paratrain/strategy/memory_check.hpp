@@ -74,9 +74,10 @@ OptimizerBytes optimizer_bytes_of(const Options&) {
   return {};  // an optimizer plan does not know: its state is not counted
 }
 
-/// The plan of `model` trained on `ranks` ranks: sizes read off its parameters and units.
+/// The plan of `model` trained on `ranks` ranks: sizes read off its parameters and units;
+/// `bucket_elements`, the largest bucket of its layout.
 template <class OptimOptions>
-plan::Model plan_of(torch::nn::Module& model, std::int64_t ranks, std::size_t bucket_cap_bytes, int prefetch,
+plan::Model plan_of(torch::nn::Module& model, std::int64_t ranks, double bucket_elements, int prefetch,
                     const OptimOptions& optimizer, bool autocast, bool narrow_reduce, std::size_t activation_bytes) {
   plan::Model m{.ranks = ranks, .activation_bytes = static_cast<double>(activation_bytes), .prefetch = prefetch};
   std::set<const void*> seen;
@@ -94,7 +95,7 @@ plan::Model plan_of(torch::nn::Module& model, std::int64_t ranks, std::size_t bu
   m.scratch_bytes = k.scratch * element / 4;
   m.autocast_bytes = autocast ? 2.0 : 0.0;
   m.reduce_bytes = narrow_reduce ? 2.0 : 0.0;
-  m.bucket_elements = std::min(m.parameters, std::max(static_cast<double>(bucket_cap_bytes) / element, m.largest_parameter));
+  m.bucket_elements = bucket_elements;
   for (const auto& unit : model.modules(/*include_self=*/true))
     if (dynamic_cast<UnitBase*>(unit.get()) != nullptr) {
       double n = 0;
@@ -182,10 +183,9 @@ inline std::string plan_problem(const plan::Model& m, plan::stage s, double held
   }
   const auto t = need;
   return "the memory plan of " + std::string(plan::to_string(s)) + " at " + std::to_string(m.ranks) +
-         " ranks is " + mib(t.total()) + " per rank (model states " + mib(t.states.total()) + ", a gradient " + mib(t.gradient) +
-         ", gradient buckets " +
-         mib(t.gradient_buckets) + ", gathered units " + mib(t.gathered_units) + ", optimizer scratch " +
-         mib(t.optimizer_scratch) + "; paratrain::plan::peak), of which " + mib(t.total() - held) +
+         " ranks is " + mib(t.total()) + " per rank (model states " + mib(t.states.total()) + ", gradient buckets " + mib(t.gradient_buckets) +
+         ", gathered units " + mib(t.gathered_units) + ", the larger of gradients " + mib(t.gradients) +
+         " and optimizer scratch " + mib(t.optimizer_scratch) + "; paratrain::plan::peak), of which " + mib(t.total() - held) +
          " is still to be allocated, but this process may use only " + mib(room.bytes) + " more (" + room.source +
          "); " + (fix.empty() ? std::string("no stage or world size up to 65536 fits") : fix + ", which fits") +
          " (docs/plan.md)";

@@ -220,42 +220,43 @@ inline void validate(const Model& m) {
 // Note [Peak memory model]
 // What a rank holds at its busiest moment of a step, beyond the process it started as:
 // the model states between steps (per_rank: parameters, gradients, optimizer state, the
-// user's activation estimate, autocast's copies, padding) plus what a step allocates and
-// frees again:
-//   gradient          autograd computes each parameter's gradient into a tensor of its
-//                     own before adding it to the parameter's bucket: the largest
-//                     parameter's, in B_g, at every stage;
+// user's activation estimate, autocast's copies, padding) plus
 //   gradient buckets  stages 2 and 3 keep only a shard of the gradients between steps,
-//                     but gradients arrive whole: each bucket's whole buffer lives from its
-//                     first gradient until its reduce-scatter completes (Note [Transient
-//                     memory]), counted as three of the largest buckets (the one filling,
-//                     the one allocated ahead of it, the one in flight; at stage 3 no
-//                     bucket is larger than a unit), in B_g and, where the sum is
-//                     narrower, its narrowed copy and shard;
-//   gathered units    stage 3 gathers a unit whole around its forward and backward, and
-//                     `prefetch` more ahead of it: (1 + prefetch) of the largest unit;
+//                     but gradients arrive whole, into whole-bucket buffers from a pool of
+//                     three (Note [Pooled transients]): three of the largest bucket
+//                     (Model::bucket_elements; at stage 3 no bucket is larger than a
+//                     unit), in B_g and, where the sum is narrower, its narrowed copy;
+//   gathered units    stage 3 gathers units into a pool of 1 + prefetch slots of the
+//                     largest unit;
+// (both pools, once filled in the first step, stay: they bound what steps churn) and the
+// larger of what backward and the optimizer step allocate and free again, which never
+// coexist:
+//   gradients         autograd computes each parameter's gradient into a tensor of its
+//                     own before adding it to the parameter's bucket, and computes the next
+//                     one meanwhile: two of the largest parameter, in B_g;
 //   optimizer scratch the temporaries of one optimizer step on the largest tensor it
 //                     updates at once (a parameter; under ZeRO, a piece of it no longer
-//                     than a bucket's shard): scratch_bytes per element (Adam's denominator
-//                     and its square root: 8).
-// DDP and stage 1 hold their whole gradient buckets between steps: nothing transient for
-// gradients. Not counted: the allocator's fragmentation, communication libraries' own
+//                     than a bucket's shard): scratch_bytes per element (Adam's square root
+//                     and quotient: 8).
+// DDP and stage 1 hold their whole gradient buckets between steps (in the states). Not
+// counted: the allocator's fragmentation, communication libraries' own buffers (Open
+// MPI's scratch for a non-blocking collective, its shared-memory segments), BLAS's work
 // buffers, a CUDA context; docs/benchmarks.md compares the figure with measured peaks.
 
 /// The bytes one rank holds at its peak in a step: the model states and the transient terms.
 struct Peak {
   Memory states;
-  double gradient = 0;
-  double gradient_buckets = 0;
-  double gathered_units = 0;
-  double optimizer_scratch = 0;
+  double gradient_buckets = 0;   ///< the pool of whole gradient buckets (stages 2, 3)
+  double gathered_units = 0;     ///< the pool of gathered units (stage 3)
+  double gradients = 0;          ///< autograd's gradients before they reach their buckets
+  double optimizer_scratch = 0;  ///< one optimizer step's temporaries
   [[nodiscard]] constexpr double transient() const noexcept {
-    return gradient + gradient_buckets + gathered_units + optimizer_scratch;
+    return gradient_buckets + gathered_units + (gradients > optimizer_scratch ? gradients : optimizer_scratch);
   }
   [[nodiscard]] constexpr double total() const noexcept { return states.total() + transient(); }
 };
 
-/// `per_rank(m, s)` plus what a step allocates and frees: Note [Peak memory model].
+/// `per_rank(m, s)` plus what a step allocates: Note [Peak memory model].
 [[nodiscard]] inline Peak peak(const Model& m, stage s) {
   detail::require_non_negative(m.bucket_elements, "bucket_elements", "the largest bucket in elements, or 0");
   detail::require_non_negative(m.unit_elements, "unit_elements", "the largest unit's parameters, or 0");
@@ -272,8 +273,8 @@ struct Peak {
     const double narrow = m.reduce_bytes > 0 && m.reduce_bytes < m.grad_bytes ? m.reduce_bytes * (1 + 1 / n) : 0;
     out.gradient_buckets = 3 * bucket * (m.grad_bytes + narrow);
   }
-  out.gradient = m.largest_parameter * m.grad_bytes;
   if (s == stage::stage3) out.gathered_units = static_cast<double>(1 + m.prefetch) * m.unit_elements * m.param_bytes;
+  out.gradients = 2 * m.largest_parameter * m.grad_bytes;
   const double stepped = s == stage::ddp ? m.largest_parameter : std::min(m.largest_parameter, std::ceil(bucket / n));
   out.optimizer_scratch = m.scratch_bytes * stepped;
   return out;
@@ -399,6 +400,16 @@ inline std::string significant(double x, int digits = 3) {
   if (m.autocast_bytes > 0)
     s << "\ntotals include autocast's copies of the weights at every stage: " << gb(rows[0].autocast_copies)
       << " GB (" << m.autocast_bytes << " bytes/parameter)\n";
+  if (m.bucket_elements > 0 || m.unit_elements > 0 || m.largest_parameter > 0) {
+    s << "\npeak of a step per rank (model states plus what a step allocates: paratrain::plan::peak), MiB:\n";
+    const auto mib = [](double bytes) { return detail::fixed(bytes / (1024.0 * 1024.0), 1); };
+    for (const stage st : stages) {
+      const auto p = peak(m, st);
+      s << "  " << std::left << std::setw(8) << to_string(st) << std::right << " states " << mib(p.states.total())
+        << " + buckets " << mib(p.gradient_buckets) << " + units " << mib(p.gathered_units) << " + max(gradients "
+        << mib(p.gradients) << ", optimizer scratch " << mib(p.optimizer_scratch) << ") = " << mib(p.total()) << '\n';
+    }
+  }
   s << "\ngradients each rank sends per step (" << (m.reduce_bytes > 0 ? m.reduce_bytes : m.grad_bytes)
     << " bytes/element" << (m.buckets > 0 ? ", padding included" : "") << "):";
   for (const stage st : stages)
