@@ -263,6 +263,53 @@ TEST_CASE("Resharding: ZeRO-3 at N, DDP at N/2, one device, ZeRO-1 at 3, ZeRO-2 
 
 namespace {
 
+// Hybrid sharding (Note [Hybrid sharding]) saved and resumed: ZeRO-3 in groups of g (2, or
+// 1 on an odd world) at N, into DDP at N/2, into ZeRO-2 in groups of g at N, each followed
+// by training; then equal to LibTorch.
+template <class Optim, class Opts>
+void hybrid_chain(const Opts& opts) {
+  comm::Mpi world;
+  const int w = world.size(), rank = world.rank();
+  const auto dir = shared_dir(world, "hybrid");
+  const Data d;
+  const int g = w % 2 == 0 ? 2 : 1;
+  {
+    paratrain::DataParallel<Mlp, comm::Mpi, Sharded<Optim, zero::stage3>> s(make_model({}, rank), world, opts,
+                                                                           {.shard_group = g});
+    train(s, d, 0, 4);
+    ckpt::save(s, dir / "a", 4);
+  }
+  world.barrier();
+  const int m = std::max(1, w / 2);
+  auto half = world.split(rank < m ? 0 : 1, rank);
+  if (rank < m) {
+    paratrain::DataParallel<Mlp, comm::Mpi, Optim> s(other_model(rank), half, opts);
+    CHECK(ckpt::load(s, ckpt::path_of(dir / "a", 4)).world_size == w);
+    train(s, d, 4, 8);
+    ckpt::save(s, dir / "b", 8);
+  }
+  world.barrier();
+  {
+    paratrain::DataParallel<Mlp, comm::Mpi, Sharded<Optim, zero::stage2>> s(other_model(rank), world, opts,
+                                                                           {.shard_group = g});
+    CHECK(ckpt::load(s, ckpt::path_of(dir / "b", 8)).world_size == m);
+    train(s, d, 8, 12);
+    CAPTURE(w);
+    CHECK(max_relative_difference(s.full_parameters(), reference_steps<Optim>(d, 12, opts)) <= 1e-5);
+  }
+  world.barrier();
+  if (rank == 0) fs::remove_all(dir);
+}
+
+}  // namespace
+
+TEST_CASE("Hybrid sharding resumes from and into other strategies at other world sizes, equal to LibTorch") {
+  SUBCASE("SGD with momentum") { hybrid_chain<torch::optim::SGD>(torch::optim::SGDOptions(0.1).momentum(0.9)); }
+  SUBCASE("Adam") { hybrid_chain<torch::optim::Adam>(torch::optim::AdamOptions(1e-2)); }
+}
+
+namespace {
+
 struct Interrupt {};
 
 const paratrain::data::TensorDataset& fit_data() {

@@ -91,6 +91,39 @@ TEST_CASE_TEMPLATE("Sharded equals single-device training at every ZeRO stage", 
   }
 }
 
+TEST_CASE_TEMPLATE("Hybrid sharding (shard in groups, replicate across them) equals single-device training", S,
+                   zero::stage1, zero::stage2, zero::stage3) {
+  const int world = comm::Mpi().size();
+  // 4 ranks: 2 groups of 2; 3 ranks: one group of 3, and 3 groups of 1; 2: 2 groups of 1.
+  std::vector<int> groups;
+  if (world == 4) groups = {2};
+  if (world == 3) groups = {3, 1};
+  if (world == 2) groups = {1};
+  for (const int g : groups) {
+    CAPTURE(g);
+    check_equivalence<comm::Mpi, S>({.varied_batch = true, .options = {.shard_group = g}});
+    check_equivalence<comm::Mpi, S>({.micro_batches = 2, .options = {.max_grad_norm = 0.05, .shard_group = g}});
+    check_equivalence<comm::Mpi, S>({.options = {.shard_group = g}, .built_by_strategy = true});
+  }
+}
+
+TEST_CASE("A sharding group that does not divide the world is an error on every rank; DDP refuses one") {
+  comm::Mpi c;
+  const int world = c.size();
+  if (world < 3) return;
+  const int g = world == 3 ? 2 : 3;
+  const auto message = error_of([&] {
+    paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage2>> s(
+        make_model({}, 0), c, torch::optim::SGDOptions(0.1), {.shard_group = g});
+  });
+  CHECK(message.find("shard_group is " + std::to_string(g)) != std::string::npos);
+  CHECK(message.find("divide the world size") != std::string::npos);
+  CHECK(error_of([&] {
+          paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::SGD> s(make_model({}, 0), c,
+                                                                       torch::optim::SGDOptions(0.1), {.shard_group = 1});
+        }).find("hybrid sharding is a ZeRO option") != std::string::npos);
+}
+
 TEST_CASE("DDP's gradient clipping equals clip_grad_norm_ on one device") {
   comm::Mpi c;
   const Scenario s{.varied_batch = true, .options = {.max_grad_norm = 0.05}};

@@ -124,9 +124,11 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
     else if (copy && flat.is_alias_of(t)) flat = flat.clone();
     mine.push_back({std::move(key), std::move(shape), begin, std::move(flat)});
   };
-  for (const auto& sl : layout.model) add(detail::model_key(sl.name), sl.replicated, sl.writer, sl.tensor, sl.shape, sl.begin);
+  for (const auto& sl : layout.model)
+    if (sl.saved) add(detail::model_key(sl.name), sl.replicated, sl.writer, sl.tensor, sl.shape, sl.begin);
   auto& state = s.optimizer().state();
   for (const auto& sl : layout.optimized) {
+    if (!sl.saved) continue;  // another rank writes the same elements: Note [Hybrid sharding]
     const auto it = state.find(optimizer_state_key(sl.tensor));
     if (it == state.end()) continue;
     const auto t = Schema::get(static_cast<const typename Schema::state_type&>(*it->second));

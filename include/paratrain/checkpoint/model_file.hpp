@@ -66,7 +66,7 @@ void save_model(S& s, const fs::path& file) {
   const auto assemble = [&](const std::string& name, const std::vector<std::int64_t>& shape, at::TensorOptions options,
                             const TensorSlice* sl) {
     auto whole = at::zeros({detail::numel_of(shape)}, options.requires_grad(false));
-    if (sl != nullptr && sl->tensor.numel() > 0 && (!sl->replicated || sl->writer == s.rank()))
+    if (sl != nullptr && sl->tensor.numel() > 0 && sl->saved && (!sl->replicated || sl->writer == s.rank()))
       whole.narrow(0, sl->begin, sl->tensor.numel()).copy_(sl->tensor.detach().reshape({-1}));
     s.all_reduce(whole, reduce_op::sum);
     if (s.rank() == 0) dict.insert(name, whole.view(shape).to(at::kCPU));  // a buffer of its own: no copy on the CPU

@@ -25,6 +25,9 @@ struct TensorSlice {
   /// checkpoint picks one to balance the bytes); else the rank whose values count, as
   /// rank 0's buffers do under DataParallel, which broadcasts them before each step.
   int writer = -1;
+  /// False where another rank holds and writes the same elements of a sharded tensor (a
+  /// replica of its shard: Note [Hybrid sharding]); the slice is still loaded into.
+  bool saved = true;
 };
 
 /// Where a strategy keeps the state of its model and optimizer on this rank.

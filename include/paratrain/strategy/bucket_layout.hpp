@@ -46,6 +46,9 @@ struct BucketOptions {
   /// ZeRO-3: units gathered ahead of the one computing (Note [Pooled transients]); the
   /// layout itself ignores it.
   int prefetch = 1;
+  /// ZeRO: the ranks of one sharding group (Note [Hybrid sharding]); 0: all. The layout
+  /// itself ignores it.
+  int shard_group = 0;
 };
 
 /// The parameters that require a gradient, bucketed: Note [Bucket order], Note [Shard layout].

@@ -77,6 +77,11 @@ struct DataParallelOptions {
   /// Mixed precision: forward under autocast (bf16), gradients summed in bf16; the
   /// parameters and the optimizer's state stay fp32. Note [Mixed precision].
   Precision precision{};
+  /// ZeRO: shard over groups of this many consecutive ranks and replicate across the
+  /// world size / shard_group groups (hybrid sharding: FSDP2's HSDP, ZeRO++'s hpZ), so that
+  /// the sharding traffic stays inside a group; it must divide the world size. 0: shard
+  /// over every rank. Note [Hybrid sharding].
+  int shard_group = 0;
   /// ZeRO-3: how many units are gathered ahead of the one computing, in forward and in
   /// backward (FSDP's limit_all_gathers with a depth): more hides more of the gathers'
   /// time behind compute, and holds that many more units whole (Note [Pooled transients]).
@@ -406,13 +411,22 @@ class DataParallel {
     return [&build, &options](Comm& comm) -> Model {
       const auto device = options.build.device ? *options.build.device : detail::communicator_device(comm);
       std::optional<ShardedConstruction> scope;
-      if constexpr (stage == 3)
-        scope.emplace(comm.rank(), comm.size(), options.bucket_cap_bytes, device, options.build.dtype);
+      if constexpr (stage == 3) {
+        // Over this rank's sharding group: Note [Hybrid sharding] (its groups are consecutive ranks).
+        const int g = options.shard_group > 0 && options.shard_group < comm.size() ? options.shard_group : comm.size();
+        scope.emplace(comm.rank() % g, g, options.bucket_cap_bytes, device, options.build.dtype);
+      }
       Model model = build();
       scope.reset();
       detail::move_whole_parameters(*model, device, options.build.dtype);
       return model;
     };
+  }
+
+  /// The ranks a shard is cut for: a hybrid sharding group's, else every rank.
+  std::int64_t sharding_ranks(const Options& options) const {
+    return stage > 0 && options.shard_group > 0 && comm_.size() % options.shard_group == 0 ? options.shard_group
+                                                                                         : comm_.size();
   }
 
   /// The elements of the largest bucket the store will lay out (padded): the plan's.
@@ -422,7 +436,7 @@ class DataParallel {
     const BucketLayout probe(
         *model_,
         {.cap_bytes = options.bucket_cap_bytes, .first_cap_bytes = options.first_bucket_cap_bytes,
-         .pad_to = stage > 0 ? comm_.size() : 1},
+         .pad_to = stage > 0 ? sharding_ranks(options) : 1},
         [&](auto&, const at::Tensor& p) {
           const auto it = units.owner.find(p.unsafeGetTensorImpl());
           return it != units.owner.end() ? it->second : -1;
@@ -459,7 +473,7 @@ class DataParallel {
       throw error("DataParallel", comm_.rank(),
                   "DataParallelOptions::prefetch is " + std::to_string(options.prefetch) +
                       "; it is how many units ZeRO-3 gathers ahead, 0 or more");
-    plan_ = detail::plan_of(*model_, comm_.size(), largest_bucket(options), options.prefetch, defaults,
+    plan_ = detail::plan_of(*model_, sharding_ranks(options), largest_bucket(options), options.prefetch, defaults,
                             options.precision.autocast.has_value(), options.precision.reduce.has_value(),
                             options.memory.activation_bytes);
     if (options.memory.check) {
@@ -472,11 +486,12 @@ class DataParallel {
     detail::broadcast_coalesced(comm_, model_->buffers(), 0);
     const BucketOptions bucketing{.cap_bytes = options.bucket_cap_bytes,
                                   .first_cap_bytes = options.first_bucket_cap_bytes,
-                                  .prefetch = options.prefetch};  // padding: the store's
+                                  .prefetch = options.prefetch,
+                                  .shard_group = options.shard_group};  // padding: the store's
     store_ = std::make_unique<Store>(*model_, comm_, bucketing, groups(model_), std::move(defaults));
     grads_ = std::make_unique<Grads>(store_->layout(), comm_, options.find_unused_parameters,
                                      [s = store_.get()](std::size_t b) { s->on_gradients_complete(b); },
-                                     options.precision.reduce);
+                                     options.precision.reduce, &store_->group(), store_->replicas());
   }
 
   template <class Loss>

@@ -103,6 +103,44 @@ class WidenOnCompletion {
   bool done_ = false;
 };
 
+/// A hook's request, then (hybrid sharding: Note [Hybrid sharding]) the all-reduce of its
+/// shard across the replicas, started when the first completes; without replicas, the
+/// hook's request alone.
+template <request R, class Comm>
+class AcrossReplicas {
+ public:
+  AcrossReplicas(R first, Comm* replicas, at::Tensor shard)
+      : first_(std::move(first)), replicas_(replicas), shard_(std::move(shard)) {}
+
+  void wait() {
+    if (!second_) {
+      first_.wait();
+      if (!start_second()) return;
+    }
+    second_->wait();
+  }
+  bool test() {
+    if (!second_) {
+      if (!first_.test()) return false;
+      if (!start_second()) return true;
+    }
+    return second_->test();
+  }
+
+ private:
+  using Second = decltype(std::declval<Comm&>().iall_reduce(std::declval<at::Tensor&>(), reduce_op::sum));
+  // False when there is nothing to start (no replicas).
+  bool start_second() {
+    if (replicas_ == nullptr) return false;
+    if (!second_) second_.emplace(replicas_->iall_reduce(shard_, reduce_op::sum));
+    return true;
+  }
+  R first_;
+  Comm* replicas_;
+  at::Tensor shard_;
+  std::optional<Second> second_;
+};
+
 }  // namespace detail
 
 /// Every rank keeps the whole summed gradient.
@@ -136,11 +174,17 @@ class GradientBuckets {
   /// `layout` must outlive this object; `on_complete(b)` is called when every gradient of
   /// bucket b is ready in a backward (accumulating or not): ZeRO-3 frees parameters then.
   /// `reduce_dtype`: the type buckets are summed in (Precision::reduce); empty: their own.
+  /// Sharded, the hook reduces over `group` (default: `comm`) and, with `replicas`, each
+  /// shard is then summed across them (Note [Hybrid sharding]); the step's agreement is
+  /// always over `comm`.
   GradientBuckets(const BucketLayout& layout, Comm& comm, bool find_unused_parameters,
                   std::function<void(std::size_t)> on_complete = {},
-                  std::optional<at::ScalarType> reduce_dtype = std::nullopt)
+                  std::optional<at::ScalarType> reduce_dtype = std::nullopt, Comm* group = nullptr,
+                  Comm* replicas = nullptr)
       : layout_(&layout),
         comm_(&comm),
+        group_(group != nullptr ? group : &comm),
+        replicas_(replicas),
         find_unused_(find_unused_parameters),
         on_complete_(std::move(on_complete)),
         reduce_dtype_(reduce_dtype),
@@ -266,7 +310,8 @@ class GradientBuckets {
                                  nonfinite ? at::isfinite(g).logical_not().sum().to(at::kDouble) : none}));
     }
     auto total = at::stack(parts).sum(0);
-    if constexpr (shards) all_reduce_on_device(total);
+    if constexpr (shards)  // one group holds every shard once: Note [Hybrid sharding]
+      detail::all_reduce_on(*group_, total, tensor(0).device(), reduce_op::sum);
     if (also) also(total);
     const auto t = total.cpu();
     return {t[0].template item<double>(), t[1].template item<double>()};
@@ -289,7 +334,7 @@ class GradientBuckets {
       const auto bad = at::isfinite(reduced(buckets_[b])).logical_not().nonzero();
       if (bad.size(0) == 0) continue;
       auto at = bad[0][0].template item<std::int64_t>();
-      if constexpr (shards) at += comm_->rank() * layout_->shard_numel(b);
+      if constexpr (shards) at += group_->rank() * layout_->shard_numel(b);
       for (auto i : layout_->buckets()[b].params) {
         const auto& p = layout_->params()[i];
         if (at >= p.offset && at < p.offset + p.tensor.numel()) return p.name;
@@ -306,7 +351,7 @@ class GradientBuckets {
   [[nodiscard]] at::Tensor shard(std::size_t b) const {
     if constexpr (shards) return buckets_.at(b).shard;
     const auto n = layout_->shard_numel(b);
-    return buckets_.at(b).grad.narrow(0, comm_->rank() * n, n);
+    return buckets_.at(b).grad.narrow(0, group_->rank() * n, n);
   }
   /// Bytes of gradient storage held between steps.
   [[nodiscard]] std::size_t bytes() const {
@@ -326,8 +371,10 @@ class GradientBuckets {
   [[nodiscard]] std::int64_t sent_bytes() const noexcept { return sent_bytes_; }
 
  private:
-  using Request = detail::WidenOnCompletion<decltype(std::declval<Hook&>().launch(
-      std::declval<Comm&>(), std::declval<at::Tensor&>(), std::declval<at::Tensor&>()))>;
+  using Request = detail::WidenOnCompletion<detail::AcrossReplicas<
+      decltype(std::declval<Hook&>().launch(std::declval<Comm&>(), std::declval<at::Tensor&>(),
+                                            std::declval<at::Tensor&>())),
+      Comm>>;
   struct Param {
     bool ready = false;  // in this backward
     bool used = false;   // a gradient arrived since zero_grad()
@@ -424,13 +471,16 @@ class GradientBuckets {
     const auto own = bucket.grad.scalar_type();
     const auto wire = reduce_dtype_.value_or(own);
     sent_bytes_ += bucket.grad.numel() * static_cast<std::int64_t>(c10::elementSize(wire));
+    // Sharded, over the group, then across the replicas (Note [Hybrid sharding]).
+    auto& comm = shards ? *group_ : *comm_;
+    auto* across = shards ? replicas_ : nullptr;
     if (wire == own) {
-      bucket.request.emplace(hook_.launch(*comm_, bucket.grad, bucket.shard));
+      bucket.request.emplace(detail::AcrossReplicas(hook_.launch(comm, bucket.grad, bucket.shard), across, bucket.shard));
       return;
     }
     auto grad = bucket.grad.to(wire);
     auto shard = shards ? at::empty(bucket.shard.sizes(), bucket.shard.options().dtype(wire)) : at::Tensor();
-    auto r = hook_.launch(*comm_, grad, shard);
+    auto r = detail::AcrossReplicas(hook_.launch(comm, grad, shard), across, shard);
     if constexpr (shards) bucket.request.emplace(std::move(r), shard, bucket.shard, grad);
     else bucket.request.emplace(std::move(r), grad, bucket.grad, at::Tensor());
   }
@@ -454,6 +504,8 @@ class GradientBuckets {
 
   const BucketLayout* layout_;
   Comm* comm_;
+  Comm* group_;     // sharded: where the hook reduces
+  Comm* replicas_;  // hybrid sharding: where shards are summed next
   bool find_unused_;
   std::function<void(std::size_t)> on_complete_;
   std::optional<at::ScalarType> reduce_dtype_;

@@ -35,6 +35,8 @@ namespace paratrain {
 // - name the bucket hook its gradients need (`gradient_hook`), and say whether forward
 //   gathers parameters (`gathers_in_forward`: Note [Unusable batches]);
 // - own the optimizer, with the user's parameter groups (Note [Optimizer on pieces]);
+// - name the ranks its gradients are reduced over (`group`) and, for hybrid sharding,
+//   those each shard is then summed across (`replicas`, else null): Note [Hybrid sharding];
 // - around every step: begin_step() when a new step's gradients start, step(grads) with
 //   the reduced gradients, end_step() after a step in which this rank ran forward, and
 //   replay_gathers() in a step in which it ran none (Note [Joining at stage 3]);
@@ -84,6 +86,8 @@ concept parameter_store =
       { S::gathers_in_forward } -> std::convertible_to<bool>;
       { cs.layout() } -> std::same_as<const BucketLayout&>;
       { s.optimizer() } -> std::same_as<typename S::optimizer_type&>;
+      { s.group() } -> std::same_as<Comm&>;
+      { s.replicas() } -> std::same_as<Comm*>;
       s.begin_step();
       s.step(grads);
       s.end_step();

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "paratrain/concepts/checkpointable.hpp"
+#include "paratrain/core/error.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/detail/state_slices.hpp"
 #include "paratrain/strategy/detail/tensor_bytes.hpp"
@@ -34,13 +35,22 @@ class ReplicatedParameters {
   ReplicatedParameters(const torch::nn::Module& model, Comm& comm, BucketOptions bucketing, ParamGroups groups,
                        OptimOptions defaults)
       : layout_(model, bucketing, [](auto&, auto&) { return -1; }, comm.rank()),
-        optimizer_(std::make_unique<Optim>(std::move(groups), std::move(defaults))) {}
+        comm_(&comm),
+        optimizer_(std::make_unique<Optim>(std::move(groups), std::move(defaults))) {
+    if (bucketing.shard_group != 0 && bucketing.shard_group != comm.size())
+      throw error("DataParallel", comm.rank(),
+                  "DataParallelOptions::shard_group is " + std::to_string(bucketing.shard_group) +
+                      ", but DDP shards nothing: hybrid sharding is a ZeRO option (Sharded<Optimizer, Stage>)");
+  }
 
   ReplicatedParameters(const ReplicatedParameters&) = delete;
   ReplicatedParameters& operator=(const ReplicatedParameters&) = delete;
 
   [[nodiscard]] const BucketLayout& layout() const noexcept { return layout_; }
   [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }
+  /// Nothing is sharded: every rank reduces with every other (Note [Hybrid sharding]).
+  [[nodiscard]] Comm& group() noexcept { return *comm_; }
+  [[nodiscard]] Comm* replicas() noexcept { return nullptr; }
 
   void begin_step() noexcept {}
   /// Steps every parameter with its all-reduced gradient (a view into its bucket).
@@ -71,6 +81,7 @@ class ReplicatedParameters {
 
  private:
   BucketLayout layout_;
+  Comm* comm_;
   std::unique_ptr<Optim> optimizer_;
 };
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -46,6 +47,23 @@ namespace paratrain {
 // so the optimizer skips it exactly as on one device. An optimizer that couples the
 // elements of a parameter (LAMB's trust ratio, Shampoo) would need the whole parameter
 // and is not supported sharded.
+
+// Note [Hybrid sharding]
+// With DataParallelOptions::shard_group = G (a divisor of the world size W), ZeRO shards
+// over groups of G consecutive ranks and replicates across the W/G groups, as FSDP2's
+// 2-D mesh (HSDP), ZeRO++'s hpZ and Megatron's distributed-optimizer instances do: the
+// sharding traffic (every all-gather, and the reduce-scatter) stays inside a group, a
+// node's ranks say, and only each shard's sum crosses groups. Two communicators are split
+// once at construction: `group` (the G ranks of this rank's group, rank r at index r % G)
+// and `replicas` (the W/G ranks holding the same shard, one per group). A bucket is padded
+// to a multiple of G and cut into G shards; its gradients are reduce-scattered in the
+// group, then the shard all-reduced across the replicas (one request, started in bucket
+// order when the reduce-scatter completes: Note [Bucket order] keeps both streams in
+// order on every rank); parameters are all-gathered in the group. Everything that
+// involves all ranks (the step agreement, the sample count, clipping's norm of the
+// shards: summed over one group, which holds every shard once) is unchanged. Checkpoints
+// list each rank's pieces as today; the replicas outside group 0 mark theirs as copies
+// (TensorSlice::saved false), so that every element is written once and loaded by all.
 
 namespace detail {
 
@@ -134,6 +152,10 @@ class ShardedParameters final : public detail::UnitObserver {
 
   [[nodiscard]] const BucketLayout& layout() const noexcept { return layout_; }
   [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }
+  /// The ranks this one shards with, and (hybrid sharding only) those holding the same
+  /// shard in the other groups: Note [Hybrid sharding].
+  [[nodiscard]] Comm& group() noexcept { return group_; }
+  [[nodiscard]] Comm* replicas() noexcept { return replicas_ ? &*replicas_ : nullptr; }
 
   /// Steps this rank's pieces with the reduced gradients in `grads`, then rebuilds the
   /// whole parameters that stay resident (stages 1 and 2; stage 3's root parameters).
@@ -149,7 +171,7 @@ class ShardedParameters final : public detail::UnitObserver {
     optimizer_->step();
     std::vector<GatherRequest> gathers;
     for (auto& s : shards_)
-      if (s.resident) gathers.push_back(comm_->iall_gather(s.shard, s.full));
+      if (s.resident) gathers.push_back(group_.iall_gather(s.shard, s.full));
     for (auto& r : gathers) r.wait();
   }
 
@@ -221,6 +243,7 @@ class ShardedParameters final : public detail::UnitObserver {
     for (const auto& piece : pieces_) piece_of.emplace(piece.param, &piece);
     const auto slice_of = [&](const std::string& name, const at::Tensor& whole, std::size_t i) {
       TensorSlice s{name, whole.sizes().vec(), 0, at::empty({0}, whole.options()), /*replicated=*/false};
+      s.saved = !replicas_ || replicas_->rank() == 0;  // Note [Hybrid sharding]
       if (auto it = piece_of.find(i); it != piece_of.end()) {
         const auto& piece = *it->second;
         s.begin = shard_begin(piece.bucket) + piece.begin - layout_.params()[i].offset;
@@ -269,8 +292,22 @@ class ShardedParameters final : public detail::UnitObserver {
     }
   }
   static BucketOptions padded(BucketOptions bucketing, const Comm& comm) {
-    bucketing.pad_to = comm.size();
+    const int g = bucketing.shard_group;
+    if (g < 0 || (g > 0 && comm.size() % g != 0))
+      throw error("DataParallel", comm.rank(),
+                  "DataParallelOptions::shard_group is " + std::to_string(g) + " but the world has " +
+                      std::to_string(comm.size()) +
+                      " ranks; ZeRO shards over groups of shard_group ranks and replicates across them, so it must "
+                      "divide the world size (0: shard over every rank)");
+    bucketing.pad_to = g > 0 ? g : comm.size();
     return bucketing;
+  }
+
+  // Note [Hybrid sharding]: this rank's group of `g` consecutive ranks (the whole world
+  // for g = 0 or W), or (`across`) the ranks at its index in every group.
+  static Comm sharding_group(Comm& comm, int g, bool across) {
+    if (g <= 0 || g >= comm.size()) return comm;
+    return across ? comm.split(comm.rank() % g, comm.rank()) : comm.split(comm.rank() / g, comm.rank());
   }
 
   template <class OptimOptions>
@@ -283,7 +320,11 @@ class ShardedParameters final : public detail::UnitObserver {
                 },
                 comm.rank()),
         comm_(&comm),
-        gather_comm_(gather_communicator(comm)),
+        group_(sharding_group(comm, bucketing.shard_group, false)),
+        replicas_(bucketing.shard_group > 0 && bucketing.shard_group < comm.size()
+                      ? std::optional<Comm>(sharding_group(comm, bucketing.shard_group, true))
+                      : std::nullopt),
+        gather_comm_(gather_communicator(group_)),
         units_(std::move(units.units)),
         prefetch_(static_cast<std::size_t>(std::max(0, bucketing.prefetch))) {
     const auto& layout = layout_;
@@ -315,7 +356,8 @@ class ShardedParameters final : public detail::UnitObserver {
         p.tensor.set_data(view);  // the parameter now lives in the flat buffer
       }
       const auto n = layout.shard_numel(b);
-      s.shard = s.resident ? s.full.narrow(0, rank * n, n) : s.full.narrow(0, rank * n, n).clone();
+      const auto at = group_.rank() * n;  // this rank's shard in its group: Note [Hybrid sharding]
+      s.shard = s.resident ? s.full.narrow(0, at, n) : s.full.narrow(0, at, n).clone();
       if (!s.resident) detail::release_storage(s.full);
     }
     check_same_initialisation(constructed, units.names);
@@ -386,7 +428,7 @@ class ShardedParameters final : public detail::UnitObserver {
   }
 
   [[nodiscard]] std::int64_t shard_begin(std::size_t b) const {
-    return comm_->rank() * layout_.shard_numel(b);
+    return group_.rank() * layout_.shard_numel(b);
   }
 
   void make_pieces() {
@@ -496,6 +538,8 @@ class ShardedParameters final : public detail::UnitObserver {
 
   BucketLayout layout_;  // first: everything below is laid out by it
   Comm* comm_;
+  Comm group_;                    // the ranks this one shards with: Note [Hybrid sharding]
+  std::optional<Comm> replicas_;  // hybrid only: the ranks holding the same shard
   Comm gather_comm_;
   std::vector<detail::UnitBase*> units_;
   std::vector<UnitState> units_state_ = std::vector<UnitState>(units_.size());

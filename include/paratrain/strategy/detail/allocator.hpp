@@ -35,6 +35,19 @@ namespace paratrain::detail {
 //   - PARATRAIN_MALLOC=default asks for glibc's own behaviour (the opt-out), or
 //   - another allocator (jemalloc, tcmalloc) is preloaded: mallopt then does not reach it.
 // benchmarks/*_vs_torch.sh give PyTorch the same two values ("at its best").
+//
+// Revisited with ZeRO's transients pooled (Note [Pooled transients]), on the 16.8M-
+// parameter MLP at 2 ranks (bench_zero, peak RSS above the process's baseline against
+// plan::peak, which equals the tensors' peak counted at LibTorch's allocator):
+//   these settings          DDP 6.10 steps/s, 353 MiB (plan 288); ZeRO-3 5.73, 379 (240)
+//   glibc's own             DDP 4.17,         353;                ZeRO-3 4.55, 367
+//   trim threshold 128 MiB  DDP 6.08,         378;                ZeRO-3 5.85, 342
+//   mmap threshold 1 MiB    DDP 3.43,         308;                ZeRO-3 3.41, 320
+// Lower thresholds do not bring the peak down to the tensors' (what is left is the heap's
+// fragments around the optimizer's long-lived state, and Open MPI's scratch for a
+// non-blocking collective: ZeRO-3 at 1 rank, with no collective to speak of, is 6% above
+// its plan under the 1 MiB threshold, at 2 ranks 20%) and cost 6-45% of the step rate;
+// so the settings stay.
 
 /// Applies Note [Allocator] once per process; later calls do nothing.
 inline void tune_allocator() noexcept {
