@@ -302,8 +302,8 @@ TEST_CASE("ZeRO-3 built sharded: a plain construction's initial values, and neve
     initial = s.full_parameters();
   }
   // What the strategy keeps (its shards, the parameter outside units, the gradients' shards),
-  // plus at most two units while one is built: Note [Sharded construction].
-  const auto bound = static_cast<std::int64_t>(held.total()) + 2 * unit_bytes;
+  // plus one unit while it is built (the issue's bound allows two): Note [Sharded construction].
+  const auto bound = static_cast<std::int64_t>(held.total()) + unit_bytes;
   CAPTURE(peak);
   CAPTURE(bound);
   CHECK(peak <= bound);

@@ -405,7 +405,7 @@ class DataParallel {
   static ParamGroups all_parameters(Model& model) { return {torch::optim::OptimizerParamGroup(model->parameters())}; }
 
   /// `make(comm)` as the model: `build()` inside a ShardedConstruction at stage 3 (Note
-  /// [Sharded construction]), on options.device (default: the communicator's device).
+  /// [Sharded construction]), placed as options.build says (default: the communicator's device).
   template <class Build>
   static auto sharded_build(Build& build, const Options& options) {
     return [&build, &options](Comm& comm) -> Model {

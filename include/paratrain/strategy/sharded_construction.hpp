@@ -39,8 +39,9 @@ namespace paratrain {
 // parameters a plain construction makes (tests compare them).
 //
 // What this costs and bounds: while unit u is built, a rank holds the shards of units
-// 0..u-1, u's parameters as its layer made them, and one flat bucket of u (at most u's
-// size): the shards plus two units. A unit's buckets depend on the unit alone (its
+// 0..u-1 and u's parameters as its layer made them; each shard is copied straight from
+// the parameters, so the whole unit is never copied: the shards plus one unit (a layer
+// that makes temporaries while it initialises may add its own). A unit's buckets depend on the unit alone (its
 // parameters in reverse order, cut at the bucket cap, padded to N: Note [Shard layout]),
 // so the strategy's layout, built later over the whole model, finds exactly these
 // buckets and adopts them.
@@ -84,6 +85,15 @@ inline void release_storage(at::Tensor& full) {
   auto* s = full.storage().unsafeGetStorageImpl();
   s->set_data_ptr_noswap(at::DataPtr(nullptr, full.device()));
   s->set_nbytes(0);
+}
+
+/// A flat tensor of `numel` elements whose storage says its size but holds no memory (its
+/// data is allocated when a gather needs it: allocate_storage).
+inline at::Tensor storage_less(std::int64_t numel, const at::TensorOptions& options) {
+  const auto bytes = static_cast<std::size_t>(numel) * options.dtype().itemsize();
+  at::Storage storage(at::Storage::use_byte_size_t(), bytes, at::DataPtr(nullptr, options.device()),
+                      at::GetAllocator(options.device().type()), /*resizable=*/false);
+  return at::empty({0}, options).set_(storage, 0, {numel}, {1});
 }
 
 /// Mixes a flat buffer's bytes into `h`, a bounded chunk at a time (copied to the CPU
@@ -158,17 +168,23 @@ class ShardedConstruction {
     detail::Fnv1a h;
     const auto& layout = out->layout;
     for (std::size_t b = 0; b < layout.buckets().size(); ++b) {
-      auto full = layout.zeros(b);
-      for (auto i : layout.buckets()[b].params) {
+      // This rank's shard straight from the parameters, and the whole bucket a tensor
+      // without memory: the unit is never copied whole.
+      const auto& bucket = layout.buckets()[b];
+      const auto n = layout.shard_numel(b), begin = rank_ * n;
+      auto shard = at::zeros({n}, bucket.options);
+      auto full = detail::storage_less(bucket.padded, bucket.options);
+      for (auto i : bucket.params) {
         const auto& p = layout.params()[i];
-        layout.view(full, i).copy_(p.tensor.detach());
+        const auto flat = p.tensor.detach().reshape({-1});
+        detail::hash_values(h, flat.contiguous());
+        const auto lo = std::max(begin, p.offset), hi = std::min(begin + n, p.offset + p.tensor.numel());
+        if (lo < hi) shard.narrow(0, lo - begin, hi - lo).copy_(flat.narrow(0, lo - p.offset, hi - lo));
         p.tensor.set_data(layout.view(full, i));  // frees the layer's own storage
         sharded_.insert(p.tensor.unsafeGetTensorImpl());
       }
-      const auto n = layout.shard_numel(b);
-      detail::hash_values(h, full);
-      out->shard.push_back(full.narrow(0, rank_ * n, n).clone());
       detail::release_storage(full);
+      out->shard.push_back(std::move(shard));
       out->full.push_back(std::move(full));
     }
     out->checksum = h.value62();

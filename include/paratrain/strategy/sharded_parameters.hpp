@@ -9,6 +9,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -307,7 +308,12 @@ class ShardedParameters final : public detail::UnitObserver {
   // for g = 0 or W), or (`across`) the ranks at its index in every group.
   static Comm sharding_group(Comm& comm, int g, bool across) {
     if (g <= 0 || g >= comm.size()) return comm;
-    return across ? comm.split(comm.rank() % g, comm.rank()) : comm.split(comm.rank() / g, comm.rank());
+    if constexpr (requires { { comm.split(0, 0) } -> std::same_as<Comm>; })
+      return across ? comm.split(comm.rank() % g, comm.rank()) : comm.split(comm.rank() / g, comm.rank());
+    else
+      throw error("DataParallel", comm.rank(),
+                  "hybrid sharding (DataParallelOptions::shard_group) splits the communicator into groups, and this "
+                  "one has no `Comm split(int color, int key) const`; see docs/communicators.md");
   }
 
   template <class OptimOptions>
