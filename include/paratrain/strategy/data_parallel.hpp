@@ -450,7 +450,7 @@ class DataParallel {
   template <class Make, class Groups, class OptimOptions>
   DataParallel(Built, Make&& make, Comm comm, Groups&& groups, OptimOptions defaults, Options options)
       : comm_(std::move(comm)),
-        model_((detail::tune_allocator(), make(comm_))),
+        model_((static_cast<void>(detail::tune_allocator()), make(comm_))),
         options_(options),
         device_(detail::device_of(*model_)) {
     if (options.build.device && *options.build.device != device_)
