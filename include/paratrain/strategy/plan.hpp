@@ -280,26 +280,38 @@ struct Peak {
   return out;
 }
 
+namespace detail {
+/// LibTorch's optimizers: K (state bytes per fp32 parameter) and a step's scratch bytes
+/// per element (optimizer_bytes, scratch_bytes).
+struct OptimizerEntry {
+  std::string_view name;
+  double state;
+  double scratch;
+};
+inline constexpr std::array<OptimizerEntry, 7> optimizers{{{"sgd", 0, 0},
+                                                           {"sgd_momentum", 4, 0},
+                                                           {"adam", 8, 8},
+                                                           {"adamw", 8, 8},
+                                                           {"adagrad", 4, 8},
+                                                           {"rmsprop", 4, 8},
+                                                           {"rmsprop_momentum", 8, 8}}};
+inline std::string optimizer_names() {
+  std::string names;
+  for (const auto& e : optimizers) names += (names.empty() ? "" : ", ") + std::string(e.name);
+  return names;
+}
+}  // namespace detail
+
 /// Bytes of temporaries per element an optimizer step of a LibTorch optimizer allocates
 /// (on fp32 parameters): "adam" and "adamw" 8 (the denominator and its square root), "sgd"
 /// 0 (4 with weight decay: the decayed gradient), "sgd_momentum" 0, "rmsprop" 8, "adagrad" 8.
 /// The names of optimizer_bytes; others throw, naming them.
 [[nodiscard]] inline double scratch_bytes(std::string_view optimizer) {
-  struct Entry {
-    std::string_view name;
-    double bytes;
-  };
-  static constexpr std::array<Entry, 7> table{{{"sgd", 0},
-                                               {"sgd_momentum", 0},
-                                               {"adam", 8},
-                                               {"adamw", 8},
-                                               {"adagrad", 8},
-                                               {"rmsprop", 8},
-                                               {"rmsprop_momentum", 8}}};
-  for (const auto& e : table)
-    if (e.name == optimizer) return e.bytes;
+  for (const auto& e : detail::optimizers)
+    if (e.name == optimizer) return e.scratch;
   throw error("plan::scratch_bytes", -1,
-              "unknown optimizer \"" + std::string(optimizer) + "\"; set Model::scratch_bytes yourself");
+              "unknown optimizer \"" + std::string(optimizer) + "\"; use one of " + detail::optimizer_names() +
+                  ", or set Model::scratch_bytes yourself");
 }
 
 /// K, the optimizer-state bytes per parameter, of a LibTorch optimizer on fp32 parameters,
@@ -315,23 +327,10 @@ struct Peak {
 /// Per-parameter scalars (Adam's step) are left out. Throws paratrain::error, listing the
 /// names, for any other name.
 [[nodiscard]] inline double optimizer_bytes(std::string_view optimizer, const Precision& precision = fp32) {
-  struct Entry {
-    std::string_view name;
-    double bytes;
-  };
-  static constexpr std::array<Entry, 7> table{{{"sgd", 0},
-                                               {"sgd_momentum", 4},
-                                               {"adam", 8},
-                                               {"adamw", 8},
-                                               {"adagrad", 4},
-                                               {"rmsprop", 4},
-                                               {"rmsprop_momentum", 8}}};
-  for (const auto& e : table)
-    if (e.name == optimizer) return e.bytes + precision.master_bytes;
-  std::string names;
-  for (const auto& e : table) names += (names.empty() ? "" : ", ") + std::string(e.name);
+  for (const auto& e : detail::optimizers)
+    if (e.name == optimizer) return e.state + precision.master_bytes;
   throw error("plan::optimizer_bytes", -1,
-              "unknown optimizer \"" + std::string(optimizer) + "\"; use one of " + names +
+              "unknown optimizer \"" + std::string(optimizer) + "\"; use one of " + detail::optimizer_names() +
                   ", or set Model::optimizer_bytes (K) yourself");
 }
 
