@@ -63,7 +63,7 @@ class BucketLayout {
     std::int64_t offset = 0;  ///< in the bucket's flat buffer
   };
   struct Bucket {
-    std::vector<std::size_t> params;  ///< indices into params(), in layout order
+    std::vector<std::size_t> params{};  ///< indices into params(), in layout order
     std::int64_t numel = 0;           ///< real elements
     std::int64_t padded = 0;          ///< numel rounded up to a multiple of pad_to
     int unit = -1;

@@ -39,7 +39,8 @@ namespace paratrain {
 // completed and left this rank's shard, which the gradient hooks test in order while
 // backward runs; the rest are freed in finish(). The whole buffers alive at once are then
 // those of the buckets whose gradients are still arriving or in flight, not the whole
-// model's; paratrain::plan::peak counts two of the largest (Note [Peak memory model]).
+// model's: at most three, from a pool (Note [Pooled transients]), which
+// paratrain::plan::peak counts (Note [Peak memory model]).
 
 // Note [Exact averaging]
 // Each rank back-propagates loss * n (n = its sample count this step), so its gradient
