@@ -116,19 +116,27 @@ torch::Device device_for(const Args& args) {
   return paratrain::local_device(args.device);
 }
 
-// The strategy over its communicator: comm::Nccl started from the launcher's variables;
-// LocalDataParallel's replicas on the CPU for --device cpu (on the GPUs otherwise, where any).
+// The strategy over its communicator, with the model on `device`: comm::Nccl started from
+// the launcher's variables; LocalDataParallel's replicas on the CPU for --device cpu (on the
+// GPUs otherwise, where any); over MPI or Gloo the strategy builds the model itself, so that
+// at ZeRO stage 3 each layer is sharded as it is built and no rank ever holds the whole
+// model (docs/sharding.md, "sharded construction"; every rank has seeded alike).
 template <class S>
-S make_strategy(Net net, double lr, const torch::Device& device) {
+S make_strategy(double lr, const torch::Device& device) {
+  const auto net = [&] {
+    Net n;
+    n->to(device);  // the strategy moves each batch there (Note [One move per batch])
+    return n;
+  };
   if constexpr (uses_nccl<S>) {
 #if PARATRAIN_HAS_NCCL
     paratrain::comm::Rendezvous meeting;
-    return S(std::move(net), paratrain::comm::Nccl(meeting), torch::optim::AdamOptions(lr));
+    return S(net(), paratrain::comm::Nccl(meeting), torch::optim::AdamOptions(lr));
 #endif
   } else if constexpr (!requires { typename S::communicator_type; }) {
-    return S(std::move(net), torch::optim::AdamOptions(lr), {.cpu = device.is_cpu()});
+    return S(net(), torch::optim::AdamOptions(lr), {.cpu = device.is_cpu()});
   } else {
-    return S(std::move(net), torch::optim::AdamOptions(lr));
+    return S([] { return Net(); }, torch::optim::AdamOptions(lr), {.build = {.device = device}});
   }
 }
 
@@ -151,11 +159,9 @@ int train(const Args& args) {
   const auto n = args.train_samples > 0 ? std::min(args.train_samples, all.size()) : all.size();
   const paratrain::data::Subset train(all, torch::arange(n, torch::kLong));
 
-  torch::manual_seed(0);
+  torch::manual_seed(0);  // the same initial values on every rank
   const auto device = device_for<Strategy>(args);
-  Net net;
-  net->to(device);  // the strategy moves each batch there (Note [One move per batch])
-  Strategy strategy = make_strategy<Strategy>(net, args.lr, device);
+  Strategy strategy = make_strategy<Strategy>(args.lr, device);
   const bool root = strategy.rank() == 0;
   if (root)
     std::printf("Fashion-MNIST, %s, %d process(es) on %s, batch %lld per process, %d epochs\n", name_of<Strategy>(),
