@@ -120,8 +120,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       const auto& b = options.data_parallel.build;
       const auto device = b.device ? *b.device : paratrain::detail::communicator_device(world_);
       {
-        const int n = stage_replicas.size(), g = options.data_parallel.shard_group;
-        const int group = g > 0 && g < n ? g : n;  // Note [Hybrid sharding]: consecutive replicas
+        // Note [Hybrid sharding]: groups of consecutive replicas.
+        const int group = paratrain::detail::sharding_group_size(stage_replicas.size(),
+                                                                 options.data_parallel.shard_group, world_.rank());
         const ShardedConstruction scope(stage_replicas.rank() % group, group, options.data_parallel.bucket_cap_bytes,
                                         device, b.dtype);
         build(stages, std::index_sequence_for<Stage...>{});

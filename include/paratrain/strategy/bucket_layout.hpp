@@ -51,6 +51,21 @@ struct BucketOptions {
   int shard_group = 0;
 };
 
+namespace detail {
+/// The ranks one shard is cut for, given DataParallelOptions::shard_group over a world of
+/// `world` ranks: the group's (Note [Hybrid sharding]), or every rank for 0 and `world`.
+/// Throws, on every rank alike, for a group that does not divide the world.
+inline int sharding_group_size(int world, int shard_group, int rank) {
+  if (shard_group < 0 || (shard_group > 0 && world % shard_group != 0))
+    throw error("DataParallel", rank,
+                "DataParallelOptions::shard_group is " + std::to_string(shard_group) + " but the world has " +
+                    std::to_string(world) +
+                    " ranks; ZeRO shards over groups of shard_group ranks and replicates across them, so it must "
+                    "divide the world size (0: shard over every rank)");
+  return shard_group > 0 ? shard_group : world;
+}
+}  // namespace detail
+
 /// The parameters that require a gradient, bucketed: Note [Bucket order], Note [Shard layout].
 /// A pure description (names, offsets, sizes); the buffers belong to whoever uses it.
 class BucketLayout {

@@ -413,7 +413,7 @@ class DataParallel {
       std::optional<ShardedConstruction> scope;
       if constexpr (stage == 3) {
         // Over this rank's sharding group: Note [Hybrid sharding] (its groups are consecutive ranks).
-        const int g = options.shard_group > 0 && options.shard_group < comm.size() ? options.shard_group : comm.size();
+        const int g = detail::sharding_group_size(comm.size(), options.shard_group, comm.rank());
         scope.emplace(comm.rank() % g, g, options.bucket_cap_bytes, device, options.build.dtype);
       }
       Model model = build();
@@ -425,8 +425,7 @@ class DataParallel {
 
   /// The ranks a shard is cut for: a hybrid sharding group's, else every rank.
   std::int64_t sharding_ranks(const Options& options) const {
-    return stage > 0 && options.shard_group > 0 && comm_.size() % options.shard_group == 0 ? options.shard_group
-                                                                                         : comm_.size();
+    return stage > 0 ? detail::sharding_group_size(comm_.size(), options.shard_group, comm_.rank()) : comm_.size();
   }
 
   /// The elements of the largest bucket the store will lay out (padded): the plan's.

@@ -192,8 +192,6 @@ class ShardedConstruction {
     return out;
   }
 
-  [[nodiscard]] at::Device device() const noexcept { return device_; }
-
  private:
   int rank_, size_;
   std::size_t cap_bytes_;

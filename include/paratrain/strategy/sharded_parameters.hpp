@@ -293,21 +293,15 @@ class ShardedParameters final : public detail::UnitObserver {
     }
   }
   static BucketOptions padded(BucketOptions bucketing, const Comm& comm) {
-    const int g = bucketing.shard_group;
-    if (g < 0 || (g > 0 && comm.size() % g != 0))
-      throw error("DataParallel", comm.rank(),
-                  "DataParallelOptions::shard_group is " + std::to_string(g) + " but the world has " +
-                      std::to_string(comm.size()) +
-                      " ranks; ZeRO shards over groups of shard_group ranks and replicates across them, so it must "
-                      "divide the world size (0: shard over every rank)");
-    bucketing.pad_to = g > 0 ? g : comm.size();
+    bucketing.pad_to = detail::sharding_group_size(comm.size(), bucketing.shard_group, comm.rank());
     return bucketing;
   }
 
   // Note [Hybrid sharding]: this rank's group of `g` consecutive ranks (the whole world
   // for g = 0 or W), or (`across`) the ranks at its index in every group.
-  static Comm sharding_group(Comm& comm, int g, bool across) {
-    if (g <= 0 || g >= comm.size()) return comm;
+  static Comm sharding_group(Comm& comm, int shard_group, bool across) {
+    const int g = detail::sharding_group_size(comm.size(), shard_group, comm.rank());
+    if (g == comm.size()) return comm;
     if constexpr (requires { { comm.split(0, 0) } -> std::same_as<Comm>; })
       return across ? comm.split(comm.rank() % g, comm.rank()) : comm.split(comm.rank() / g, comm.rank());
     else
@@ -327,9 +321,8 @@ class ShardedParameters final : public detail::UnitObserver {
                 comm.rank()),
         comm_(&comm),
         group_(sharding_group(comm, bucketing.shard_group, false)),
-        replicas_(bucketing.shard_group > 0 && bucketing.shard_group < comm.size()
-                      ? std::optional<Comm>(sharding_group(comm, bucketing.shard_group, true))
-                      : std::nullopt),
+        replicas_(group_.size() < comm.size() ? std::optional<Comm>(sharding_group(comm, bucketing.shard_group, true))
+                                              : std::nullopt),
         gather_comm_(gather_communicator(group_)),
         units_(std::move(units.units)),
         prefetch_(static_cast<std::size_t>(std::max(0, bucketing.prefetch))) {

@@ -60,12 +60,6 @@ class SlotPool {
     const auto size = static_cast<std::int64_t>(c10::elementSize(c10::typeMetaToScalarType(options.dtype())));
     return m.narrow(0, offset, numel * size).view(c10::typeMetaToScalarType(options.dtype()));
   }
-  /// Bytes the pool holds now (slots allocated so far).
-  [[nodiscard]] std::size_t bytes() const {
-    std::size_t n = 0;
-    for (const auto& s : slots_) n += s.memory.defined() ? slot_bytes_ : 0;
-    return n;
-  }
 
  private:
   struct Slot {
