@@ -6,6 +6,7 @@
 // (glibc keeps freed memory resident, so the process's RSS cannot say).
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -51,24 +52,25 @@ class CountingCpuAllocator final : public c10::Allocator {
 #endif
 
  private:
-  struct Block {
-    c10::DataPtr inner;
-    std::size_t bytes;
-  };
+  // Each block's size sits in a 64-byte header before its data, so that the data is its
+  // own context, as raw_allocate asks (oneDNN's bf16 kernels allocate their scratch so).
+  static constexpr std::size_t header = 64;  // c10's alignment
   c10::DataPtr count(std::size_t n) {
-    auto inner = c10::GetDefaultCPUAllocator()->allocate(n);
-    void* data = inner.get();
+    auto* base = static_cast<char*>(c10::alloc_cpu(n + header));
+    *reinterpret_cast<std::size_t*>(base) = n;
+    void* data = base + header;
     const auto now = live_ += static_cast<std::int64_t>(n);
     auto seen = peak_.load();
     while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
     }
-    return {data, new Block{std::move(inner), n}, &release, c10::Device(c10::kCPU)};
+    return {data, data, &release, c10::Device(c10::kCPU)};
   }
-  static void release(void* ctx) {
-    auto* b = static_cast<Block*>(ctx);
-    instance().live_ -= static_cast<std::int64_t>(b->bytes);
-    delete b;
+  static void release(void* data) {
+    auto* base = static_cast<char*>(data) - header;
+    instance().live_ -= static_cast<std::int64_t>(*reinterpret_cast<std::size_t*>(base));
+    c10::free_cpu(base);
   }
+  [[nodiscard]] c10::DeleterFnPtr raw_deleter() const override { return &release; }
   std::atomic<std::int64_t> live_{0}, peak_{0};
   std::int64_t base_ = 0;
 };

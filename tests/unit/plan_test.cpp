@@ -246,6 +246,19 @@ TEST_CASE("plan: the peak of a step adds the pools and the larger of gradients a
   deep.prefetch = 3;
   CHECK(plan::peak(deep, plan::stage::stage3).gradient_buckets == 3 * 200 * 4);
   CHECK(plan::peak(deep, plan::stage::stage3).gathered_units == 4 * 200 * 4);
+  // Under bf16 autocast with units gathered in bf16 (Note [Gathers in the compute type]):
+  // stage 3 copies only the 1000 - 800 parameters outside units (2 bytes each), and its
+  // pool holds bf16 units plus each rank's bf16 shard of them in flight, 2·200·2·(1 + 1/4).
+  auto narrow = m;
+  narrow.autocast_bytes = 2;
+  narrow.gather_bytes = 2;
+  narrow.unit_parameters = 800;
+  CHECK(plan::per_rank(narrow, plan::stage::stage2).autocast_copies == 2000);
+  CHECK(plan::per_rank(narrow, plan::stage::stage3).autocast_copies == 400);
+  CHECK(plan::peak(narrow, plan::stage::stage3).gathered_units == 2 * 200 * 2 * 1.25);
+  CHECK(plan::peak(narrow, plan::stage::stage3).total() == 7200 - 2 * 200 * 4 + 1000 + 400);
+  CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .unit_parameters = 11}, plan::stage::ddp),
+                       doctest::Contains("unit_parameters"), paratrain::error);
   CHECK_THROWS_WITH_AS((void)plan::peak({.parameters = 1, .prefetch = -1}, plan::stage::stage3),
                        doctest::Contains("prefetch"), paratrain::error);
   CHECK_THROWS_WITH_AS((void)plan::scratch_bytes("lamb"), doctest::Contains("scratch_bytes"), paratrain::error);

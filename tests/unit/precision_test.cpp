@@ -100,8 +100,63 @@ TEST_CASE("bf16 autocast under DDP and every ZeRO stage trains as one device und
       check_update<SGD>(p, opts);
       check_update<paratrain::Sharded<SGD, zero::stage1>>(p, opts);
       check_update<paratrain::Sharded<SGD, zero::stage2>>(p, opts);
-      check_update<paratrain::Sharded<SGD, zero::stage3>>(p, opts);
+      check_update<paratrain::Sharded<SGD, zero::stage3>>(p, opts);  // units gathered in bf16
+      check_update<paratrain::Sharded<SGD, zero::stage3>>({.autocast = at::kBFloat16, .reduce = reduce, .gather = at::kFloat}, opts);
     }
+}
+
+namespace {
+
+// A block that notes the type and the values of its weight as its forward sees them.
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl() { fc = register_module("fc", torch::nn::Linear(8, 4)); }
+  torch::Tensor forward(torch::Tensor x) {
+    seen = fc->weight.detach().clone();
+    return fc(x);
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor seen;
+};
+TORCH_MODULE(Probe);
+
+struct ProbedImpl : torch::nn::Module {
+  ProbedImpl() {
+    first = register_module("first", paratrain::Unit<torch::nn::Linear>(8, 8));
+    probe = register_module("probe", paratrain::Unit<Probe>());
+  }
+  torch::Tensor forward(torch::Tensor x) { return probe(torch::tanh(first(x))); }
+  paratrain::Unit<torch::nn::Linear> first{nullptr};
+  paratrain::Unit<Probe> probe{nullptr};
+};
+TORCH_MODULE(Probed);
+
+}  // namespace
+
+TEST_CASE("ZeRO-3 under autocast computes with units gathered in bf16, autocast's rounding of the fp32 masters") {
+  // Note [Gathers in the compute type]: inside the unit's forward its weight is bf16 and
+  // equals the fp32 master weight rounded once, what autocast's own cast gives on one
+  // device; with Precision::gather = at::kFloat it is the fp32 master itself. Either way
+  // the parameters stay fp32 outside the units' forward and backward.
+  comm::Mpi c;
+  const int world = c.size(), rank = c.rank();
+  const paratrain_test::Data data;
+  for (const auto gather : {std::optional<at::ScalarType>{}, std::optional<at::ScalarType>{at::kFloat}}) {
+    CAPTURE(gather.has_value());
+    torch::manual_seed(3);
+    Probed model;
+    paratrain::DataParallel<Probed, comm::Mpi, paratrain::Sharded<SGD, zero::stage3>> dp(
+        model, c, torch::optim::SGDOptions(0.1).momentum(0.9),
+        {.precision = {.autocast = at::kBFloat16, .gather = gather}});
+    for (int step = 0; step < 2; ++step) {
+      const auto master = dp.full_parameters()[2];  // probe.fc.weight, fp32
+      REQUIRE((master.scalar_type() == at::kFloat));
+      dp.step(data.of(world, rank, step, 3 + rank, 8), paratrain_test::loss_fn);
+      const auto& seen = model->probe->seen;
+      CHECK((seen.scalar_type() == (gather ? at::kFloat : at::kBFloat16)));
+      CHECK(torch::equal(seen, gather ? master : master.to(at::kBFloat16)));
+    }
+    for (const auto& q : dp.full_parameters()) CHECK((q.scalar_type() == at::kFloat));
+  }
 }
 
 TEST_CASE("gradients summed in bf16 arrive as bf16 sums: the wire carries bf16, not fp32") {
@@ -180,6 +235,8 @@ TEST_CASE("a type autocast or the reduction cannot use is an error naming the fi
   CHECK(error_of({.autocast = at::kFloat}).find("autocast computes in at::kBFloat16") != std::string::npos);
   CHECK(error_of({.reduce = at::kInt}).find("summed in a floating type") != std::string::npos);
   CHECK(error_of({.reduce = at::kHalf}).find("with fp32's range") != std::string::npos);
+  CHECK(error_of({.gather = at::kBFloat16}).find("without autocast") != std::string::npos);
+  CHECK(error_of({.autocast = at::kBFloat16, .gather = at::kHalf}).find("or in fp32") != std::string::npos);
 }
 
 TEST_CASE("bf16 autocast under every pipeline schedule trains as one device under the same policy") {

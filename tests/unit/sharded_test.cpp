@@ -357,8 +357,9 @@ namespace {
 // What a rank's tensors hold at most over two steps, from before its strategy is built,
 // counted at LibTorch's allocator; and the plan's figure for the same model and stage.
 template <class Update>
-std::pair<double, double> tensor_peak_and_plan(comm::Mpi c) {
-  const paratrain::DataParallelOptions options{.bucket_cap_bytes = 2 << 20, .first_bucket_cap_bytes = 2 << 20};
+std::pair<double, double> tensor_peak_and_plan(comm::Mpi c, paratrain::Precision precision = {}) {
+  const paratrain::DataParallelOptions options{
+      .bucket_cap_bytes = 2 << 20, .first_bucket_cap_bytes = 2 << 20, .precision = precision};
   const CountingCpuAllocator::Scope counting;
   torch::manual_seed(8);
   paratrain::DataParallel<Tower, comm::Mpi, Update> s([] { return Tower(6, 512); }, std::move(c),
@@ -389,4 +390,15 @@ TEST_CASE("plan::peak is what a rank's tensors hold at most, at every stage (cou
   check(tensor_peak_and_plan<Sharded<Adam, zero::stage1>>(c), "ZeRO-1");
   check(tensor_peak_and_plan<Sharded<Adam, zero::stage2>>(c), "ZeRO-2");
   check(tensor_peak_and_plan<Sharded<Adam, zero::stage3>>(c), "ZeRO-3");
+  // Under bf16 autocast: the copies autocast keeps of every weight (DDP, and ZeRO-3
+  // gathering fp32), which ZeRO-3 gathering its units in bf16 does not make (Note [Gathers
+  // in the compute type]): its peak falls by about those copies, 2 bytes a unit parameter.
+  const paratrain::Precision bf16{.autocast = at::kBFloat16};
+  check(tensor_peak_and_plan<Adam>(c, bf16), "DDP under autocast");
+  const auto fp32_gathers = tensor_peak_and_plan<Sharded<Adam, zero::stage3>>(c, {.autocast = at::kBFloat16, .gather = at::kFloat});
+  check(fp32_gathers, "ZeRO-3 under autocast, fp32 gathers");
+  const auto bf16_gathers = tensor_peak_and_plan<Sharded<Adam, zero::stage3>>(c, bf16);
+  check(bf16_gathers, "ZeRO-3 under autocast, bf16 gathers");
+  const double copies = 2.0 * 6 * (512 * 512 + 512);
+  CHECK(fp32_gathers.first - bf16_gathers.first >= 0.8 * copies);
 }

@@ -40,6 +40,9 @@ stages 1-3 (Rajbhandari et al. 2019), in GB (1e9 bytes) and MiB.
                          copies of the weights from forward to backward; none (default)
   --reduce T             bf16 or fp32: the type gradients are summed in across ranks
                          (Precision::reduce); default: B_g
+  --gather T             with --autocast bf16: the type ZeRO-3 gathers units in
+                         (Precision::gather): bf16 (default; no autocast copies of units,
+                         taken to hold every parameter) or fp32
   --bucket SIZE          the largest gradient bucket (25MiB: DataParallel's default cap;
                          at least the largest parameter): adds the peak of a step
   --unit N               the largest paratrain::Unit's parameter count (ZeRO-3's gathers)
@@ -132,6 +135,7 @@ plan::Model parse(int argc, char** argv) {
   double activations = 0;
   std::int64_t buckets = 0;
   double autocast_bytes = 0, reduce_bytes = 0;
+  std::optional<double> gather_bytes;
   double bucket_bytes = 0, unit = 0, largest = 0;
   std::int64_t prefetch = 1;
 
@@ -160,6 +164,11 @@ plan::Model parse(int argc, char** argv) {
     else if (flag == "--buckets") buckets = whole("--buckets", value);
     else if (flag == "--autocast") autocast_bytes = autocast_copy_bytes(value);
     else if (flag == "--reduce") reduce_bytes = reduced_bytes(value);
+    else if (flag == "--gather") {
+      if (value == "bf16") gather_bytes = 2;
+      else if (value == "fp32") gather_bytes = 4;
+      else throw usage_error("--gather is bf16 or fp32, not \"" + std::string(value) + "\"");
+    }
     else if (flag == "--bucket") bucket_bytes = bytes("--bucket", value);
     else if (flag == "--unit") unit = parameter_count(value);
     else if (flag == "--largest-param") largest = parameter_count(value);
@@ -174,6 +183,10 @@ plan::Model parse(int argc, char** argv) {
   // paratrain's autocast keeps fp32 parameters and adds 2-byte copies; parameters held in
   // 2 bytes already (ZeRO's mixed precision) are not copied.
   const double b_p = param_bytes.value_or(precision.param_bytes);
+  if (gather_bytes && autocast_bytes == 0)
+    throw usage_error("--gather is the type ZeRO-3 gathers units in under autocast: give --autocast bf16 too");
+  // Precision::gather's default: autocast's type (Note [Gathers in the compute type]).
+  const double gather = autocast_bytes > 0 ? gather_bytes.value_or(2) : 0;
   if (autocast_bytes > 0 && b_p <= 2)
     throw usage_error("--autocast adds bf16 copies of fp32 parameters, and these are 2 bytes already (--precision "
                       "mixed or --param-bytes): leave out --autocast, or keep fp32 parameters");
@@ -187,6 +200,8 @@ plan::Model parse(int argc, char** argv) {
           .buckets = buckets,
           .autocast_bytes = autocast_bytes,
           .reduce_bytes = reduce_bytes,
+          .gather_bytes = gather,
+          .unit_parameters = gather > 0 ? *params : 0,
           .bucket_elements = bucket_bytes / grad_bytes.value_or(precision.grad_bytes),
           .unit_elements = unit,
           .prefetch = prefetch,

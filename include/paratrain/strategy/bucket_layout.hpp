@@ -43,12 +43,6 @@ struct BucketOptions {
   std::size_t first_cap_bytes = std::size_t{1} << 20;
   /// Each bucket is padded to a multiple of this (the number of ranks, when sharded).
   std::int64_t pad_to = 1;
-  /// ZeRO-3: units gathered ahead of the one computing (Note [Pooled transients]); the
-  /// layout itself ignores it.
-  int prefetch = 1;
-  /// ZeRO: the ranks of one sharding group (Note [Hybrid sharding]); 0: all. The layout
-  /// itself ignores it.
-  int shard_group = 0;
 };
 
 namespace detail {

@@ -474,6 +474,7 @@ class DataParallel {
                       "; it is how many units ZeRO-3 gathers ahead, 0 or more");
     plan_ = detail::plan_of(*model_, sharding_ranks(options), largest_bucket(options), options.prefetch, defaults,
                             options.precision.autocast.has_value(), options.precision.reduce.has_value(),
+                            stage == 3 && detail::gather_type(options.precision).has_value(),
                             options.memory.activation_bytes);
     if (options.memory.check) {
       double held = 0;  // what the model holds on this rank now: whole parameters, or shards
@@ -483,11 +484,12 @@ class DataParallel {
     }
     detail::broadcast_coalesced(comm_, whole, 0);
     detail::broadcast_coalesced(comm_, model_->buffers(), 0);
-    const BucketOptions bucketing{.cap_bytes = options.bucket_cap_bytes,
-                                  .first_cap_bytes = options.first_bucket_cap_bytes,
-                                  .prefetch = options.prefetch,
-                                  .shard_group = options.shard_group};  // padding: the store's
-    store_ = std::make_unique<Store>(*model_, comm_, bucketing, groups(model_), std::move(defaults));
+    const StoreOptions store{
+        .bucketing = {.cap_bytes = options.bucket_cap_bytes, .first_cap_bytes = options.first_bucket_cap_bytes},
+        .shard_group = options.shard_group,
+        .prefetch = options.prefetch,
+        .gather = detail::gather_type(options.precision)};
+    store_ = std::make_unique<Store>(*model_, comm_, store, groups(model_), std::move(defaults));
     grads_ = std::make_unique<Grads>(store_->layout(), comm_, options.find_unused_parameters,
                                      [s = store_.get()](std::size_t b) { s->on_gradients_complete(b); },
                                      options.precision.reduce, &store_->group(), store_->replicas());

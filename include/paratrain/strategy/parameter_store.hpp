@@ -10,6 +10,7 @@
 #include <concepts>
 #include <cstddef>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "paratrain/strategy/optimizer_state.hpp"
@@ -47,6 +48,19 @@ namespace paratrain {
 // Every call a store makes on the communicator is collective, in the same order on every
 // rank. New stores (pooled transient buffers, sharded construction, bf16 gathers) plug in
 // here without touching the step protocol.
+
+/// What DataParallel tells the parameter store it builds.
+struct StoreOptions {
+  /// The buckets' sizes (their padding is the store's).
+  BucketOptions bucketing;
+  /// ZeRO: the ranks of one sharding group; 0: all (Note [Hybrid sharding]). DDP refuses one.
+  int shard_group = 0;
+  /// ZeRO-3: units gathered ahead of the one computing (Note [Pooled transients]).
+  int prefetch = 1;
+  /// ZeRO-3: the type units are gathered in for a forward under autocast to that type, and
+  /// for its backward; empty: the parameters' own (Note [Gathers in the compute type]).
+  std::optional<at::ScalarType> gather;
+};
 
 /// Bytes a strategy holds between steps for the model's states on this rank.
 struct ModelStateBytes {

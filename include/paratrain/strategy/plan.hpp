@@ -39,8 +39,9 @@ namespace paratrain::plan {
 // Under autocast (paratrain::Precision::autocast, Note [Mixed precision]) parameters,
 // gradients and optimizer state stay fp32, and each rank also holds autocast's
 // low-precision copies of the weights from forward to backward: Model::autocast_bytes
-// per parameter (2 for bf16), for the whole model at every stage (at stage 3 the copies
-// outlive the gathered units), unless units recompute their activations. The gradients
+// per parameter (2 for bf16), for the whole model at every stage, unless units recompute
+// their activations; at stage 3 with gathers in the compute type (Model::gather_bytes,
+// Note [Gathers in the compute type]) only for the parameters outside units. The gradients
 // a rank hands to the step's collectives (gradient_traffic) are Model::reduce_bytes per
 // parameter: 2 where Precision::reduce is bf16.
 
@@ -113,6 +114,12 @@ struct Model {
   /// Bytes per gradient element summed across ranks: 2 with Precision::reduce = bf16;
   /// 0: grad_bytes.
   double reduce_bytes = 0;
+  /// ZeRO-3: bytes per element units are gathered in (2 where they are gathered in bf16
+  /// under autocast: Precision::gather); 0: param_bytes.
+  double gather_bytes = 0;
+  /// The parameters inside paratrain::Units: under gathers narrower than param_bytes,
+  /// stage 3 makes no autocast copies of them.
+  double unit_parameters = 0;
   // What plan::peak adds to the model states (Note [Peak memory model]); 0: left out.
   double bucket_elements = 0;     ///< the largest gradient bucket, in elements
   double unit_elements = 0;       ///< the largest paratrain::Unit, in parameters (ZeRO-3)
@@ -159,6 +166,11 @@ inline void validate(const Model& m) {
   require_non_negative(m.activation_bytes, "activation_bytes", "an estimate in bytes, or 0 to leave activations out");
   require_non_negative(m.autocast_bytes, "autocast_bytes", "2 under bf16 or fp16 autocast, 0 without");
   require_non_negative(m.reduce_bytes, "reduce_bytes", "2 where gradients are summed in bf16, 0 for grad_bytes");
+  require_non_negative(m.gather_bytes, "gather_bytes", "2 where ZeRO-3 gathers units in bf16, 0 for param_bytes");
+  if (!(m.unit_parameters >= 0 && m.unit_parameters <= m.parameters))
+    throw error(operation, -1,
+                "Model::unit_parameters is " + std::to_string(m.unit_parameters) +
+                    "; it counts the parameters inside units, between 0 and Model::parameters");
   if (m.ranks < 1)
     throw error(operation, -1,
                 "Model::ranks is " + std::to_string(m.ranks) +
@@ -183,7 +195,11 @@ inline void validate(const Model& m) {
   const bool grads_sharded = s == stage::stage2 || s == stage::stage3;
   const bool state_sharded = s != stage::ddp;
 
-  Memory out{.strategy = s, .activations = m.activation_bytes, .autocast_copies = m.autocast_bytes * psi};
+  // Units gathered in the compute type have no autocast copies (Note [Gathers in the compute type]).
+  const bool narrow_gathers = s == stage::stage3 && m.gather_bytes > 0 && m.gather_bytes < m.param_bytes;
+  Memory out{.strategy = s,
+             .activations = m.activation_bytes,
+             .autocast_copies = m.autocast_bytes * (narrow_gathers ? psi - m.unit_parameters : psi)};
   out.parameters = params_sharded ? m.param_bytes * psi / n : m.param_bytes * psi;
   out.gradients = grads_sharded ? m.grad_bytes * psi / n : m.grad_bytes * psi;
   out.optimizer_state = state_sharded ? m.optimizer_bytes * psi / n : m.optimizer_bytes * psi;
@@ -227,7 +243,8 @@ inline void validate(const Model& m) {
 //                     (Model::bucket_elements; at stage 3 no bucket is larger than a
 //                     unit), in B_g and, where the sum is narrower, its narrowed copy;
 //   gathered units    stage 3 gathers units into a pool of 1 + prefetch slots of the
-//                     largest unit;
+//                     largest unit, in Model::gather_bytes (B_p where 0), and where that
+//                     is narrower, each rank's shard of them cast to it while in flight;
 // (both pools, once filled in the first step, stay: they bound what steps churn) and the
 // larger of what backward and the optimizer step allocate and free again, which never
 // coexist:
@@ -273,7 +290,11 @@ struct Peak {
     const double narrow = m.reduce_bytes > 0 && m.reduce_bytes < m.grad_bytes ? m.reduce_bytes * (1 + 1 / n) : 0;
     out.gradient_buckets = 3 * bucket * (m.grad_bytes + narrow);
   }
-  if (s == stage::stage3) out.gathered_units = static_cast<double>(1 + m.prefetch) * m.unit_elements * m.param_bytes;
+  if (s == stage::stage3) {
+    const bool narrow = m.gather_bytes > 0 && m.gather_bytes < m.param_bytes;
+    const double unit = m.unit_elements * (narrow ? m.gather_bytes * (1 + 1 / n) : m.param_bytes);
+    out.gathered_units = static_cast<double>(1 + m.prefetch) * unit;
+  }
   out.gradients = 2 * m.largest_parameter * m.grad_bytes;
   const double stepped = s == stage::ddp ? m.largest_parameter : std::min(m.largest_parameter, std::ceil(bucket / n));
   out.optimizer_scratch = m.scratch_bytes * stepped;
@@ -396,9 +417,15 @@ inline std::string significant(double x, int digits = 3) {
           << " bytes";
     s << '\n';
   }
-  if (m.autocast_bytes > 0)
-    s << "\ntotals include autocast's copies of the weights at every stage: " << gb(rows[0].autocast_copies)
-      << " GB (" << m.autocast_bytes << " bytes/parameter)\n";
+  if (m.autocast_bytes > 0) {
+    const bool all = rows[3].autocast_copies == rows[0].autocast_copies;
+    s << "\ntotals include autocast's copies of the weights at every stage" << (all ? "" : " but ZeRO-3") << ": "
+      << gb(rows[0].autocast_copies) << " GB (" << m.autocast_bytes << " bytes/parameter)";
+    if (!all)  // Note [Gathers in the compute type]
+      s << "; ZeRO-3 gathers its units in " << m.gather_bytes << " bytes/parameter and copies "
+        << gb(rows[3].autocast_copies) << " GB";
+    s << '\n';
+  }
   if (m.bucket_elements > 0 || m.unit_elements > 0 || m.largest_parameter > 0) {
     s << "\npeak of a step per rank (model states plus what a step allocates: paratrain::plan::peak), MiB:\n";
     const auto mib = [](double bytes) { return detail::fixed(bytes / (1024.0 * 1024.0), 1); };

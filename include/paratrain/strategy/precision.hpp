@@ -31,13 +31,14 @@ namespace paratrain {
 // rounds: Note [16-bit reductions]) and widened back into the fp32 bucket when the sum
 // completes. Half the bytes of fp32, for one rounding of each partial sum and of the
 // total (relative error at most 2^-8 each for bf16); ZeRO 2 and 3 reduce-scatter the
-// same way. This is FSDP's MixedPrecision(param_dtype, reduce_dtype) without param_dtype:
-// ZeRO-3 gathers fp32 parameters, and autocast casts them as it would unsharded ones.
+// same way. Together with ZeRO-3's `gather`, this is FSDP's MixedPrecision(param_dtype,
+// reduce_dtype).
 //
 // Memory: autocast's bf16 copies of the weights, 2 bytes per parameter, live from forward
-// to backward (autograd keeps them for the products' backward), under ZeRO-3 too, where
-// they outlive the gathered fp32 units; recomputed units (Unit<Recompute<Layer>>) make
-// theirs one unit at a time. plan::Model::autocast_bytes counts them.
+// to backward (autograd keeps them for the products' backward); recomputed units
+// (Unit<Recompute<Layer>>) make theirs one unit at a time. plan::Model::autocast_bytes
+// counts them. ZeRO-3 makes none for its units' parameters: it gathers them in bf16
+// (`gather`, Note [Gathers in the compute type]), FSDP's MixedPrecision(param_dtype).
 
 /// Which types a strategy computes and communicates in (DataParallelOptions::precision,
 /// and through it PipelineOptions::data_parallel): Note [Mixed precision].
@@ -54,6 +55,12 @@ struct Precision {
   /// fp32 gradients (fp16 is refused: sums over samples overflow it). Empty: the
   /// gradients' own type.
   std::optional<at::ScalarType> reduce;
+  /// ZeRO-3 under autocast: the type units' parameters are gathered in for forward and
+  /// backward (FSDP's param_dtype). Empty: autocast's type, which halves the gathers'
+  /// bytes and makes no autocast copies of them; at::kFloat: fp32 gathers, where operations
+  /// autocast runs in fp32 (norms, embedding lookups) must see fp32 weights exactly.
+  /// Master weights and optimizer state stay fp32 either way. Note [Gathers in the compute type].
+  std::optional<at::ScalarType> gather;
 };
 
 namespace detail {
@@ -73,6 +80,12 @@ inline void check_precision(const Precision& p, const c10::Device& device, std::
       throw error(owner, rank,
                   std::string("Precision::autocast is ") + c10::toString(t) + "; autocast computes in at::kBFloat16");
   }
+  if (p.gather && *p.gather != at::kFloat && *p.gather != p.autocast)
+    throw error(owner, rank,
+                std::string("Precision::gather is ") + c10::toString(*p.gather) +
+                    (p.autocast ? std::string(" and autocast computes in ") + c10::toString(*p.autocast)
+                                : std::string(" without autocast")) +
+                    "; ZeRO-3 gathers units in autocast's type (leave gather empty) or in fp32 (at::kFloat)");
   // Not fp16: the buckets hold sums over samples (Note [Exact averaging]), which overflow
   // fp16's 65504 where bf16, with fp32's range, does not.
   if (p.reduce && *p.reduce != at::kBFloat16 && *p.reduce != at::kFloat)
@@ -80,6 +93,13 @@ inline void check_precision(const Precision& p, const c10::Device& device, std::
                 std::string("Precision::reduce is ") + c10::toString(*p.reduce) +
                     "; gradients are summed in a floating type with fp32's range: at::kBFloat16 (half the bytes) or "
                     "at::kFloat");
+}
+
+/// The type ZeRO-3 gathers units in under autocast (StoreOptions::gather): autocast's
+/// unless Precision::gather says fp32; empty without autocast.
+inline std::optional<at::ScalarType> gather_type(const Precision& p) {
+  if (!p.autocast || p.gather == at::kFloat) return std::nullopt;
+  return p.autocast;
 }
 
 /// Forward under autocast to `dtype` on `device`'s kind, for its lifetime, as

@@ -32,14 +32,14 @@ class ReplicatedParameters {
 
   /// Buckets `model`'s parameters (unpadded: nothing is sharded) and builds the optimizer.
   template <class OptimOptions>
-  ReplicatedParameters(const torch::nn::Module& model, Comm& comm, BucketOptions bucketing, ParamGroups groups,
+  ReplicatedParameters(const torch::nn::Module& model, Comm& comm, const StoreOptions& options, ParamGroups groups,
                        OptimOptions defaults)
-      : layout_(model, bucketing, [](auto&, auto&) { return -1; }, comm.rank()),
+      : layout_(model, options.bucketing, [](auto&, auto&) { return -1; }, comm.rank()),
         comm_(&comm),
         optimizer_(std::make_unique<Optim>(std::move(groups), std::move(defaults))) {
-    if (bucketing.shard_group != 0 && bucketing.shard_group != comm.size())
+    if (options.shard_group != 0 && options.shard_group != comm.size())
       throw error("DataParallel", comm.rank(),
-                  "DataParallelOptions::shard_group is " + std::to_string(bucketing.shard_group) +
+                  "DataParallelOptions::shard_group is " + std::to_string(options.shard_group) +
                       ", but DDP shards nothing: hybrid sharding is a ZeRO option (Sharded<Optimizer, Stage>)");
   }
 

@@ -28,6 +28,8 @@
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
 #include "paratrain/strategy/parameter_store.hpp"
+#include "paratrain/strategy/precision.hpp"
+#include "paratrain/util/torch_compat.hpp"
 #include "paratrain/strategy/detail/slot_pool.hpp"
 #include "paratrain/strategy/detail/state_slices.hpp"
 #include "paratrain/strategy/sharded_construction.hpp"
@@ -65,6 +67,33 @@ namespace paratrain {
 // shards: summed over one group, which holds every shard once) is unchanged. Checkpoints
 // list each rank's pieces as today; the replicas outside group 0 mark theirs as copies
 // (TensorSlice::saved false), so that every element is written once and loaded by all.
+
+// Note [Gathers in the compute type]
+// Under autocast to bf16 (Precision::autocast), ZeRO-3 gathers each unit's parameters in
+// bf16, as FSDP's MixedPrecision(param_dtype) does: every rank casts its fp32 shard (the
+// master weights, which the optimizer steps) to bf16 and the unit is all-gathered in
+// bf16 — half the bytes — into a bf16 pool slot; for the unit's forward and backward its
+// parameters *are* bf16 views of that slot. Autocast then has nothing to cast (a bf16
+// weight is already in its type) and keeps no copy: the products' backward saves the
+// parameter itself, whose memory is released after forward and gathered again before
+// backward, so the 2 bytes per parameter of autocast's copies (Note [Mixed precision])
+// are gone for units. The values are those of autocast's own cast, bitwise: the same fp32
+// number rounded to bf16 once, and autograd widens the bf16 gradient to fp32 before it is
+// accumulated (an edge's gradient takes the type its destination had when autograd met
+// it, fp32), as the cast's backward does on one device. Differences from one device
+// remain where autocast runs an operation in fp32 on a unit's weight (layer norm,
+// embedding lookups, a loss): it sees the bf16-rounded weight, and its gradient is rounded
+// to bf16 once on the way back — FSDP's behaviour too; Precision::gather = at::kFloat
+// gathers fp32 instead, autocast then casts as on one device.
+//
+// A parameter changes type in place (TensorImpl::shallow_copy_from onto a view of the
+// slot, and back onto its fp32 view when released), not through Tensor::set_data: for a
+// change of type set_data drops the parameter's gradient accumulator, which carries
+// GradientBuckets' hooks and whose fp32 metadata is what widens the gradient. Which type
+// a gather uses is decided when the unit's forward starts: bf16 when autocast to bf16 is
+// on (training and predict), fp32 otherwise (with_gathered, a forward outside autocast);
+// its backward gathers in the type its forward did, and a joined rank replays the types
+// with the gathers (Note [Joining at stage 3]).
 
 namespace detail {
 
@@ -141,9 +170,9 @@ class ShardedParameters final : public detail::UnitObserver {
   /// buffers and builds the optimizer over this rank's pieces. Collective (stage 3 splits
   /// off the communicator its gathers use: Note [Two communicators]).
   template <class OptimOptions>
-  ShardedParameters(torch::nn::Module& model, Comm& comm, BucketOptions bucketing, const ParamGroups& groups,
+  ShardedParameters(torch::nn::Module& model, Comm& comm, const StoreOptions& options, const ParamGroups& groups,
                     OptimOptions defaults)
-      : ShardedParameters(units_of(model, comm.rank()), model, comm, bucketing, groups, std::move(defaults)) {}
+      : ShardedParameters(units_of(model, comm.rank()), model, comm, options, groups, std::move(defaults)) {}
 
   ShardedParameters(const ShardedParameters&) = delete;
   ShardedParameters& operator=(const ShardedParameters&) = delete;
@@ -180,7 +209,7 @@ class ShardedParameters final : public detail::UnitObserver {
   /// Collective at stage 3: every rank calls it.
   template <class F>
   void with_gathered(F&& f) {
-    for (std::size_t u = 0; u < units_.size(); ++u) gather(u);
+    for (std::size_t u = 0; u < units_.size(); ++u) gather(u, own_type());
     f();
     for (std::size_t u = 0; u < units_.size(); ++u) release(u);
   }
@@ -207,8 +236,8 @@ class ShardedParameters final : public detail::UnitObserver {
       throw error("DataParallel::join", rank,
                   "at ZeRO stage 3 a rank joins by repeating the unit gathers of its last step, and this rank has "
                   "had no step yet; give every rank at least one batch (DistributedSampler does)");
-    for (auto u : replay_) {
-      gather(u);
+    for (auto [u, type] : replay_) {
+      gather(u, type);
       release(u);
     }
   }
@@ -269,13 +298,16 @@ class ShardedParameters final : public detail::UnitObserver {
 
   // ---- detail::UnitObserver (stage 3) ---------------------------------------------
   void before_forward(std::size_t u) override {
-    gather(u);
-    for (std::size_t k = 1; k <= prefetch_ && u + k < units_.size(); ++k) prefetch(u + k);
+    // Note [Gathers in the compute type]: the type this forward computes in.
+    const auto type = forward_type();
+    gather(u, type);
+    units_state_[u].forward_type = type;
+    for (std::size_t k = 1; k <= prefetch_ && u + k < units_.size(); ++k) prefetch(u + k, type);
   }
   void after_forward(std::size_t u) override { release(u); }
   void before_backward(std::size_t u) override {
-    gather(u);
-    for (std::size_t k = 1; k <= prefetch_ && k <= u; ++k) prefetch(u - k);
+    gather(u, units_state_[u].forward_type);
+    for (std::size_t k = 1; k <= prefetch_ && k <= u; ++k) prefetch(u - k, units_state_[u - k].forward_type);
   }
 
  private:
@@ -292,8 +324,9 @@ class ShardedParameters final : public detail::UnitObserver {
       return units;
     }
   }
-  static BucketOptions padded(BucketOptions bucketing, const Comm& comm) {
-    bucketing.pad_to = detail::sharding_group_size(comm.size(), bucketing.shard_group, comm.rank());
+  static BucketOptions padded(const StoreOptions& options, const Comm& comm) {
+    auto bucketing = options.bucketing;
+    bucketing.pad_to = detail::sharding_group_size(comm.size(), options.shard_group, comm.rank());
     return bucketing;
   }
 
@@ -311,21 +344,22 @@ class ShardedParameters final : public detail::UnitObserver {
   }
 
   template <class OptimOptions>
-  ShardedParameters(detail::UnitMap units, torch::nn::Module& model, Comm& comm, BucketOptions bucketing,
+  ShardedParameters(detail::UnitMap units, torch::nn::Module& model, Comm& comm, const StoreOptions& options,
                     const ParamGroups& groups, OptimOptions defaults)
-      : layout_(model, padded(bucketing, comm),
+      : layout_(model, padded(options, comm),
                 [&](auto&, const at::Tensor& p) {
                   const auto it = units.owner.find(p.unsafeGetTensorImpl());
                   return it != units.owner.end() ? it->second : -1;
                 },
                 comm.rank()),
         comm_(&comm),
-        group_(sharding_group(comm, bucketing.shard_group, false)),
-        replicas_(group_.size() < comm.size() ? std::optional<Comm>(sharding_group(comm, bucketing.shard_group, true))
+        group_(sharding_group(comm, options.shard_group, false)),
+        replicas_(group_.size() < comm.size() ? std::optional<Comm>(sharding_group(comm, options.shard_group, true))
                                               : std::nullopt),
         gather_comm_(gather_communicator(group_)),
         units_(std::move(units.units)),
-        prefetch_(static_cast<std::size_t>(std::max(0, bucketing.prefetch))) {
+        prefetch_(static_cast<std::size_t>(std::max(0, options.prefetch))),
+        gather_type_(Stage == 3 ? options.gather : std::nullopt) {
     const auto& layout = layout_;
     const auto rank = comm.rank();
     const auto& buckets = layout.buckets();
@@ -345,33 +379,37 @@ class ShardedParameters final : public detail::UnitObserver {
         check_adoptable(built, k, b, units.names[static_cast<std::size_t>(unit)]);
         s.full = built.full[k];
         s.shard = built.shard[k];
-        continue;
+      } else {
+        s.full = layout.zeros(b);
+        for (auto i : buckets[b].params) {
+          const auto& p = layout.params()[i];
+          auto view = layout.view(s.full, i);
+          view.copy_(p.tensor.detach());
+          p.tensor.set_data(view);  // the parameter now lives in the flat buffer
+        }
+        const auto n = layout.shard_numel(b);
+        const auto at = group_.rank() * n;  // this rank's shard in its group: Note [Hybrid sharding]
+        s.shard = s.resident ? s.full.narrow(0, at, n) : s.full.narrow(0, at, n).clone();
+        if (!s.resident) detail::release_storage(s.full);
       }
-      s.full = layout.zeros(b);
-      for (auto i : buckets[b].params) {
-        const auto& p = layout.params()[i];
-        auto view = layout.view(s.full, i);
-        view.copy_(p.tensor.detach());
-        p.tensor.set_data(view);  // the parameter now lives in the flat buffer
-      }
-      const auto n = layout.shard_numel(b);
-      const auto at = group_.rank() * n;  // this rank's shard in its group: Note [Hybrid sharding]
-      s.shard = s.resident ? s.full.narrow(0, at, n) : s.full.narrow(0, at, n).clone();
-      if (!s.resident) detail::release_storage(s.full);
+      if (!s.resident && gather_type_) add_compute_views(b);
     }
     check_same_initialisation(constructed, units.names);
-    // Note [Pooled transients]: a unit's buckets side by side in one slot.
-    std::size_t slot_bytes = 0;
+    // Note [Pooled transients]: a unit's buckets side by side in one slot, in the type
+    // forward gathers them in (Note [Gathers in the compute type]); a gather in another
+    // type (with_gathered's fp32 under bf16 gathers) takes the allocator's memory.
+    std::size_t slot_elements = 0;
     for (auto& state : units_state_) {
-      std::size_t at = 0;
+      std::int64_t at = 0;
       for (auto b : state.buckets) {
         state.offsets.push_back(at);
-        at += (detail::bytes_of(shards_[b].full) + 63) / 64 * 64;
+        at += (shards_[b].full.numel() + 31) / 32 * 32;  // 64-byte aligned in 2- and 4-byte types
       }
-      slot_bytes = std::max(slot_bytes, at);
+      slot_elements = std::max(slot_elements, static_cast<std::size_t>(at));
     }
     if (!units_state_.empty())
-      unit_pool_ = detail::SlotPool(slot_bytes, 1 + bucketing.prefetch, buckets.front().options.device());
+      unit_pool_ = detail::SlotPool(slot_elements * c10::elementSize(gather_type_.value_or(own_type())),
+                                    1 + options.prefetch, buckets.front().options.device());
     make_pieces();
     // Note [Optimizer on pieces]: the user's groups and options, over this rank's pieces.
     const auto group = detail::group_of(layout, groups, rank);
@@ -397,6 +435,12 @@ class ShardedParameters final : public detail::UnitObserver {
     at::Tensor full;   // the whole bucket, padded; stage 3 units: storage only while gathered
     at::Tensor shard;  // this rank's part: a view of `full` when resident, else its own storage
     bool resident = true;
+    at::Tensor compute;  // stage 3 with gathers in the compute type: the bucket in that type
+  };
+  // A unit's parameter in both types it is gathered in: Note [Gathers in the compute type].
+  struct Views {
+    at::Tensor own;      // its view of its bucket's `full`
+    at::Tensor compute;  // its view of the bucket's `compute`
   };
   struct Piece {
     at::Tensor tensor;      // a view into its bucket's shard: what the optimizer steps
@@ -408,10 +452,13 @@ class ShardedParameters final : public detail::UnitObserver {
                                                                    std::declval<at::Tensor&>()));
   struct UnitState {
     std::vector<std::size_t> buckets;
-    std::vector<std::size_t> offsets;  // of each bucket in a pool slot
+    std::vector<std::int64_t> offsets;  // of each bucket in a pool slot, in elements
     std::vector<GatherRequest> inflight;
+    std::vector<at::Tensor> sent;  // the shards in the compute type, while their gathers are in flight
     int slot = -1;  // the pool's slot its buckets are gathered into; -1: the allocator's
     bool gathered = false;
+    at::ScalarType type = at::kFloat;          // what it is gathered in (while gathered or in flight)
+    at::ScalarType forward_type = at::kFloat;  // what its last forward computed in
     int complete = 0;
   };
 
@@ -480,29 +527,68 @@ class ShardedParameters final : public detail::UnitObserver {
                         "(torch::manual_seed(seed) with the same seed), or build the model whole and pass it instead");
   }
 
-  // Gathers unit u into a pool slot, or (`pooled_only` false) into the allocator's memory
-  // when every slot is taken; false when it started nothing.
-  bool launch(std::size_t u, bool pooled_only = false) {
+  [[nodiscard]] at::ScalarType own_type() const { return layout_.buckets().front().options.dtype().toScalarType(); }
+
+  // The type a unit's forward gathers in now: Note [Gathers in the compute type].
+  [[nodiscard]] at::ScalarType forward_type() const {
+    if (!gather_type_) return own_type();
+    const auto device = layout_.buckets().front().options.device();
+    const auto kind = device.is_cuda() ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+    return detail::autocast_enabled(kind) && detail::autocast_dtype(kind) == *gather_type_ ? *gather_type_ : own_type();
+  }
+
+  // Bucket b in the compute type, storage-less like its `full`, and its parameters' views
+  // of both (made while the storages still say their sizes).
+  void add_compute_views(std::size_t b) {
+    auto& s = shards_[b];
+    s.compute = detail::storage_less(s.full.numel(), s.full.options().dtype(*gather_type_));
+    for (auto i : layout_.buckets()[b].params) {
+      const auto& p = layout_.params()[i];
+      // The parameter's data is its view of `full` (set when it moved into the bucket).
+      views_.emplace(i, Views{p.tensor.variable_data(), layout_.view(s.compute, i)});
+    }
+    detail::release_storage(s.compute);
+  }
+
+  // Every parameter of unit `state` becomes its view of `compute` (or back of `own`),
+  // keeping its autograd identity: Note [Gathers in the compute type].
+  void retype(const UnitState& state, bool compute) {
+    for (auto b : state.buckets)
+      for (auto i : layout_.buckets()[b].params) {
+        const auto& v = views_.at(i);
+        layout_.params()[i].tensor.unsafeGetTensorImpl()->shallow_copy_from(
+            (compute ? v.compute : v.own).getIntrusivePtr());
+      }
+  }
+
+  // Gathers unit u in `type` into a pool slot, or (`pooled_only` false) into the
+  // allocator's memory when no slot is free; false when it started nothing.
+  bool launch(std::size_t u, at::ScalarType type, bool pooled_only = false) {
     auto& state = units_state_[u];
+    const bool narrow = type != own_type();
+    const auto item = static_cast<std::int64_t>(c10::elementSize(type));
     std::size_t bytes = 0;
     if (!state.buckets.empty())
-      bytes = state.offsets.back() + detail::bytes_of(shards_[state.buckets.back()].full);
+      bytes = static_cast<std::size_t>((state.offsets.back() + shards_[state.buckets.back()].full.numel()) * item);
     state.slot = unit_pool_.acquire(bytes);
     if (state.slot < 0 && pooled_only) return false;
+    state.type = type;
     for (std::size_t k = 0; k < state.buckets.size(); ++k) {
-      auto& full = shards_[state.buckets[k]].full;
-      if (state.slot >= 0) lend_storage(full, unit_pool_.data(state.slot) + state.offsets[k]);
+      auto& s = shards_[state.buckets[k]];
+      auto& full = narrow ? s.compute : s.full;
+      if (state.slot >= 0) lend_storage(full, unit_pool_.data(state.slot) + state.offsets[k] * item);
       else detail::allocate_storage(full);
-      state.inflight.push_back(gather_comm_.iall_gather(shards_[state.buckets[k]].shard, full));
+      auto& sent = narrow ? state.sent.emplace_back(s.shard.to(type)) : s.shard;
+      state.inflight.push_back(gather_comm_.iall_gather(sent, full));
     }
-    sequence_.push_back(u);
+    sequence_.emplace_back(u, type);
     return true;
   }
 
   // A prefetch waits for a free slot rather than growing the process (Note [Pooled transients]).
-  void prefetch(std::size_t u) {
+  void prefetch(std::size_t u, at::ScalarType type) {
     auto& state = units_state_[u];
-    if (!state.gathered && state.inflight.empty()) launch(u, /*pooled_only=*/true);
+    if (!state.gathered && state.inflight.empty()) launch(u, type, /*pooled_only=*/true);
   }
 
   // The bucket's storage points into a pool slot (not owned: the pool keeps it).
@@ -512,17 +598,21 @@ class ShardedParameters final : public detail::UnitObserver {
     s->set_nbytes(detail::bytes_of(full));
   }
 
-  // Completes a gather in flight (a prefetch): the unit is then gathered.
-  static void settle(UnitState& state) {
+  // Completes a gather in flight (a prefetch): the unit is then gathered, its parameters
+  // in the type it was gathered in.
+  void settle(UnitState& state) {
     if (state.inflight.empty()) return;
     for (auto& r : state.inflight) r.wait();
     state.inflight.clear();
+    state.sent.clear();
     state.gathered = true;
+    if (state.type != own_type()) retype(state, /*compute=*/true);
   }
 
-  void gather(std::size_t u) {
+  void gather(std::size_t u, at::ScalarType type) {
     auto& state = units_state_[u];
-    if (!state.gathered && state.inflight.empty()) launch(u);
+    if ((state.gathered || !state.inflight.empty()) && state.type != type) release(u);
+    if (!state.gathered && state.inflight.empty()) launch(u, type);
     settle(state);
   }
 
@@ -530,7 +620,9 @@ class ShardedParameters final : public detail::UnitObserver {
     auto& state = units_state_[u];
     settle(state);
     if (!state.gathered) return;
-    for (auto b : state.buckets) detail::release_storage(shards_[b].full);
+    const bool narrow = state.type != own_type();
+    if (narrow) retype(state, /*compute=*/false);
+    for (auto b : state.buckets) detail::release_storage(narrow ? shards_[b].compute : shards_[b].full);
     unit_pool_.release(std::exchange(state.slot, -1));
     state.gathered = false;
   }
@@ -543,11 +635,13 @@ class ShardedParameters final : public detail::UnitObserver {
   std::vector<detail::UnitBase*> units_;
   std::vector<UnitState> units_state_ = std::vector<UnitState>(units_.size());
   std::size_t prefetch_ = 1;
+  std::optional<at::ScalarType> gather_type_;  // Note [Gathers in the compute type]
   detail::SlotPool unit_pool_;  // Note [Pooled transients]
   std::vector<Shard> shards_;
+  std::map<std::size_t, Views> views_;  // by layout parameter; gathers in the compute type only
   std::vector<Piece> pieces_;
   std::unique_ptr<Optim> optimizer_;
-  std::vector<std::size_t> sequence_, replay_;
+  std::vector<std::pair<std::size_t, at::ScalarType>> sequence_, replay_;
 };
 
 }  // namespace paratrain
