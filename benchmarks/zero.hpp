@@ -85,7 +85,7 @@ void run_zero(Comm world, const torch::Device& device, const Ranks& ranks, const
     return torch::nn::functional::cross_entropy(out, target);
   };
   std::int64_t next = 0;
-  double exposed = 0;  // seconds waited for gradient reductions after backward
+  double exposed = 0;  // seconds blocked on communication: gradients after backward, ZeRO's gathers
   int calls = 0;       // steps that `exposed` sums over
   const auto step = [&] {
     const auto start = (next++ % pool) * batch;

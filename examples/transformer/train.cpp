@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -328,6 +329,15 @@ paratrain::data::Hdf5Dataset open_hdf5(const std::string& path, Config& c) {
 }
 #endif
 
+/// A "Name: <kB> kB" line of /proc/self/status (VmRSS, VmHWM) in MiB; 0 where unreadable.
+double resident_mib(const std::string& name) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(name + ":", 0) == 0) return std::stod(line.substr(name.size() + 1)) / 1024.0;
+  return 0;
+}
+
 std::string json_number(double x, const char* format = "%.6g") {
   if (!std::isfinite(x)) return "null";
   char buf[64];
@@ -403,6 +413,7 @@ int run(int argc, char** argv) {
   const auto& cfg = a.model;
 
   std::int64_t parameters = 0;
+  const double baseline_mib = resident_mib("VmRSS");  // the process before the model
   const auto strategy = make_strategy(a, parameters);
   auto& s = *strategy;
   const int rank = s.rank(), world = s.world_size();
@@ -508,7 +519,13 @@ int run(int argc, char** argv) {
   // The most memory any rank's process held at once (its peak resident set), in MiB.
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
-  auto peak = torch::full({1}, double(usage.ru_maxrss) / 1024.0, torch::kDouble);  // ru_maxrss: KiB
+  // Also above the process's baseline, beside paratrain::plan::peak for the strategy (Note
+  // [Peak memory model]; activations are not in it: the example gives no estimate).
+  double plan_peak_mib = std::nan("");
+  if constexpr (!pipelined) plan_peak_mib = s.planned_peak().total() / (1 << 20);
+  auto peak = torch::tensor({double(usage.ru_maxrss) / 1024.0, baseline_mib, resident_mib("VmHWM") - baseline_mib,
+                             std::isnan(plan_peak_mib) ? 0.0 : plan_peak_mib},
+                            torch::kDouble);  // ru_maxrss: KiB
   s.all_reduce(peak, paratrain::reduce_op::max);
   const double peak_rss_mib = peak[0].item<double>();
 
@@ -565,7 +582,8 @@ int run(int argc, char** argv) {
         "\"train_loss\": %s, \"ms_per_step\": %s, \"data_ms_per_step\": %s, \"data\": \"%s\", \"workers\": %d, "
         "\"samples_per_second\": %s, \"planned_bytes_per_rank_max\": %.0f, \"held_bytes_per_rank_max\": %.0f, "
         "\"recompute\": %s, \"bf16\": %s, \"tgt_len\": %lld, \"peak_rss_mib_max\": %.1f, "
-        "\"gradient_bytes_planned\": %.0f, \"gradient_bytes_sent\": %.0f, \"wall_seconds\": %.2f}\n",
+        "\"gradient_bytes_planned\": %.0f, \"gradient_bytes_sent\": %.0f, \"baseline_mib\": %.1f, "
+        "\"peak_above_baseline_mib\": %.1f, \"plan_peak_mib\": %s, \"wall_seconds\": %.2f}\n",
         strategy_name(), world, shard.count, pipeline_ranks, pipelined ? ("\"" + a.schedule + "\"").c_str() : "null",
         (long long)a.micro_batches, (long long)a.batch, (long long)total_parameters, (long long)seconds.size(),
         (long long)a.warmup, json_number(loss).c_str(), json_number(first_loss).c_str(),
@@ -573,7 +591,8 @@ int run(int argc, char** argv) {
         json_number(ms_per_step, "%.1f").c_str(), json_number(data_ms_per_step, "%.3f").c_str(),
         a.data.empty() ? "memory" : "hdf5", a.workers, json_number(result.samples_per_second, "%.2f").c_str(), planned_max,
         held_max, cfg.recompute ? "true" : "false", a.bf16 ? "true" : "false", (long long)cfg.tgt_len, peak_rss_mib,
-        traffic_planned, traffic_sent, wall);
+        traffic_planned, traffic_sent, peak[1].item<double>(), peak[2].item<double>(),
+        pipelined ? "null" : json_number(peak[3].item<double>(), "%.1f").c_str(), wall);
     std::fflush(stdout);
   }
   return std::isfinite(loss) ? 0 : 1;  // a run whose loss is not a number failed

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/rendezvous.hpp"
@@ -239,4 +240,26 @@ TEST_CASE("comm::Rendezvous: a meeting that cannot happen says which variable to
                        doctest::Contains(("rendezvous at file " + lonely.string() + " of 2 ranks failed").c_str()),
                        paratrain::error);
   std::filesystem::remove(lonely);
+}
+
+TEST_CASE("comm::Mpi: a pending all-gather completes while its caller makes no MPI call (Note [Progress thread])") {
+  // 16 MiB a rank, far above Open MPI's eager limit: its messages move only when some MPI
+  // call of each process runs the progress engine. The caller sleeps without one; the
+  // progress thread's calls must complete the gather meanwhile, so that the first test()
+  // after the sleep finds it done. With progress = 0 (the default) the first test() is not
+  // (seen failing at 2 and 3 ranks: "CHECK( done ) failed, with false").
+  comm::Mpi::Options options;
+  options.progress = std::chrono::microseconds(200);
+  comm::Mpi mpi(options);
+  if (mpi.size() == 1) return;
+  const std::int64_t n = std::int64_t{4} << 20;
+  const auto mine = torch::full({n}, static_cast<float>(mpi.rank()));
+  auto all = torch::empty({n * mpi.size()});
+  mpi.barrier();
+  auto r = mpi.iall_gather(mine, all);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const bool done = r.test();
+  CHECK(done);
+  r.wait();
+  for (int k = 0; k < mpi.size(); ++k) CHECK(all.narrow(0, k * n, n).eq(k).all().item<bool>());
 }

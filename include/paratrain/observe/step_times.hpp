@@ -23,7 +23,8 @@ namespace paratrain::observe {
 // name the straggler, so each step is split into
 //   step = from this step's start to the next step's start (everything the rank does
 //          per step: data, compute, fit's bookkeeping, the user's callbacks);
-//   wait = the time the step blocked for communication that backward did not hide
+//   wait = the time the step blocked for communication that compute did not hide: the
+//          gradients' after backward, ZeRO's parameter gathers
 //          (DataParallel::exposed_communication_seconds; 0 for a strategy without it);
 //   busy = step - wait: the rank's own work.
 // A straggler has the largest busy time (and the smallest wait). A rank is named when

@@ -365,8 +365,11 @@ class DataParallel {
   [[nodiscard]] std::size_t bucket_count() const noexcept { return grads_->bucket_count(); }
   /// The parameter names of bucket `i`, in the order they are laid out.
   [[nodiscard]] std::vector<std::string> bucket_names(std::size_t i) const { return store_->layout().names(i); }
-  /// Seconds the last step waited for communication after backward (not overlapped).
-  [[nodiscard]] double exposed_communication_seconds() const noexcept { return grads_->exposed_seconds(); }
+  /// Seconds the last step blocked on communication that compute did not hide: the wait
+  /// for the gradients after backward, and (ZeRO) the parameter gathers it waited for.
+  [[nodiscard]] double exposed_communication_seconds() const noexcept {
+    return grads_->exposed_seconds() + store_->exposed_seconds();
+  }
   /// Bytes of gradients this rank handed to the last step's collectives: the padded
   /// buckets, in the type they were summed in (half of fp32's with Precision::reduce =
   /// at::kBFloat16). paratrain::plan::gradient_traffic predicts it.

@@ -44,7 +44,9 @@ namespace paratrain {
 // - on_gradients_complete(b) when bucket b's gradients are all ready in a backward;
 // - with_gathered(f): run f with every parameter whole (collective where it gathers);
 // - bytes() held between steps for parameters and optimizer state (gradients are the
-//   buckets'), and checkpoint_layout(model): where each tensor lives on this rank.
+//   buckets'), and checkpoint_layout(model): where each tensor lives on this rank;
+// - exposed_seconds(): how long this step blocked on the store's own communication
+//   (gathers), which DataParallel::exposed_communication_seconds adds to the gradients'.
 // Every call a store makes on the communicator is collective, in the same order on every
 // rank. New stores (pooled transient buffers, sharded construction, bf16 gathers) plug in
 // here without touching the step protocol.
@@ -109,6 +111,7 @@ concept parameter_store =
       s.on_gradients_complete(bucket);
       s.with_gathered(f);
       { cs.bytes() } -> std::same_as<ModelStateBytes>;
+      { cs.exposed_seconds() } -> std::same_as<double>;
       { cs.checkpoint_layout(model) } -> std::same_as<CheckpointLayout>;
     };
 

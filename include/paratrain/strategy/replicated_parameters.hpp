@@ -53,6 +53,8 @@ class ReplicatedParameters {
   [[nodiscard]] Comm* replicas() noexcept { return nullptr; }
 
   void begin_step() noexcept {}
+  /// Nothing is gathered: no time blocked on it.
+  [[nodiscard]] double exposed_seconds() const noexcept { return 0; }
   /// Steps every parameter with its all-reduced gradient (a view into its bucket).
   template <class Hook>
   void step(const GradientBuckets<Comm, Hook>& /*grads*/) {

@@ -9,6 +9,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <chrono>
 #include <concepts>
 #include <cstdint>
 #include <map>
@@ -202,6 +203,7 @@ class ShardedParameters final : public detail::UnitObserver {
     std::vector<GatherRequest> gathers;
     for (auto& s : shards_)
       if (s.resident) gathers.push_back(group_.iall_gather(s.shard, s.full));
+    const Waiting waiting(exposed_);
     for (auto& r : gathers) r.wait();
   }
 
@@ -216,6 +218,7 @@ class ShardedParameters final : public detail::UnitObserver {
 
   /// Starts a new step's record of unit gathers (what a rank that joins replays).
   void begin_step() {
+    exposed_ = 0;
     sequence_.clear();
     for (auto& u : units_state_) u.complete = 0;  // a backward that threw midway left counts
   }
@@ -253,6 +256,10 @@ class ShardedParameters final : public detail::UnitObserver {
       release(static_cast<std::size_t>(unit));
     }
   }
+
+  /// Seconds this step has blocked on parameter gathers: ZeRO-3's gathers of units that
+  /// were not complete when needed, and stages 1-2's gathers of the updated shards.
+  [[nodiscard]] double exposed_seconds() const noexcept { return exposed_; }
 
   /// The bytes held between steps (stage 3: only the shards of unit parameters).
   [[nodiscard]] ModelStateBytes bytes() const {
@@ -602,6 +609,7 @@ class ShardedParameters final : public detail::UnitObserver {
   // in the type it was gathered in.
   void settle(UnitState& state) {
     if (state.inflight.empty()) return;
+    const Waiting waiting(exposed_);
     for (auto& r : state.inflight) r.wait();
     state.inflight.clear();
     state.sent.clear();
@@ -627,6 +635,16 @@ class ShardedParameters final : public detail::UnitObserver {
     state.gathered = false;
   }
 
+  // Adds the seconds of its lifetime to `total`: the time a wait blocked.
+  struct Waiting {
+    explicit Waiting(double& total) : total_(total) {}
+    Waiting(const Waiting&) = delete;
+    Waiting& operator=(const Waiting&) = delete;
+    ~Waiting() { total_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count(); }
+    double& total_;
+    std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  };
+
   BucketLayout layout_;  // first: everything below is laid out by it
   Comm* comm_;
   Comm group_;                    // the ranks this one shards with: Note [Hybrid sharding]
@@ -642,6 +660,7 @@ class ShardedParameters final : public detail::UnitObserver {
   std::vector<Piece> pieces_;
   std::unique_ptr<Optim> optimizer_;
   std::vector<std::pair<std::size_t, at::ScalarType>> sequence_, replay_;
+  double exposed_ = 0;  // seconds blocked on gathers since begin_step
 };
 
 }  // namespace paratrain

@@ -21,6 +21,7 @@
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/reliability/collective_signature.hpp"
 #include "paratrain/comm/mpi/detail/types.hpp"
+#include "paratrain/comm/mpi/progress.hpp"
 #include "paratrain/comm/mpi/watchdog.hpp"
 #include "paratrain/comm/detail/skeleton.hpp"
 #include "paratrain/comm/detail/tensor_checks.hpp"
@@ -121,6 +122,11 @@ class Mpi {
     /// How long any one operation may stay pending before the watchdog reports it and ends
     /// the job: Note [Watchdog]. By default PARATRAIN_TIMEOUT (seconds), else 10 minutes.
     std::chrono::milliseconds timeout = detail::default_timeout();
+    /// While a non-blocking operation is pending, a thread of the process calls into MPI
+    /// this often, so that Open MPI moves it on while the caller computes: Note [Progress
+    /// thread]. By default PARATRAIN_MPI_PROGRESS_US, else 0: no thread (measured, it did
+    /// not pay where every core computes).
+    std::chrono::microseconds progress = detail::default_progress();
   };
 
   /// Initialises MPI for the lifetime of this object, asking for MPI_THREAD_MULTIPLE
@@ -134,7 +140,10 @@ class Mpi {
     Environment(int& argc, char**& argv) : env_(argc, argv, boost::mpi::threading::multiple) { set_up(); }
     Environment(const Environment&) = delete;
     Environment& operator=(const Environment&) = delete;
-    ~Environment() { detail::Watchdog::instance().retire_channel(); }  // before MPI_Finalize
+    ~Environment() {  // before MPI_Finalize
+      detail::MpiProgress::instance().stop();
+      detail::Watchdog::instance().retire_channel();
+    }
     [[nodiscard]] bool thread_multiple() const { return env_.thread_level() >= boost::mpi::threading::multiple; }
 
    private:
@@ -195,6 +204,7 @@ class Mpi {
     using owner = Mpi;
     std::vector<MPI_Request> requests;
     std::shared_ptr<Segments> segments;
+    detail::MpiProgress::Lease progress;  // Note [Progress thread]
 
     [[nodiscard]] bool pending() const noexcept { return !requests.empty() || segments; }
     void wait(const char* op, int rank) {
@@ -205,10 +215,12 @@ class Mpi {
           segments->start_some(op, rank);
         }
         segments.reset();
+        progress.reset();
         return;
       }
       check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), op, rank);
       requests.clear();
+      progress.reset();
     }
     // MPI progresses only inside its calls: this is one.
     [[nodiscard]] bool test(const char* op, int rank) {
@@ -221,16 +233,21 @@ class Mpi {
           segments->start_some(op, rank);
         }
         segments.reset();
+        progress.reset();
         return true;
       }
       int done = 0;
       check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), op, rank);
-      if (done) requests.clear();
+      if (done) {
+        requests.clear();
+        progress.reset();
+      }
       return done != 0;
     }
     void abandon() noexcept {
       if (segments) new std::shared_ptr<Segments>(std::move(segments));
       requests.clear();
+      progress.reset();
     }
   };
 
@@ -292,7 +309,7 @@ class Mpi {
 
   [[nodiscard]] Request iall_reduce(at::Tensor& t, reduce_op op) {
     auto watch = prepare_reduction("iall_reduce", t, op);
-    Request r("iall_reduce", rank(), {t});
+    auto r = request("iall_reduce", {t});
     r.watch_ = std::move(watch);
     const auto seg = segment_elements(t);
     auto* p = static_cast<char*>(t.data_ptr());
@@ -310,7 +327,7 @@ class Mpi {
     detail::check_buffer("broadcast", rank(), t);
     check_on_host("broadcast", t);
     skeleton().check_peer("broadcast", root);
-    Request r("broadcast", rank(), {t});
+    auto r = request("broadcast", {t});
     r.watch_ = begin("broadcast", t, root);
     check(MPI_Ibcast(t.data_ptr(), count("broadcast", t), datatype(t), root, native(), &r.native_.requests.emplace_back()),
           "broadcast");
@@ -386,7 +403,7 @@ class Mpi {
     detail::check_buffer("send", rank(), t);
     check_on_host("send", t);
     skeleton().check_peer("send", peer);
-    Request r("send", rank(), {t});
+    auto r = request("send", {t});
     r.watch_ = skeleton().point_to_point("send", peer, tag);
     check(MPI_Isend(t.data_ptr(), count("send", t), datatype(t), peer, tag, native(), &r.native_.requests.emplace_back()),
           "send");
@@ -399,7 +416,7 @@ class Mpi {
     detail::check_buffer("recv", rank(), t);
     check_on_host("recv", t);
     skeleton().check_peer("recv", peer);
-    Request r("recv", rank(), {t});
+    auto r = request("recv", {t});
     r.watch_ = skeleton().point_to_point("recv", peer, tag);
     check(MPI_Irecv(t.data_ptr(), count("recv", t), datatype(t), peer, tag, native(), &r.native_.requests.emplace_back()),
           "recv");
@@ -561,7 +578,7 @@ class Mpi {
   }
 
   Request start_reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op, detail::Watch watch) {
-    Request r("reduce_scatter", rank(), {in, out});
+    auto r = request("reduce_scatter", {in, out});
     r.watch_ = std::move(watch);
     const auto type = datatype(in);
     const auto mpi_op = state_->ops.op(in.scalar_type(), op);
@@ -600,7 +617,7 @@ class Mpi {
   }
 
   Request start_all_gather(const at::Tensor& in, at::Tensor& out, bool in_place, detail::Watch watch) {
-    Request r("all_gather", rank(), {in, out});
+    auto r = request("all_gather", {in, out});
     r.watch_ = std::move(watch);
     const auto type = datatype(in);
     const auto part = in.numel(), seg = all_gather_segment(out);
@@ -633,6 +650,14 @@ class Mpi {
     };
     r.native_.segments->start_some("all_gather", rank());
     state_->pending = r.native_.segments;
+    return r;
+  }
+
+  // A pending operation's request, which keeps the progress thread calling MPI until it
+  // completes: Note [Progress thread].
+  Request request(const char* op, std::vector<at::Tensor> keep) {
+    Request r(op, rank(), std::move(keep));
+    r.native_.progress = detail::MpiProgress::instance().lease(options().progress);
     return r;
   }
 
