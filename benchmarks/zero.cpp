@@ -19,13 +19,14 @@ int main(int argc, char** argv) {
   const paratrain::bench::ZeroRun run{.strategy = argc > 1 ? argv[1] : "ddp",
                                       .layers = argc > 2 ? std::atoi(argv[2]) : 4,
                                       .steps = argc > 3 ? std::atoi(argv[3]) : 30,
-                                      .warmup = argc > 4 ? std::atoi(argv[4]) : 3};
+                                      .warmup = argc > 4 ? std::atoi(argv[4]) : 3,
+                                      .bf16 = argc > 5 && std::string_view(argv[5]) == "bf16"};
   paratrain::comm::Mpi world;
   const auto ranks = paratrain::bench::ranks_of(world.native());
   const bool known = paratrain::bench::with_zero_stage(run.strategy, [&]<class Update>(paratrain::plan::stage stage) {
     paratrain::bench::run_zero<Update>(world, torch::kCPU, ranks, run, stage, "mpi", [] { return std::string(); });
   });
   if (known) return 0;
-  std::fprintf(stderr, "usage: bench_zero <ddp|zero1|zero2|zero3> [layers] [steps] [warmup]\n");
+  std::fprintf(stderr, "usage: bench_zero <ddp|zero1|zero2|zero3> [layers] [steps] [warmup] [bf16]\n");
   return 2;
 }

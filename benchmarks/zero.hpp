@@ -28,6 +28,7 @@ namespace paratrain::bench {
 struct ZeroRun {
   std::string_view strategy;  // ddp, zero1, zero2 or zero3
   int layers = 4, steps = 30, warmup = 3;
+  bool bf16 = false;  // forward under bf16 autocast (and ZeRO-3's gathers: Note [Gathers in the compute type])
 };
 
 /// This process's peak resident set, MiB.
@@ -78,7 +79,9 @@ void run_zero(Comm world, const torch::Device& device, const Ranks& ranks, const
   // Built by the strategy: at stage 3 sharded as it is built (Note [Sharded construction]).
   torch::manual_seed(7);
   DataParallel<WideMlp, Comm, Update> s([&] { return WideMlp(run.layers); }, std::move(world),
-                                        torch::optim::AdamOptions(1e-4), {.build = {.device = device}});
+                                        torch::optim::AdamOptions(1e-4),
+                                        {.precision = {.autocast = run.bf16 ? std::optional(at::kBFloat16) : std::nullopt},
+                                         .build = {.device = device}});
   const double construction = ranks.max(peak_rss_mib() - base);
   torch::manual_seed(1 + rank);
   const auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
@@ -116,11 +119,11 @@ void run_zero(Comm world, const torch::Device& device, const Ranks& ranks, const
         "\"ranks\": %d, \"layers\": %d, \"parameters\": %lld, \"batch_per_rank\": %lld, \"steps\": %d, "
         "\"steps_per_s\": %.3f, \"peak_rss_mib\": %.1f, \"exposed_comm_share\": %.3f, \"held_mib\": %.1f, "
         "\"planned_mib\": %.1f, \"baseline_mib\": %.1f, \"peak_above_baseline_mib\": %.1f, \"plan_peak_mib\": %.1f, "
-        "\"construction_above_baseline_mib\": %.1f%s}\n",
+        "\"construction_above_baseline_mib\": %.1f, \"bf16\": %s%s}\n",
         std::string(run.strategy).c_str(), communicator, device.str().c_str(), size, run.layers,
         static_cast<long long>(parameters), static_cast<long long>(batch), run.steps / 3 * 3, 1 / seconds[0], rss,
         exposed / double(calls) / seconds[0], double(held.total()) / mib, planned.total() / mib, baseline, above,
-        plan_peak, construction, more.c_str());
+        plan_peak, construction, run.bf16 ? "true" : "false", more.c_str());
   std::fflush(stdout);
 }
 

@@ -6,7 +6,9 @@
 # construction alone (at stage 3 built sharded: Note [Sharded construction]). Prints a
 # markdown table. Builds nothing: build bench_zero first (scripts/bench.sh zero_memory does both).
 #
-# Usage: benchmarks/zero_memory.sh [layers, "4 12 48"] [ranks, "2 4"] [timed steps, 3]
+# Usage: benchmarks/zero_memory.sh [layers, "4 12 48"] [ranks, "2 4"] [timed steps, 3] [fp32 or bf16, fp32]
+# bf16: forward under bf16 autocast (Precision::autocast), where ZeRO-3 gathers its units in
+# bf16 from the second step on (Note [Gathers in the compute type]).
 # Layers of Linear(2048, 2048): 4 are 16.8M parameters, 12 are 50.4M, 48 are 201M.
 # Allocator: paratrain's defaults (Note [Allocator]), nothing in the environment.
 set -euo pipefail
@@ -14,6 +16,7 @@ cd "$(dirname "$0")/.."
 sizes=${1:-"4 12 48"}
 worlds=${2:-"2 4"}
 steps=${3:-3}
+precision=${4:-fp32}
 build=${PARATRAIN_BUILD_DIR:-build-bench}
 bench=$build/benchmarks/bench_zero
 python=/usr/bin/python3  # for machine_line
@@ -26,8 +29,8 @@ trap 'rm -rf "$tmp"' EXIT
 for layers in $sizes; do
   for ranks in $worlds; do
     for strategy in ddp zero1 zero2 zero3; do
-      echo "\$ scripts/mpirun.sh $ranks $bench $strategy $layers $steps 1" >&2
-      scripts/mpirun.sh "$ranks" "$bench" $strategy "$layers" "$steps" 1 | tee -a "$tmp/results" >&2
+      echo "\$ scripts/mpirun.sh $ranks $bench $strategy $layers $steps 1 $precision" >&2
+      scripts/mpirun.sh "$ranks" "$bench" $strategy "$layers" "$steps" 1 "$precision" | tee -a "$tmp/results" >&2
     done
   done
 done
@@ -47,5 +50,5 @@ jq -rs '
      + " | \(($r.steps_per_s / ddp($r).steps_per_s) | f(2)) |")
 ' "$tmp/results"
 echo
-echo "Command: $0 \"$sizes\" \"$worlds\" $steps (one intra-op thread per rank)"
+echo "Command: $0 \"$sizes\" \"$worlds\" $steps $precision (one intra-op thread per rank)"
 machine_line

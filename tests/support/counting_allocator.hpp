@@ -39,6 +39,8 @@ class CountingCpuAllocator final : public c10::Allocator {
     // Bytes live now and at most, above those live when the scope began.
     [[nodiscard]] std::int64_t live() const { return instance().live_.load() - instance().base_; }
     [[nodiscard]] std::int64_t peak() const { return instance().peak_.load() - instance().base_; }
+    // Forgets the peak so far: peak() is then the most live since now (above the same base).
+    void reset_peak() const { instance().peak_ = instance().live_.load(); }
 
    private:
     c10::Allocator* previous_;

@@ -252,13 +252,13 @@ TEST_CASE("plan: the peak of a step adds the pools and the larger of gradients a
   auto narrow = m;
   narrow.autocast_bytes = 2;
   narrow.gather_bytes = 2;
-  narrow.unit_parameters = 800;
+  narrow.narrow_parameters = 800;
   CHECK(plan::per_rank(narrow, plan::stage::stage2).autocast_copies == 2000);
   CHECK(plan::per_rank(narrow, plan::stage::stage3).autocast_copies == 400);
   CHECK(plan::peak(narrow, plan::stage::stage3).gathered_units == 2 * 200 * 2 * 1.25);
   CHECK(plan::peak(narrow, plan::stage::stage3).total() == 7200 - 2 * 200 * 4 + 1000 + 400);
-  CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .unit_parameters = 11}, plan::stage::ddp),
-                       doctest::Contains("unit_parameters"), paratrain::error);
+  CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .narrow_parameters = 11}, plan::stage::ddp),
+                       doctest::Contains("narrow_parameters"), paratrain::error);
   CHECK_THROWS_WITH_AS((void)plan::peak({.parameters = 1, .prefetch = -1}, plan::stage::stage3),
                        doctest::Contains("prefetch"), paratrain::error);
   CHECK_THROWS_WITH_AS((void)plan::scratch_bytes("lamb"), doctest::Contains("scratch_bytes"), paratrain::error);

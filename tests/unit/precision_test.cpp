@@ -119,13 +119,32 @@ struct ProbeImpl : torch::nn::Module {
 };
 TORCH_MODULE(Probe);
 
+// A block whose layer norm autocast runs with its fp32 weight as it is (on an fp32 input:
+// LibTorch's CPU layer norm takes no bf16 input with an fp32 weight).
+struct NormedImpl : torch::nn::Module {
+  NormedImpl() {
+    fc = register_module("fc", torch::nn::Linear(8, 8));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    seen = norm->weight.scalar_type();
+    return norm(x + fc(x));
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  at::ScalarType seen = at::kFloat;
+};
+TORCH_MODULE(Normed);
+
 struct ProbedImpl : torch::nn::Module {
   ProbedImpl() {
     first = register_module("first", paratrain::Unit<torch::nn::Linear>(8, 8));
+    normed = register_module("normed", paratrain::Unit<Normed>());
     probe = register_module("probe", paratrain::Unit<Probe>());
   }
-  torch::Tensor forward(torch::Tensor x) { return probe(torch::tanh(first(x))); }
+  torch::Tensor forward(torch::Tensor x) { return probe(normed(torch::tanh(first(x)).to(torch::kFloat))); }
   paratrain::Unit<torch::nn::Linear> first{nullptr};
+  paratrain::Unit<Normed> normed{nullptr};
   paratrain::Unit<Probe> probe{nullptr};
 };
 TORCH_MODULE(Probed);
@@ -133,10 +152,12 @@ TORCH_MODULE(Probed);
 }  // namespace
 
 TEST_CASE("ZeRO-3 under autocast computes with units gathered in bf16, autocast's rounding of the fp32 masters") {
-  // Note [Gathers in the compute type]: inside the unit's forward its weight is bf16 and
-  // equals the fp32 master weight rounded once, what autocast's own cast gives on one
-  // device; with Precision::gather = at::kFloat it is the fp32 master itself. Either way
-  // the parameters stay fp32 outside the units' forward and backward.
+  // Note [Gathers in the compute type]: from the second step on (the first one finds out
+  // which units qualify) inside the unit's forward its weight is bf16 and equals the fp32
+  // master weight rounded once, what autocast's own cast gives on one device; with
+  // Precision::gather = at::kFloat it is the fp32 master itself. A unit whose layer norm
+  // uses its weight as it is stays fp32. The parameters stay fp32 outside the units'
+  // forward and backward.
   comm::Mpi c;
   const int world = c.size(), rank = c.rank();
   const paratrain_test::Data data;
@@ -147,13 +168,16 @@ TEST_CASE("ZeRO-3 under autocast computes with units gathered in bf16, autocast'
     paratrain::DataParallel<Probed, comm::Mpi, paratrain::Sharded<SGD, zero::stage3>> dp(
         model, c, torch::optim::SGDOptions(0.1).momentum(0.9),
         {.precision = {.autocast = at::kBFloat16, .gather = gather}});
-    for (int step = 0; step < 2; ++step) {
-      const auto master = dp.full_parameters()[2];  // probe.fc.weight, fp32
+    for (int step = 0; step < 3; ++step) {
+      CAPTURE(step);
+      const auto master = dp.full_parameters()[6];  // probe.fc.weight, fp32
       REQUIRE((master.scalar_type() == at::kFloat));
       dp.step(data.of(world, rank, step, 3 + rank, 8), paratrain_test::loss_fn);
       const auto& seen = model->probe->seen;
-      CHECK((seen.scalar_type() == (gather ? at::kFloat : at::kBFloat16)));
-      CHECK(torch::equal(seen, gather ? master : master.to(at::kBFloat16)));
+      const bool narrow = !gather && step > 0;
+      CHECK((seen.scalar_type() == (narrow ? at::kBFloat16 : at::kFloat)));
+      CHECK(torch::equal(seen, narrow ? master.to(at::kBFloat16) : master));
+      CHECK((model->normed->seen == at::kFloat));
     }
     for (const auto& q : dp.full_parameters()) CHECK((q.scalar_type() == at::kFloat));
   }

@@ -201,7 +201,7 @@ plan::Model parse(int argc, char** argv) {
           .autocast_bytes = autocast_bytes,
           .reduce_bytes = reduce_bytes,
           .gather_bytes = gather,
-          .unit_parameters = gather > 0 ? *params : 0,
+          .narrow_parameters = gather > 0 && gather < b_p ? *params : 0,
           .bucket_elements = bucket_bytes / grad_bytes.value_or(precision.grad_bytes),
           .unit_elements = unit,
           .prefetch = prefetch,

@@ -385,7 +385,18 @@ class DataParallel {
   /// construction): `plan::peak(s.memory_plan(), stage)` is what a rank should hold at most
   /// (Note [Peak memory model]); planned_peak() is that figure for this strategy.
   [[nodiscard]] const plan::Model& memory_plan() const noexcept { return plan_; }
-  [[nodiscard]] plan::Peak planned_peak() const { return plan::peak(plan_, planned_stage()); }
+  /// At stage 3 under autocast, from the step on which the ranks agreed which units are
+  /// gathered in bf16 (Note [Gathers in the compute type]), the plan counts them so;
+  /// before, and at construction's memory check, fp32 gathers and every autocast copy.
+  [[nodiscard]] plan::Peak planned_peak() const {
+    auto m = plan_;
+    if constexpr (stage == 3) {
+      const auto [narrow, all] = store_->narrow_parameters();
+      m.narrow_parameters = narrow;
+      if (all) m.gather_bytes = 2.0;
+    }
+    return plan::peak(m, planned_stage());
+  }
   /// This strategy's stage in paratrain::plan's terms.
   [[nodiscard]] static constexpr plan::stage planned_stage() noexcept { return plan::stage(stage); }
   /// Where this rank keeps the model's and optimizer's state (paratrain::checkpointable):
@@ -477,7 +488,6 @@ class DataParallel {
                       "; it is how many units ZeRO-3 gathers ahead, 0 or more");
     plan_ = detail::plan_of(*model_, sharding_ranks(options), largest_bucket(options), options.prefetch, defaults,
                             options.precision.autocast.has_value(), options.precision.reduce.has_value(),
-                            stage == 3 && detail::gather_type(options.precision).has_value(),
                             options.memory.activation_bytes);
     if (options.memory.check) {
       double held = 0;  // what the model holds on this rank now: whole parameters, or shards

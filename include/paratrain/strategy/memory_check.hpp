@@ -78,8 +78,7 @@ OptimizerBytes optimizer_bytes_of(const Options&) {
 /// `bucket_elements`, the largest bucket of its layout.
 template <class OptimOptions>
 plan::Model plan_of(torch::nn::Module& model, std::int64_t ranks, double bucket_elements, int prefetch,
-                    const OptimOptions& optimizer, bool autocast, bool narrow_reduce, bool narrow_gathers,
-                    std::size_t activation_bytes) {
+                    const OptimOptions& optimizer, bool autocast, bool narrow_reduce, std::size_t activation_bytes) {
   plan::Model m{.ranks = ranks, .activation_bytes = static_cast<double>(activation_bytes), .prefetch = prefetch};
   std::set<const void*> seen;
   double bytes = 0;
@@ -97,18 +96,12 @@ plan::Model plan_of(torch::nn::Module& model, std::int64_t ranks, double bucket_
   m.autocast_bytes = autocast ? 2.0 : 0.0;
   m.reduce_bytes = narrow_reduce ? 2.0 : 0.0;
   m.bucket_elements = bucket_elements;
-  std::set<const void*> in_units;
   for (const auto& unit : model.modules(/*include_self=*/true))
     if (dynamic_cast<UnitBase*>(unit.get()) != nullptr) {
       double n = 0;
-      for (const auto& p : unit->parameters(/*recurse=*/true)) {
-        n += static_cast<double>(p.numel());
-        if (p.requires_grad() && in_units.insert(p.unsafeGetTensorImpl()).second)
-          m.unit_parameters += static_cast<double>(p.numel());
-      }
+      for (const auto& p : unit->parameters(/*recurse=*/true)) n += static_cast<double>(p.numel());
       m.unit_elements = std::max(m.unit_elements, n);
     }
-  if (narrow_gathers) m.gather_bytes = 2.0;
   return m;
 }
 

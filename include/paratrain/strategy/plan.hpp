@@ -40,8 +40,8 @@ namespace paratrain::plan {
 // gradients and optimizer state stay fp32, and each rank also holds autocast's
 // low-precision copies of the weights from forward to backward: Model::autocast_bytes
 // per parameter (2 for bf16), for the whole model at every stage, unless units recompute
-// their activations; at stage 3 with gathers in the compute type (Model::gather_bytes,
-// Note [Gathers in the compute type]) only for the parameters outside units. The gradients
+// their activations; at stage 3 not for the parameters gathered in the compute type
+// (Model::narrow_parameters, Note [Gathers in the compute type]). The gradients
 // a rank hands to the step's collectives (gradient_traffic) are Model::reduce_bytes per
 // parameter: 2 where Precision::reduce is bf16.
 
@@ -114,12 +114,12 @@ struct Model {
   /// Bytes per gradient element summed across ranks: 2 with Precision::reduce = bf16;
   /// 0: grad_bytes.
   double reduce_bytes = 0;
-  /// ZeRO-3: bytes per element units are gathered in (2 where they are gathered in bf16
-  /// under autocast: Precision::gather); 0: param_bytes.
+  /// ZeRO-3 under autocast: bytes per element of its pool of gathered units (2 where every
+  /// unit is gathered in bf16: Precision::gather); 0: param_bytes.
   double gather_bytes = 0;
-  /// The parameters inside paratrain::Units: under gathers narrower than param_bytes,
-  /// stage 3 makes no autocast copies of them.
-  double unit_parameters = 0;
+  /// ZeRO-3 under autocast: the parameters it gathers in the compute type, of which
+  /// autocast makes no copies (Note [Gathers in the compute type]).
+  double narrow_parameters = 0;
   // What plan::peak adds to the model states (Note [Peak memory model]); 0: left out.
   double bucket_elements = 0;     ///< the largest gradient bucket, in elements
   double unit_elements = 0;       ///< the largest paratrain::Unit, in parameters (ZeRO-3)
@@ -167,10 +167,10 @@ inline void validate(const Model& m) {
   require_non_negative(m.autocast_bytes, "autocast_bytes", "2 under bf16 or fp16 autocast, 0 without");
   require_non_negative(m.reduce_bytes, "reduce_bytes", "2 where gradients are summed in bf16, 0 for grad_bytes");
   require_non_negative(m.gather_bytes, "gather_bytes", "2 where ZeRO-3 gathers units in bf16, 0 for param_bytes");
-  if (!(m.unit_parameters >= 0 && m.unit_parameters <= m.parameters))
+  if (!(m.narrow_parameters >= 0 && m.narrow_parameters <= m.parameters))
     throw error(operation, -1,
-                "Model::unit_parameters is " + std::to_string(m.unit_parameters) +
-                    "; it counts the parameters inside units, between 0 and Model::parameters");
+                "Model::narrow_parameters is " + std::to_string(m.narrow_parameters) +
+                    "; it counts the parameters ZeRO-3 gathers in bf16, between 0 and Model::parameters");
   if (m.ranks < 1)
     throw error(operation, -1,
                 "Model::ranks is " + std::to_string(m.ranks) +
@@ -195,11 +195,9 @@ inline void validate(const Model& m) {
   const bool grads_sharded = s == stage::stage2 || s == stage::stage3;
   const bool state_sharded = s != stage::ddp;
 
-  // Units gathered in the compute type have no autocast copies (Note [Gathers in the compute type]).
-  const bool narrow_gathers = s == stage::stage3 && m.gather_bytes > 0 && m.gather_bytes < m.param_bytes;
-  Memory out{.strategy = s,
-             .activations = m.activation_bytes,
-             .autocast_copies = m.autocast_bytes * (narrow_gathers ? psi - m.unit_parameters : psi)};
+  // Parameters gathered in the compute type have no autocast copies (Note [Gathers in the compute type]).
+  const double copied = s == stage::stage3 ? psi - m.narrow_parameters : psi;
+  Memory out{.strategy = s, .activations = m.activation_bytes, .autocast_copies = m.autocast_bytes * copied};
   out.parameters = params_sharded ? m.param_bytes * psi / n : m.param_bytes * psi;
   out.gradients = grads_sharded ? m.grad_bytes * psi / n : m.grad_bytes * psi;
   out.optimizer_state = state_sharded ? m.optimizer_bytes * psi / n : m.optimizer_bytes * psi;

@@ -56,10 +56,11 @@ struct Precision {
   /// gradients' own type.
   std::optional<at::ScalarType> reduce;
   /// ZeRO-3 under autocast: the type units' parameters are gathered in for forward and
-  /// backward (FSDP's param_dtype). Empty: autocast's type, which halves the gathers'
-  /// bytes and makes no autocast copies of them; at::kFloat: fp32 gathers, where operations
-  /// autocast runs in fp32 (norms, embedding lookups) must see fp32 weights exactly.
-  /// Master weights and optimizer state stay fp32 either way. Note [Gathers in the compute type].
+  /// backward (FSDP's param_dtype). Empty: autocast's type for every bucket whose
+  /// parameters autocast only casts to it (found in the first step), which halves those
+  /// gathers' bytes and makes no autocast copies of them; at::kFloat: fp32 gathers
+  /// throughout. Master weights and optimizer state stay fp32 either way. Note [Gathers in
+  /// the compute type].
   std::optional<at::ScalarType> gather;
 };
 

@@ -5,12 +5,15 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
 #include <chrono>
 #include <concepts>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -86,6 +89,19 @@ namespace paratrain {
 // embedding lookups, a loss): it sees the bf16-rounded weight, and its gradient is rounded
 // to bf16 once on the way back — FSDP's behaviour too; Precision::gather = at::kFloat
 // gathers fp32 instead, autocast then casts as on one device.
+//
+// Only a bucket all of whose parameters autocast casts to bf16 is gathered so: a weight
+// used as it is by an operation autocast leaves alone or runs in fp32 (layer norm's,
+// an embedding's) must stay fp32, or that operation would see a rounded weight or fail
+// on mixed types. So the first training steps gather fp32, and after each unit's first
+// forward with autograd on, the graph behind its output tells which of its parameters
+// reach their gradient accumulator only through a cast to bf16 (ToCopyBackward0 of bf16
+// type); the ranks agree on it in the first step() (one small all-reduce, the minimum of
+// 0 = no, 1 = yes, 2 = not seen yet, repeated until nothing is unseen), and from the next
+// step on those buckets are gathered in bf16. Every rank thus takes the same decision,
+// which the gathers' sizes need. An MLP's or a convolutional net's buckets all qualify; a
+// Transformer layer's bucket, holding its layer norms, stays fp32 unless the norms are a
+// unit of their own. Precision::gather = at::kFloat turns it off.
 //
 // A parameter changes type in place (TensorImpl::shallow_copy_from onto a view of the
 // slot, and back onto its fp32 view when released), not through Tensor::set_data: for a
@@ -203,8 +219,11 @@ class ShardedParameters final : public detail::UnitObserver {
     std::vector<GatherRequest> gathers;
     for (auto& s : shards_)
       if (s.resident) gathers.push_back(group_.iall_gather(s.shard, s.full));
-    const Waiting waiting(exposed_);
-    for (auto& r : gathers) r.wait();
+    {
+      const Waiting waiting(exposed_);
+      for (auto& r : gathers) r.wait();
+    }
+    if (gather_type_ && !decided_) agree_on_narrow_buckets();
   }
 
   /// Runs `f` with every unit's parameters gathered (stage 3), then frees them again.
@@ -219,6 +238,9 @@ class ShardedParameters final : public detail::UnitObserver {
   /// Starts a new step's record of unit gathers (what a rank that joins replays).
   void begin_step() {
     exposed_ = 0;
+    if (agreed_ && std::none_of(units_state_.begin(), units_state_.end(),
+                                [](const UnitState& u) { return u.gathered || !u.inflight.empty(); }))
+      apply_narrow_buckets();
     sequence_.clear();
     for (auto& u : units_state_) u.complete = 0;  // a backward that threw midway left counts
   }
@@ -260,6 +282,22 @@ class ShardedParameters final : public detail::UnitObserver {
   /// Seconds this step has blocked on parameter gathers: ZeRO-3's gathers of units that
   /// were not complete when needed, and stages 1-2's gathers of the updated shards.
   [[nodiscard]] double exposed_seconds() const noexcept { return exposed_; }
+
+  /// The parameters gathered in the compute type under autocast (Note [Gathers in the
+  /// compute type]), and whether that is every parameter of every unit.
+  [[nodiscard]] std::pair<double, bool> narrow_parameters() const {
+    double n = 0;
+    bool all = !units_state_.empty();
+    for (std::size_t b = 0; b < shards_.size(); ++b) {
+      if (shards_[b].resident) continue;
+      if (!narrow_[b]) {
+        all = false;
+        continue;
+      }
+      for (auto i : layout_.buckets()[b].params) n += static_cast<double>(layout_.params()[i].tensor.numel());
+    }
+    return {n, all && n > 0};
+  }
 
   /// The bytes held between steps (stage 3: only the shards of unit parameters).
   [[nodiscard]] ModelStateBytes bytes() const {
@@ -311,7 +349,10 @@ class ShardedParameters final : public detail::UnitObserver {
     units_state_[u].forward_type = type;
     for (std::size_t k = 1; k <= prefetch_ && u + k < units_.size(); ++k) prefetch(u + k, type);
   }
-  void after_forward(std::size_t u) override { release(u); }
+  void after_forward(std::size_t u, const at::Tensor& out) override {
+    if (gather_type_ && !decided_ && at::GradMode::is_enabled() && out.requires_grad()) see_casts(u, out);
+    release(u);
+  }
   void before_backward(std::size_t u) override {
     gather(u, units_state_[u].forward_type);
     for (std::size_t k = 1; k <= prefetch_ && k <= u; ++k) prefetch(u - k, units_state_[u - k].forward_type);
@@ -402,21 +443,9 @@ class ShardedParameters final : public detail::UnitObserver {
       if (!s.resident && gather_type_) add_compute_views(b);
     }
     check_same_initialisation(constructed, units.names);
-    // Note [Pooled transients]: a unit's buckets side by side in one slot, in the type
-    // forward gathers them in (Note [Gathers in the compute type]); a gather in another
-    // type (with_gathered's fp32 under bf16 gathers) takes the allocator's memory.
-    std::size_t slot_elements = 0;
-    for (auto& state : units_state_) {
-      std::int64_t at = 0;
-      for (auto b : state.buckets) {
-        state.offsets.push_back(at);
-        at += (shards_[b].full.numel() + 31) / 32 * 32;  // 64-byte aligned in 2- and 4-byte types
-      }
-      slot_elements = std::max(slot_elements, static_cast<std::size_t>(at));
-    }
-    if (!units_state_.empty())
-      unit_pool_ = detail::SlotPool(slot_elements * c10::elementSize(gather_type_.value_or(own_type())),
-                                    1 + options.prefetch, buckets.front().options.device());
+    narrow_.assign(shards_.size(), 0);
+    seen_.assign(shards_.size(), unseen);
+    lay_out_pool();
     make_pieces();
     // Note [Optimizer on pieces]: the user's groups and options, over this rank's pieces.
     const auto group = detail::group_of(layout, groups, rank);
@@ -459,7 +488,7 @@ class ShardedParameters final : public detail::UnitObserver {
                                                                    std::declval<at::Tensor&>()));
   struct UnitState {
     std::vector<std::size_t> buckets;
-    std::vector<std::int64_t> offsets;  // of each bucket in a pool slot, in elements
+    std::vector<std::size_t> offsets;  // of each bucket in a pool slot, in bytes
     std::vector<GatherRequest> inflight;
     std::vector<at::Tensor> sent;  // the shards in the compute type, while their gathers are in flight
     int slot = -1;  // the pool's slot its buckets are gathered into; -1: the allocator's
@@ -557,11 +586,120 @@ class ShardedParameters final : public detail::UnitObserver {
     detail::release_storage(s.compute);
   }
 
-  // Every parameter of unit `state` becomes its view of `compute` (or back of `own`),
-  // keeping its autograd identity: Note [Gathers in the compute type].
+  // Note [Pooled transients]: a unit's buckets side by side in one slot, each in the type
+  // forward gathers it in (Note [Gathers in the compute type]); a gather in another type
+  // (with_gathered's fp32) takes the allocator's memory where it does not fit.
+  void lay_out_pool() {
+    std::size_t slot_bytes = 0;
+    for (auto& state : units_state_) {
+      std::size_t at = 0;
+      state.offsets.clear();
+      for (auto b : state.buckets) {
+        state.offsets.push_back(at);
+        const auto type = narrow_[b] ? *gather_type_ : own_type();
+        at += (static_cast<std::size_t>(shards_[b].full.numel()) * c10::elementSize(type) + 63) / 64 * 64;
+      }
+      slot_bytes = std::max(slot_bytes, at);
+    }
+    if (!units_state_.empty())
+      unit_pool_ = detail::SlotPool(slot_bytes, static_cast<int>(1 + prefetch_),
+                                    layout_.buckets().front().options.device());
+  }
+
+  // Whether bucket b is gathered in `type` other than its own: Note [Gathers in the compute type].
+  [[nodiscard]] bool narrowed(std::size_t b, at::ScalarType type) const { return type != own_type() && narrow_[b]; }
+
+  // Note [Gathers in the compute type]: which parameters of unit u reach their gradient
+  // accumulator only through a cast to the compute type (ToCopyBackward0 of that type),
+  // possibly after views of them (linear casts its weight's transpose, attention slices of
+  // its packed weight), read off the graph behind `out`.
+  void see_casts(std::size_t u, const at::Tensor& out) {
+    using torch::autograd::Node;
+    const auto& state = units_state_[u];
+    if (state.buckets.empty() || seen_[state.buckets.front()] != unseen) return;
+    std::map<const Node*, std::size_t> accumulator;  // -> layout parameter
+    for (auto b : state.buckets)
+      for (auto i : layout_.buckets()[b].params)
+        if (auto a = torch::autograd::impl::try_get_grad_accumulator(layout_.params()[i].tensor))
+          accumulator.emplace(a.get(), i);
+    // Every node behind `out`, and for each the nodes that use its output (its parents here).
+    std::map<const Node*, std::vector<const Node*>> users;
+    std::vector<Node*> todo{out.grad_fn().get()};
+    std::set<const Node*> visited;
+    while (!todo.empty()) {
+      auto* node = todo.back();
+      todo.pop_back();
+      if (node == nullptr || !visited.insert(node).second) continue;
+      for (const auto& edge : node->next_edges())
+        if (edge.function) {
+          users[edge.function.get()].push_back(node);
+          if (!accumulator.count(edge.function.get())) todo.push_back(edge.function.get());
+        }
+    }
+    const auto type = c10::scalarTypeToTypeMeta(*gather_type_);
+    std::map<const Node*, bool> memo;
+    // Whether every use of `node`'s output is a cast to the compute type, through views.
+    const std::function<bool(const Node*)> only_cast = [&](const Node* node) {
+      const auto it = users.find(node);
+      if (it == users.end() || it->second.empty()) return false;
+      if (const auto m = memo.find(node); m != memo.end()) return m->second;
+      bool all = true;
+      for (const auto* user : it->second) {
+        const auto name = user->name();
+        if (name == "ToCopyBackward0" && user->num_inputs() == 1 && user->input_metadata(0).dtype() == type) continue;
+        all = all && view_like(name) && only_cast(user);
+      }
+      return memo[node] = all;
+    };
+    for (auto b : state.buckets) {
+      bool all = true;
+      for (auto i : layout_.buckets()[b].params) {
+        const auto a = torch::autograd::impl::try_get_grad_accumulator(layout_.params()[i].tensor);
+        all = all && a && only_cast(a.get());
+      }
+      seen_[b] = all ? 1 : 0;
+    }
+  }
+
+  // Backward nodes of operations that only view their input (same values, same type).
+  static bool view_like(const std::string& name) {
+    static const std::set<std::string> views{
+        "TBackward0",         "TransposeBackward0", "PermuteBackward0",     "ViewBackward0",
+        "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",   "ExpandBackward0",
+        "SliceBackward0",     "SelectBackward0",    "UnsqueezeBackward0",   "SqueezeBackward0",
+        "SqueezeBackward1",   "AsStridedBackward0", "SplitBackward0",       "SplitWithSizesBackward0",
+        "UnbindBackward0",    "NarrowBackward0"};
+    return views.count(name) > 0;
+  }
+
+  // The ranks agree on what each saw (minimum of 0 no, 1 yes, 2 unseen); applied at the
+  // next begin_step, when nothing is gathered. Collective, in step().
+  void agree_on_narrow_buckets() {
+    auto codes = at::empty({static_cast<std::int64_t>(seen_.size())}, at::kInt);
+    for (std::size_t b = 0; b < seen_.size(); ++b)
+      codes[static_cast<std::int64_t>(b)] = shards_[b].resident ? 0 : static_cast<int>(seen_[b]);
+    detail::all_reduce_on(*comm_, codes, layout_.buckets().front().options.device(), reduce_op::min);
+    codes = codes.cpu();
+    decided_ = true;
+    for (std::size_t b = 0; b < seen_.size(); ++b) {
+      seen_[b] = static_cast<std::int8_t>(codes[static_cast<std::int64_t>(b)].item<int>());
+      decided_ = decided_ && seen_[b] != unseen;
+    }
+    agreed_ = true;
+  }
+
+  void apply_narrow_buckets() {
+    agreed_ = false;
+    for (std::size_t b = 0; b < seen_.size(); ++b) narrow_[b] = seen_[b] == 1 ? 1 : 0;
+    lay_out_pool();
+  }
+
+  // Every narrowed parameter of unit `state` becomes its view of `compute` (or back of
+  // `own`), keeping its autograd identity: Note [Gathers in the compute type].
   void retype(const UnitState& state, bool compute) {
     for (auto b : state.buckets)
-      for (auto i : layout_.buckets()[b].params) {
+      if (narrowed(b, state.type))
+        for (auto i : layout_.buckets()[b].params) {
         const auto& v = views_.at(i);
         layout_.params()[i].tensor.unsafeGetTensorImpl()->shallow_copy_from(
             (compute ? v.compute : v.own).getIntrusivePtr());
@@ -572,18 +710,23 @@ class ShardedParameters final : public detail::UnitObserver {
   // allocator's memory when no slot is free; false when it started nothing.
   bool launch(std::size_t u, at::ScalarType type, bool pooled_only = false) {
     auto& state = units_state_[u];
-    const bool narrow = type != own_type();
-    const auto item = static_cast<std::int64_t>(c10::elementSize(type));
+    // The slot as laid out for the compute type; fp32 where it was asked for instead.
     std::size_t bytes = 0;
-    if (!state.buckets.empty())
-      bytes = static_cast<std::size_t>((state.offsets.back() + shards_[state.buckets.back()].full.numel()) * item);
-    state.slot = unit_pool_.acquire(bytes);
+    bool fits = true;  // an fp32 gather of a bucket laid out narrow does not fit its slot
+    for (std::size_t k = 0; k < state.buckets.size() && fits; ++k) {
+      const auto b = state.buckets[k];
+      fits = type != own_type() || !narrow_[b];
+      bytes = std::max(bytes, state.offsets[k] + static_cast<std::size_t>(shards_[b].full.numel()) *
+                                                     c10::elementSize(narrowed(b, type) ? type : own_type()));
+    }
+    state.slot = fits ? unit_pool_.acquire(bytes) : -1;
     if (state.slot < 0 && pooled_only) return false;
     state.type = type;
     for (std::size_t k = 0; k < state.buckets.size(); ++k) {
       auto& s = shards_[state.buckets[k]];
+      const bool narrow = narrowed(state.buckets[k], type);
       auto& full = narrow ? s.compute : s.full;
-      if (state.slot >= 0) lend_storage(full, unit_pool_.data(state.slot) + state.offsets[k] * item);
+      if (state.slot >= 0) lend_storage(full, unit_pool_.data(state.slot) + state.offsets[k]);
       else detail::allocate_storage(full);
       auto& sent = narrow ? state.sent.emplace_back(s.shard.to(type)) : s.shard;
       state.inflight.push_back(gather_comm_.iall_gather(sent, full));
@@ -614,7 +757,7 @@ class ShardedParameters final : public detail::UnitObserver {
     state.inflight.clear();
     state.sent.clear();
     state.gathered = true;
-    if (state.type != own_type()) retype(state, /*compute=*/true);
+    retype(state, /*compute=*/true);
   }
 
   void gather(std::size_t u, at::ScalarType type) {
@@ -628,9 +771,8 @@ class ShardedParameters final : public detail::UnitObserver {
     auto& state = units_state_[u];
     settle(state);
     if (!state.gathered) return;
-    const bool narrow = state.type != own_type();
-    if (narrow) retype(state, /*compute=*/false);
-    for (auto b : state.buckets) detail::release_storage(narrow ? shards_[b].compute : shards_[b].full);
+    retype(state, /*compute=*/false);
+    for (auto b : state.buckets) detail::release_storage(narrowed(b, state.type) ? shards_[b].compute : shards_[b].full);
     unit_pool_.release(std::exchange(state.slot, -1));
     state.gathered = false;
   }
@@ -661,6 +803,14 @@ class ShardedParameters final : public detail::UnitObserver {
   std::unique_ptr<Optim> optimizer_;
   std::vector<std::pair<std::size_t, at::ScalarType>> sequence_, replay_;
   double exposed_ = 0;  // seconds blocked on gathers since begin_step
+  // Note [Gathers in the compute type]: per bucket, whether it is gathered in the compute
+  // type; what this rank saw of it (unseen until a unit's first forward with autograd);
+  // whether the ranks have decided all, and a decision to apply at the next begin_step.
+  static constexpr std::int8_t unseen = 2;
+  std::vector<char> narrow_;
+  std::vector<std::int8_t> seen_;
+  bool decided_ = false;
+  bool agreed_ = false;
 };
 
 }  // namespace paratrain

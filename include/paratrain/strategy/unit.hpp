@@ -38,7 +38,8 @@ namespace detail {
 class UnitObserver {
  public:
   virtual void before_forward(std::size_t unit) = 0;
-  virtual void after_forward(std::size_t unit) = 0;
+  /// `out`: the unit's output (autograd's graph of its forward ends there).
+  virtual void after_forward(std::size_t unit, const at::Tensor& out) = 0;
   virtual void before_backward(std::size_t unit) = 0;
 
  protected:
@@ -107,7 +108,7 @@ class UnitImpl<Impl, std::tuple<A...>> : public Impl, public detail::UnitBase {
     if (observer_ == nullptr) return Impl::forward(std::forward<A>(args)...);
     observer_->before_forward(index_);
     at::Tensor out = Impl::forward(std::forward<A>(args)...);
-    observer_->after_forward(index_);
+    observer_->after_forward(index_, out);
     if (!at::GradMode::is_enabled() || !out.requires_grad()) return out;
     return detail::BeforeBackward::apply(out, reinterpret_cast<std::int64_t>(observer_),
                                          static_cast<std::int64_t>(index_));
