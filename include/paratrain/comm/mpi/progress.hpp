@@ -35,13 +35,13 @@ namespace paratrain::detail {
 //
 // Off by default, because measured it did not pay where every core computes
 // (docs/benchmarks.md, "ZeRO-3 and the progress thread": 2 ranks on 2 cores, one
-// intra-op thread each): every rate fell by 3-8% with it (its wake-ups preempt compute),
-// and nothing was waiting for it to recover: ZeRO-3's exposed communication was already
-// 1-3% of its step (the pooled prefetch is tested by the gradient hooks in backward, and
-// a gather between two units' forwards finds its messages sent). On a CPU, moving the
-// bytes of a gather is itself work for the cores that compute, so ZeRO-3's remaining gap
-// to DDP there (0.85-0.91x) is its 1.5x volume, not exposure. Where ranks have a core to
-// spare, PARATRAIN_MPI_PROGRESS_US=200 (or Options::progress) turns it on.
+// intra-op thread each): it halved ZeRO-3's exposed share of the step (6.9 -> 3.8% and
+// 6.3 -> 2.8% on the 16.8M and 50.4M MLPs) but no step got faster (0.92-1.05x of the
+// rate without it, across DDP and ZeRO 1-3). On a CPU, moving a gather's bytes is work for
+// the cores that compute whichever thread does it, and the thread's wake-ups preempt
+// compute; ZeRO-3's remaining gap to DDP there (0.85-0.96x) is its 1.5x communication
+// volume, not exposure. Where ranks have a core to spare, PARATRAIN_MPI_PROGRESS_US=200
+// (or Options::progress) turns it on.
 
 /// The process's progress thread for comm::Mpi: Note [Progress thread].
 class MpiProgress {
