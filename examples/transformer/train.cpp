@@ -521,8 +521,10 @@ int run(int argc, char** argv) {
   getrusage(RUSAGE_SELF, &usage);
   // Also above the process's baseline, beside paratrain::plan::peak for the strategy (Note
   // [Peak memory model]; activations are not in it: the example gives no estimate).
-  double plan_peak_mib = std::nan("");
-  if constexpr (!pipelined) plan_peak_mib = s.planned_peak().total() / (1 << 20);
+  const double plan_peak_mib = [](auto& strategy) {  // generic, so that a pipeline's build drops the call
+    if constexpr (requires { strategy.planned_peak(); }) return strategy.planned_peak().total() / (1 << 20);
+    else return std::nan("");
+  }(s);
   auto peak = torch::tensor({double(usage.ru_maxrss) / 1024.0, baseline_mib, resident_mib("VmHWM") - baseline_mib,
                              std::isnan(plan_peak_mib) ? 0.0 : plan_peak_mib},
                             torch::kDouble);  // ru_maxrss: KiB
