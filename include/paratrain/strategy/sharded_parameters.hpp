@@ -101,7 +101,9 @@ namespace paratrain {
 // step on those buckets are gathered in bf16. Every rank thus takes the same decision,
 // which the gathers' sizes need. An MLP's or a convolutional net's buckets all qualify; a
 // Transformer layer's bucket, holding its layer norms, stays fp32 unless the norms are a
-// unit of their own. Precision::gather = at::kFloat turns it off.
+// unit of their own; so does a unit that recomputes (Unit<Recompute<Layer>> with
+// recomputation on), whose forward leaves only the recomputation's node to read.
+// Precision::gather = at::kFloat turns it off.
 //
 // A parameter changes type in place (TensorImpl::shallow_copy_from onto a view of the
 // slot, and back onto its fp32 view when released), not through Tensor::set_data: for a
@@ -700,10 +702,10 @@ class ShardedParameters final : public detail::UnitObserver {
     for (auto b : state.buckets)
       if (narrowed(b, state.type))
         for (auto i : layout_.buckets()[b].params) {
-        const auto& v = views_.at(i);
-        layout_.params()[i].tensor.unsafeGetTensorImpl()->shallow_copy_from(
-            (compute ? v.compute : v.own).getIntrusivePtr());
-      }
+          const auto& v = views_.at(i);
+          layout_.params()[i].tensor.unsafeGetTensorImpl()->shallow_copy_from(
+              (compute ? v.compute : v.own).getIntrusivePtr());
+        }
   }
 
   // Gathers unit u in `type` into a pool slot, or (`pooled_only` false) into the
