@@ -16,6 +16,7 @@ ranks=${1:-2}
 steps=${2:-6}
 tgt_len=${3:-20}
 build=${PARATRAIN_BUILD_DIR:-build-bench}
+python=/usr/bin/python3  # for machine_line
 for b in ddp zero3; do
   [[ -x $build/examples/transformer_$b ]] ||
     { echo "$build/examples/transformer_$b is missing; build it: cmake --build $build --target transformer_$b" >&2; exit 1; }

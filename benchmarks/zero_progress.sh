@@ -19,6 +19,7 @@ rounds=${4:-3}
 interval=${5:-200}
 build=${PARATRAIN_BUILD_DIR:-build-bench}
 bench=$build/benchmarks/bench_zero
+python=/usr/bin/python3  # for machine_line
 [[ -x $bench ]] || { echo "$bench is missing; build it: cmake --build $build --target bench_zero" >&2; exit 1; }
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 tmp=$(mktemp -d)
