@@ -17,14 +17,11 @@ steps=${2:-6}
 tgt_len=${3:-20}
 build=${PARATRAIN_BUILD_DIR:-build-bench}
 python=/usr/bin/python3  # for machine_line
-for b in ddp zero3; do
-  [[ -x $build/examples/transformer_$b ]] ||
-    { echo "$build/examples/transformer_$b is missing; build it: cmake --build $build --target transformer_$b" >&2; exit 1; }
-done
+. benchmarks/side_by_side.sh  # require_built, machine_line
+require_built "$build" transformer_ddp transformer_zero3
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-. benchmarks/side_by_side.sh  # machine_line
 
 for precision in fp32 bf16; do
   flags=()
