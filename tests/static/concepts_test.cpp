@@ -123,6 +123,19 @@ static_assert(!paratrain::optimizer_from<torch::optim::Adam, torch::optim::SGDOp
 
 static_assert(paratrain::loss_function<paratrain::CrossEntropy>);
 static_assert(!paratrain::loss_function<int>);
+// A loss of the output and the targets, or of the model's whole output and the batch.
+using Pair = std::tuple<at::Tensor, at::Tensor>;
+using BatchLoss = at::Tensor (*)(const Pair&, const paratrain::Batch&);
+using TensorBatchLoss = at::Tensor (*)(const at::Tensor&, const paratrain::Batch&);
+static_assert(paratrain::loss_for<paratrain::CrossEntropy, at::Tensor>);
+static_assert(!paratrain::loss_for<paratrain::CrossEntropy, Pair>);  // a tuple has no `target` form
+static_assert(paratrain::loss_for<BatchLoss, Pair>);
+static_assert(!paratrain::loss_for<BatchLoss, at::Tensor>);
+static_assert(paratrain::loss_for<TensorBatchLoss, at::Tensor>);
+static_assert(paratrain::detail::reads_batch<TensorBatchLoss, at::Tensor>);
+static_assert(!paratrain::detail::reads_batch<paratrain::CrossEntropy, at::Tensor>);
+static_assert(paratrain::model_output<at::Tensor> && paratrain::model_output<Pair>);
+static_assert(!paratrain::model_output<int> && !paratrain::model_output<std::tuple<at::Tensor, int>>);
 
 static_assert(paratrain::strategy<paratrain::DataParallel<Plain>>);
 static_assert(paratrain::strategy<paratrain::DataParallel<Plain, comm::Mpi, torch::optim::Adam>>);
@@ -138,11 +151,15 @@ struct SplitImpl : torch::nn::Module {
 TORCH_MODULE(Split);
 static_assert(paratrain::model<TwoInputs>);
 static_assert(paratrain::detail::forward_arity<TwoInputs>() == 2);
-static_assert(!paratrain::model<Split>);  // a stage, not a whole model: its output is no tensor
+static_assert(paratrain::model<Split>);  // two outputs, for a batch_loss
+static_assert(std::same_as<paratrain::DataParallel<Split>::output_type, Pair>);
+static_assert(paratrain::strategy<paratrain::DataParallel<Split>>);
 static_assert(paratrain::strategy<paratrain::DataParallel<TwoInputs, comm::Mpi>>);
 using TwoStages = paratrain::Pipeline<Split, TwoInputs>;
 static_assert(paratrain::strategy<paratrain::DataParallel<TwoStages, comm::Mpi, torch::optim::Adam>>);
 static_assert(paratrain::checkpointable<paratrain::DataParallel<TwoStages, comm::Mpi, torch::optim::Adam>>);
+static_assert(std::same_as<paratrain::DataParallel<TwoStages, comm::Mpi>::output_type, at::Tensor>);
+static_assert(std::same_as<paratrain::DataParallel<paratrain::Pipeline<TwoInputs, Split>, comm::Mpi>::output_type, Pair>);
 static_assert(paratrain::strategy<
               paratrain::DataParallel<TwoStages, comm::Mpi, paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage3>>>);
 

@@ -19,6 +19,7 @@
 
 #include "paratrain/core/move_to.hpp"
 #include "paratrain/core/error.hpp"
+#include "paratrain/concepts/loss.hpp"
 
 namespace paratrain {
 
@@ -82,11 +83,6 @@ template <class M>
 using forward_result_t = std::remove_cvref_t<typename member_signature<decltype(&impl_of<M>::forward)>::result>;
 template <class M>
 using forward_args_t = typename member_signature<decltype(&impl_of<M>::forward)>::args;
-
-template <class Tuple>
-inline constexpr bool all_tensors = false;
-template <class... T>
-inline constexpr bool all_tensors<std::tuple<T...>> = (std::same_as<T, at::Tensor> && ...);
 
 /// How many tensors M's forward takes: its parameter count when forward is one function
 /// of tensors only; 1 otherwise (an overloaded forward that takes a tensor).
@@ -164,9 +160,22 @@ inline std::vector<at::Tensor> to_device(const std::vector<at::Tensor>& tensors,
   return out;
 }
 
+/// What M's forward returns, as a paratrain::model_output: its result where that is a
+/// tuple of tensors, else a tensor (a forward whose result converts to one).
+template <class M, bool = plain_forward<M>>
+struct model_output_of {
+  using type = at::Tensor;
+};
+template <class M>
+struct model_output_of<M, true> {
+  using type = std::conditional_t<all_tensors<forward_result_t<M>>, forward_result_t<M>, at::Tensor>;
+};
+template <class M>
+using model_output_t = typename model_output_of<M>::type;
+
 /// `model`'s output for `inputs`: evaluation mode, no gradients, the mode restored after.
 template <class M>
-at::Tensor predict(M& model, const std::vector<at::Tensor>& inputs) {
+model_output_t<M> predict(M& model, const std::vector<at::Tensor>& inputs) {
   EvalMode eval(*model);
   return forward(model, inputs);
 }
@@ -174,11 +183,13 @@ at::Tensor predict(M& model, const std::vector<at::Tensor>& inputs) {
 }  // namespace detail
 
 /// A whole model: a module whose forward takes one or more tensors (the inputs of a
-/// batch, in order) and returns a tensor (the output the loss compares with the targets).
+/// batch, in order) and returns a tensor (the output the loss compares with the targets)
+/// or a std::tuple of tensors (outputs a batch_loss reads: two heads, an auxiliary loss).
 template <class M>
 concept model = module<M> && (stage_of<M, at::Tensor, at::Tensor> ||
                               (detail::plain_forward<M> && detail::all_tensors<detail::forward_args_t<M>> &&
-                               std::convertible_to<detail::forward_result_t<M>, at::Tensor>));
+                               (std::convertible_to<detail::forward_result_t<M>, at::Tensor> ||
+                                detail::all_tensors<detail::forward_result_t<M>>)));
 
 /// Checks that M is a module handle, with a message that says what one is.
 template <class M>
@@ -195,9 +206,9 @@ template <class M>
 consteval bool explain_model() {
   static_assert(explain_module<M>());
   static_assert(model<M>,
-                "paratrain: the model's forward must take one or more torch::Tensor and return a torch::Tensor; "
-                "give it `torch::Tensor forward(torch::Tensor x)` (or `forward(torch::Tensor src, torch::Tensor "
-                "tgt)`, one argument per input tensor of the data set)");
+                "paratrain: the model's forward must take one or more torch::Tensor and return a torch::Tensor (or a "
+                "std::tuple of them); give it `torch::Tensor forward(torch::Tensor x)` (or `forward(torch::Tensor "
+                "src, torch::Tensor tgt)`, one argument per input tensor of the data set)");
   return true;
 }
 

@@ -13,25 +13,23 @@
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/core/batch.hpp"
 #include "paratrain/core/step_result.hpp"
+#include "paratrain/concepts/loss.hpp"
 
 namespace paratrain {
-
-/// The loss a strategy is given: mean loss of a batch from the model's output and the targets.
-template <class L>
-concept loss_function = std::invocable<L&, const at::Tensor&, const at::Tensor&> &&
-    std::convertible_to<std::invoke_result_t<L&, const at::Tensor&, const at::Tensor&>, at::Tensor>;
 
 /// A way of training one model on one or more ranks: DataParallel (DDP, ZeRO), a
 /// pipeline of stages, LocalDataParallel, ...
 ///
+/// - `output_type`: what predict returns and a batch_loss reads: a model_output;
 /// - `step(micro_batches, loss, has_next)`: one optimizer step over this replica's
 ///   micro-batches (a span of Batch; empty for a replica that has none this step) and
 ///   those of every other replica, equal to one step of single-device training on all
 ///   of them together. A pipeline runs its schedule over them; DDP accumulates them.
 /// - `join(has_next)`: for a replica that has run out of batches while others have not;
-/// - `predict(batch)`: the model's output for the batch's inputs, without gradients, in
-///   evaluation mode; an undefined tensor on a rank that has no output (a pipeline's
-///   stages before the last). Collective over the ranks of one replica.
+/// - `predict(batch)`: the model's output for the batch's inputs (a tensor, or a tuple of
+///   them: what the model returns), without gradients, in evaluation mode; undefined
+///   tensors on a rank that has no output (a pipeline's stages before the last).
+///   Collective over the ranks of one replica.
 /// - `data_shard()`: which replica's samples this rank trains on (DataShard);
 /// - `all_reduce(t, op)`: reduce a tensor over all the strategy's ranks (for metrics);
 /// - `synchronize()`: make every rank's model evaluate alike (buffers); collective;
@@ -40,14 +38,15 @@ concept loss_function = std::invocable<L&, const at::Tensor&, const at::Tensor&>
 ///   there beside the step (Note [Copies beside the step]).
 template <class S>
 concept strategy = requires(S& s, const S& cs, std::span<const Batch> micro_batches, const Batch& b, at::Tensor& t,
-                            at::Tensor (*loss)(const at::Tensor&, const at::Tensor&)) {
+                            at::Tensor (*loss)(const typename S::output_type&, const Batch&)) {
   typename S::model_type;
+  requires model_output<typename S::output_type>;
   { s.rank() } -> std::same_as<int>;
   { s.world_size() } -> std::same_as<int>;
   { cs.data_shard() } -> std::same_as<DataShard>;
   { s.step(micro_batches, loss, true) } -> std::same_as<StepResult>;
   { s.join(false) } -> std::same_as<StepResult>;
-  { s.predict(b) } -> std::same_as<at::Tensor>;
+  { s.predict(b) } -> std::same_as<typename S::output_type>;
   s.all_reduce(t, reduce_op::sum);
   s.synchronize();
   { cs.device() } -> std::same_as<at::Device>;

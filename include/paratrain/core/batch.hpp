@@ -1,10 +1,12 @@
 #pragma once
 /// \file
-/// paratrain::Batch — the samples of one step: the model's inputs and the targets.
+/// paratrain::Batch — the samples of one step: the model's inputs, the targets and any
+/// extra per-sample tensors a loss or metric reads (weights, masks).
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,11 +17,13 @@
 namespace paratrain {
 
 /// A batch of samples: the model's inputs (the arguments of its forward, in order:
-/// one for most models, two for a Transformer's `forward(src, tgt)`) and the targets,
-/// all indexed by dimension 0.
+/// one for most models, two for a Transformer's `forward(src, tgt)`), the targets, and
+/// named extra tensors the model does not read but a loss or a metric may (per-token
+/// weights, masks: `batch.extra.at("weight")`), all indexed by dimension 0.
 struct Batch {
   std::vector<at::Tensor> inputs;
   at::Tensor target;
+  std::map<std::string, at::Tensor> extra;
 
   Batch() = default;
   /// A model with one input: `Batch{x, y}`.
@@ -32,22 +36,36 @@ struct Batch {
   [[nodiscard]] std::int64_t size() const {
     return !inputs.empty() && inputs.front().defined() ? inputs.front().size(0) : 0;
   }
-  /// The samples [begin, begin + n) of every input and of the targets.
+  /// The samples [begin, begin + n) of every input, the targets and the extras.
   [[nodiscard]] Batch narrow(std::int64_t begin, std::int64_t n) const {
+    return map([&](const at::Tensor& t) { return t.narrow(0, begin, n); });
+  }
+  /// The batch with `f` applied to each of its defined tensors (inputs, targets, extras);
+  /// undefined ones stay undefined.
+  template <class F>
+  [[nodiscard]] Batch map(F&& f) const {
+    const auto apply = [&](const at::Tensor& t) { return t.defined() ? at::Tensor(f(t)) : t; };
     Batch out;
-    for (const auto& x : inputs) out.inputs.push_back(x.narrow(0, begin, n));
-    out.target = target.narrow(0, begin, n);
+    out.inputs.reserve(inputs.size());
+    for (const auto& x : inputs) out.inputs.push_back(apply(x));
+    out.target = apply(target);
+    for (const auto& [name, x] : extra) out.extra.emplace(name, apply(x));
     return out;
+  }
+  /// Calls `f` on each of its defined tensors, mutably (inputs, targets, extras).
+  template <class F>
+  void for_each_tensor(F&& f) {
+    for (auto& x : inputs)
+      if (x.defined()) f(x);
+    if (target.defined()) f(target);
+    for (auto& [name, x] : extra)
+      if (x.defined()) f(x);
   }
   /// The batch on `device`: each tensor moved there (or itself, where it is there already),
   /// asynchronously from page-locked memory (data::LoaderOptions::pin_memory, which fit
   /// turns on for a CUDA model). Strategies call it once per batch: Note [One move per batch].
   [[nodiscard]] Batch to(at::Device device) const {
-    Batch out;
-    out.inputs.reserve(inputs.size());
-    for (const auto& x : inputs) out.inputs.push_back(detail::move_to(x, device));
-    out.target = detail::move_to(target, device);
-    return out;
+    return map([&](const at::Tensor& t) { return detail::move_to(t, device); });
   }
 };
 
@@ -91,6 +109,10 @@ inline std::string batch_problem(const Batch& b) {
   if (b.target.defined() && (b.target.dim() == 0 || b.target.size(0) != n))
     return "the batch's inputs hold " + std::to_string(n) + " samples and its targets " +
            (b.target.dim() == 0 ? std::string("are a scalar") : samples(b.target)) + " (dimension 0)";
+  for (const auto& [name, x] : b.extra)
+    if (x.defined() && (x.dim() == 0 || x.size(0) != n))
+      return "the batch's inputs hold " + std::to_string(n) + " samples and its extra tensor '" + name + "' " +
+             (x.dim() == 0 ? std::string("is a scalar") : samples(x)) + " (dimension 0)";
   return {};
 }
 

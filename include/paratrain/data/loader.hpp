@@ -140,9 +140,7 @@ class Loader {
       const auto& device = *options_.device;
       const auto stream = c10::impl::VirtualGuardImpl(device.type()).getStream(device);
       out.copied->block(stream);
-      for (const auto& x : out.value.inputs)
-        if (x.defined()) x.record_stream(stream);
-      if (out.value.target.defined()) out.value.target.record_stream(stream);
+      out.value.for_each_tensor([&](const at::Tensor& x) { x.record_stream(stream); });
     }
     return std::move(out.value);
   }
@@ -254,9 +252,7 @@ class Loader {
   }
 
   static void pin(Batch& b) {
-    for (auto& x : b.inputs)
-      if (x.defined()) x = x.pin_memory();
-    if (b.target.defined()) b.target = b.target.pin_memory();
+    b.for_each_tensor([](at::Tensor& x) { x = x.pin_memory(); });
   }
 
   const D& data_;

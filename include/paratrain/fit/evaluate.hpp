@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -21,27 +23,46 @@
 #include "paratrain/data/dataset_ref.hpp"
 #include "paratrain/data/exact_sampler.hpp"
 #include "paratrain/data/loader.hpp"
+#include "paratrain/fit/eval_metrics.hpp"
 #include "paratrain/fit/options.hpp"
 
 namespace paratrain {
 
-/// A dataset's mean loss and accuracy, over all ranks.
+/// A dataset's mean loss, accuracy and metrics, over all ranks.
 struct Evaluation {
   double loss = 0;           ///< mean over the samples
   double accuracy = 0;       ///< the fraction whose argmax is the target, where targets are class indices
   std::int64_t samples = 0;  ///< every sample of the set, once
+  std::map<std::string, double> metrics;  ///< EvaluateOptions::metrics, by name, each over the whole set
 };
 
 struct EvaluateOptions {
   std::int64_t batch_size = 1000;  ///< per replica
   data::LoaderOptions loader{};    ///< threads reading the next batches while one is evaluated
+  /// Computed beside the loss over the same samples, exactly (Note [Metrics as sums]).
+  std::vector<AnyMetric> metrics{};
 };
 
 namespace detail {
 
-template <strategy S, loss_function Loss>
+/// Why `metrics` cannot be evaluated together ("" when they can): two share a name.
+inline std::string metric_names_problem(const std::vector<AnyMetric>& metrics) {
+  std::set<std::string> seen;
+  for (const auto& m : metrics)
+    if (!seen.insert(m.name()).second)
+      return "two metrics are named '" + m.name() + "'; give each metric a name of its own";
+  return {};
+}
+
+template <strategy S, class Loss>
 Evaluation evaluate(S& s, const data::DatasetRef& set, const EvaluateOptions& options, Loss& loss,
                     const char* operation) {
+  using Output = typename S::output_type;
+  static_assert(loss_for<Loss, Output>,
+                "paratrain: the evaluation's loss does not take the model's output: give a loss(output, target) for a "
+                "model that returns a tensor, or a loss(const Output&, const paratrain::Batch&) for one that returns "
+                "a tuple");
+  if (const auto problem = metric_names_problem(options.metrics); !problem.empty()) throw error(operation, s.rank(), problem);
   const auto batch_size = options.batch_size;
   const auto loading = data::for_device(options.loader, s.device());
   s.synchronize();  // every rank's replica evaluates alike (batch-norm statistics, ...)
@@ -62,6 +83,7 @@ Evaluation evaluate(S& s, const data::DatasetRef& set, const EvaluateOptions& op
   // samples (or none) count exactly. A rank that cannot load a batch goes on with empty
   // ones, so that no rank waits for it in predict's collectives, and says so in the sums.
   auto sums = at::zeros({4}, at::kDouble);
+  std::vector<at::Tensor> metric_sums(options.metrics.size());  // Note [Metrics as sums]
   std::string failed;
   for (std::size_t k = 0; k < static_cast<std::size_t>(rounds.template item<double>()); ++k) {
     Batch batch = empty;
@@ -74,27 +96,71 @@ Evaluation evaluate(S& s, const data::DatasetRef& set, const EvaluateOptions& op
       }
     }
     const auto out = s.predict(batch);
-    if (!out.defined() || batch.size() == 0) continue;
-    const auto target = batch.target.to(out.device());  // a GPU replica answers on its device
-    const auto n = static_cast<double>(batch.size());
-    sums[0] += loss(out, target).template item<double>() * n;
-    if (out.dim() == 2 && !at::isFloatingType(target.scalar_type()))
-      sums[1] += out.argmax(1).eq(target).sum().template item<double>();
-    sums[2] += n;
+    if (!failed.empty() || !has_output(out) || batch.size() == 0) continue;
+    // A loss or metric that throws on one rank must not leave the others waiting in the
+    // all-reduce below: it is counted there as a failure, and every rank throws.
+    try {
+      const auto outputs = output_tensors(out);
+      // A GPU replica answers on its device: the targets and extras go there (the inputs,
+      // too, for a loss of the whole batch).
+      const auto on_device = batch.to(outputs.front().device());
+      const auto n = static_cast<double>(batch.size());
+      sums[0] += compute_loss<Output>(loss, out, on_device).template item<double>() * n;
+      if constexpr (std::same_as<Output, at::Tensor>)
+        if (out.dim() == 2 && !at::isFloatingType(on_device.target.scalar_type()))
+          sums[1] += out.argmax(1).eq(on_device.target).sum().template item<double>();
+      sums[2] += n;
+      for (std::size_t m = 0; m < options.metrics.size(); ++m) {
+        const auto part = options.metrics[m].sums(outputs, on_device).to(at::kDouble).reshape({-1});
+        metric_sums[m] = metric_sums[m].defined() ? metric_sums[m] + part : part;
+      }
+    } catch (const std::exception& e) {
+      failed = inner_message(e);
+      sums[3] = 1;
+    }
   }
-  s.all_reduce(sums, reduce_op::sum);
-  if (sums[3].template item<double>() > 0) raise_everywhere(s, operation, failed);
-  const auto n = sums[2].template item<double>();
-  return {.loss = n > 0 ? sums[0].template item<double>() / n : 0,
-          .accuracy = n > 0 ? sums[1].template item<double>() / n : 0,
-          .samples = static_cast<std::int64_t>(n)};
+  // The metrics' sums go in the loss's all-reduce; a rank that evaluated nothing learns
+  // their lengths first (it never called sums()).
+  auto lengths = at::zeros({static_cast<std::int64_t>(metric_sums.size()) + 1}, at::kDouble);
+  for (std::size_t m = 0; m < metric_sums.size(); ++m)
+    if (metric_sums[m].defined()) lengths[static_cast<std::int64_t>(m)] = double(metric_sums[m].numel());
+  if (!metric_sums.empty()) s.all_reduce(lengths, reduce_op::max);
+  std::vector<at::Tensor> all{sums};
+  for (std::size_t m = 0; m < metric_sums.size(); ++m) {
+    const auto length = static_cast<std::int64_t>(lengths[static_cast<std::int64_t>(m)].template item<double>());
+    const auto local = metric_sums[m].defined() ? metric_sums[m].cpu() : at::zeros({length}, at::kDouble);
+    if (local.numel() == length) {
+      all.push_back(local);
+    } else {
+      if (failed.empty())
+        failed = "metric '" + options.metrics[m].name() + "' gave " + std::to_string(local.numel()) +
+                 " sums here and " + std::to_string(length) + " on another rank; give every batch as many";
+      all.push_back(at::zeros({length}, at::kDouble));
+    }
+  }
+  auto totals = at::cat(all);
+  if (!failed.empty()) totals[3] = 1;
+  s.all_reduce(totals, reduce_op::sum);
+  if (totals[3].template item<double>() > 0) raise_everywhere(s, operation, failed);
+  const auto n = totals[2].template item<double>();
+  Evaluation e{.loss = n > 0 ? totals[0].template item<double>() / n : 0,
+               .accuracy = n > 0 ? totals[1].template item<double>() / n : 0,
+               .samples = static_cast<std::int64_t>(n)};
+  std::int64_t at = 4;
+  for (std::size_t m = 0; m < metric_sums.size(); ++m) {
+    const auto length = static_cast<std::int64_t>(lengths[static_cast<std::int64_t>(m)].template item<double>());
+    e.metrics[options.metrics[m].name()] = options.metrics[m].compute(totals.narrow(0, at, length).contiguous());
+    at += length;
+  }
+  return e;
 }
 
 }  // namespace detail
 
 /// Evaluates `s`'s model on `set`, any paratrain::dataset: each data-parallel replica
 /// predicts its exact shard (data::ExactSampler: every sample once, none twice) and the
-/// loss (weighted by samples) and the correct answers are summed over all ranks.
+/// loss (weighted by samples), the correct answers and the sums of `options.metrics` are
+/// summed over all ranks (Note [Metrics as sums]).
 /// Ranks without an output (a pipeline's earlier stages) take part and count nothing. A
 /// rank that cannot load a batch makes every rank throw the same paratrain::error.
 ///
@@ -104,7 +170,7 @@ Evaluation evaluate(S& s, const data::DatasetRef& set, const EvaluateOptions& op
 ///   const auto e = paratrain::evaluate(strategy, test, {.batch_size = 500});
 ///   std::printf("test loss %.4f, accuracy %.2f%%\n", e.loss, 100 * e.accuracy);
 /// \endcode
-template <strategy S, dataset D, loss_function Loss = CrossEntropy>
+template <strategy S, dataset D, class Loss = CrossEntropy>
 Evaluation evaluate(S& s, const D& set, const EvaluateOptions& options = {}, Loss loss = {}) {
   if (options.batch_size < 1) throw error("evaluate", s.rank(), "batch_size must be >= 1");
   if constexpr (std::is_same_v<D, data::DatasetRef>)

@@ -38,18 +38,19 @@ namespace paratrain {
 ///   auto result = paratrain::fit(strategy, train, {.epochs = 5, .batch_size = 64, .eval = &test});
 ///   auto blocks = paratrain::fit<paratrain::data::SequentialSampler>(strategy, train, options);
 /// \endcode
-template <class Sampler = data::DistributedSampler, strategy S, class D, loss_function Loss = CrossEntropy>
+template <class Sampler = data::DistributedSampler, strategy S, class D, class Loss = CrossEntropy>
 FitResult fit(S& s, const D& train, const FitOptions& options, Loss loss = {}) {
   static_assert(dataset<D>,
                 "paratrain::fit: the training set is not a paratrain::dataset; give it `std::int64_t size() const` and "
                 "`paratrain::Batch get(const at::Tensor& indices) const`, or hold the data in a data::TensorDataset");
+  static_assert(detail::explain_loss<S, Loss>());
   static_assert(sampler<Sampler>,
                 "paratrain::fit<Sampler>: Sampler is not a paratrain::sampler; give it `indices() const` (a range of "
                 "integers), `size() const` and `set_epoch(std::int64_t)`");
   static_assert(std::constructible_from<Sampler, std::int64_t, data::SamplerOptions>,
                 "paratrain::fit<Sampler>: fit builds the sampler as Sampler(dataset_size, data::SamplerOptions); give "
                 "it that constructor, or build the sampler yourself and pass it: fit(strategy, train, sampler, options)");
-  if constexpr (dataset<D> && sampler<Sampler> && std::constructible_from<Sampler, std::int64_t, data::SamplerOptions>)
+  if constexpr (dataset<D> && sampler<Sampler> && detail::loss_of_strategy<Loss, S> && std::constructible_from<Sampler, std::int64_t, data::SamplerOptions>)
     return detail::Trainer<S, D, Sampler, Loss>(s, train, Sampler(static_cast<std::int64_t>(train.size()),
                                                                   detail::sampler_options(s, options)),
                                                 options, loss)
@@ -68,15 +69,16 @@ FitResult fit(S& s, const D& train, const FitOptions& options, Loss loss = {}) {
 ///   paratrain::data::WeightedSampler balanced(weights, {.num_replicas = shard.count, .rank = shard.index});
 ///   auto result = paratrain::fit(strategy, train, balanced, {.epochs = 5});
 /// \endcode
-template <strategy S, class D, class Sampler, loss_function Loss = CrossEntropy>
+template <strategy S, class D, class Sampler, class Loss = CrossEntropy>
 FitResult fit(S& s, const D& train, Sampler order, const FitOptions& options, Loss loss = {}) {
   static_assert(dataset<D>,
                 "paratrain::fit: the training set is not a paratrain::dataset; give it `std::int64_t size() const` and "
                 "`paratrain::Batch get(const at::Tensor& indices) const`, or hold the data in a data::TensorDataset");
+  static_assert(detail::explain_loss<S, Loss>());
   static_assert(sampler<Sampler>,
                 "paratrain::fit: the third argument is not a paratrain::sampler; give it `indices() const` (a range "
                 "of integers), `size() const` and `set_epoch(std::int64_t)`");
-  if constexpr (dataset<D> && sampler<Sampler>) {
+  if constexpr (dataset<D> && sampler<Sampler> && detail::loss_of_strategy<Loss, S>) {
     detail::agree(s, "fit", detail::sampler_mismatch(s, train, order));
     return detail::Trainer<S, D, Sampler, Loss>(s, train, std::move(order), options, loss).run();
   } else {

@@ -14,9 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "paratrain/concepts/loss.hpp"
+#include "paratrain/core/batch.hpp"
 #include "paratrain/data/dataset_ref.hpp"
 #include "paratrain/data/loader.hpp"
 #include "paratrain/fit/checkpoints.hpp"
+#include "paratrain/fit/eval_metrics.hpp"
 #include "paratrain/fit/metrics.hpp"
 #include "paratrain/observe/observer.hpp"
 #include "paratrain/observe/step_times.hpp"
@@ -57,6 +60,8 @@ struct EpochInfo {
   double seconds = 0;            ///< training time of the epoch on this rank (evaluation excluded)
   double samples_per_second = 0; ///< over all ranks
   std::map<std::string, double> metrics;  ///< everything logged, reduced (Note [Safe metric reduction])
+  /// FitOptions::metrics over the evaluation set, by name (Note [Metrics as sums]).
+  std::map<std::string, double> eval_metrics;
   /// Steps whose optimizer step was skipped for NaN or Inf gradients (NonFinite::skip).
   std::int64_t skipped_steps = 0;
 };
@@ -82,6 +87,8 @@ struct FitOptions {
   /// Any paratrain::dataset (`.eval = &test`), evaluated after each epoch, exactly sharded.
   data::DatasetRef eval{};
   std::int64_t eval_batch_size = 1000;
+  /// Computed over the evaluation set beside its loss, exactly: `{metrics::TopK{5}}` (fit/eval_metrics.hpp).
+  std::vector<AnyMetric> metrics{};
   /// Worker threads reading the next batches while a step computes, training and evaluation.
   data::LoaderOptions loader{};
   LrScaling lr_scaling{};
@@ -104,5 +111,24 @@ struct CrossEntropy {
     return torch::nn::functional::cross_entropy(output, target);
   }
 };
+
+namespace detail {
+
+/// Whether `Loss` trains strategy S's model: a loss_for what its model returns.
+template <class Loss, class S>
+concept loss_of_strategy = loss_for<Loss, typename S::output_type>;
+
+/// Checks that Loss fits S's model, with a message that names both forms.
+template <class S, class Loss>
+consteval bool explain_loss() {
+  static_assert(loss_of_strategy<Loss, S>,
+                "paratrain::fit: the loss does not take what the model returns: give `at::Tensor loss(const "
+                "at::Tensor& output, const at::Tensor& target)` for a model that returns a tensor, or `at::Tensor "
+                "loss(const Output& output, const paratrain::Batch& batch)` with Output what the model (a pipeline's "
+                "last stage) returns, e.g. std::tuple<at::Tensor, at::Tensor> (Note [Losses of a batch])");
+  return true;
+}
+
+}  // namespace detail
 
 }  // namespace paratrain

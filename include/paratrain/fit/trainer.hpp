@@ -35,9 +35,9 @@
 namespace paratrain::detail {
 
 inline std::string format(const char* fmt, auto... args) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, fmt, args...);
-  return buf;
+  std::string out(static_cast<std::size_t>(std::max(std::snprintf(nullptr, 0, fmt, args...), 0)), '\0');
+  std::snprintf(out.data(), out.size() + 1, fmt, args...);
+  return out;
 }
 
 // Note [One loop for every strategy]
@@ -84,7 +84,7 @@ template <class T>
 concept resumable_sampler = requires(T& t, std::int64_t n) { t.set_epoch(n, n); };
 
 /// fit, in named steps: the loop over epochs, an epoch's steps, a step, what follows a step.
-template <strategy S, dataset D, sampler Sampler, loss_function Loss>
+template <strategy S, dataset D, sampler Sampler, class Loss>
 class Trainer {
   using clock = std::chrono::steady_clock;
 
@@ -326,17 +326,19 @@ class Trainer {
     metrics_ = Metrics{};
     info.train_loss = info.metrics.count("loss") ? info.metrics.at("loss") : 0.0;
     if (options_.eval) {
-      const auto e = detail::evaluate(s_, options_.eval, {options_.eval_batch_size, options_.loader}, loss_, "fit");
+      auto e = detail::evaluate(s_, options_.eval, {options_.eval_batch_size, options_.loader, options_.metrics}, loss_,
+                                "fit");
       info.eval_loss = e.loss, info.eval_accuracy = e.accuracy, info.eval_samples = e.samples;
+      info.eval_metrics = std::move(e.metrics);
     }
     observer_.epoch(info, step_, bool(options_.eval));
+    std::string evaluated;
+    if (options_.eval) {
+      evaluated = format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss, 100 * info.eval_accuracy);
+      for (const auto& [name, value] : info.eval_metrics) evaluated += format("test %s %.4g, ", name.c_str(), value);
+    }
     progress_.line(format("epoch %d/%d: train loss %.4f, %s%.0f samples/s, %.1f s", e.index + 1, options_.epochs,
-                          info.train_loss,
-                          options_.eval ? format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss,
-                                                 100 * info.eval_accuracy)
-                                              .c_str()
-                                        : "",
-                          info.samples_per_second, info.seconds));
+                          info.train_loss, evaluated.c_str(), info.samples_per_second, info.seconds));
     if (e.save_at_end && checkpoints_.saving())
       checkpoints_.save(position(step_, e.index + 1, 0, 0), Metrics{});  // step_ counts the epoch's last step
     if (options_.on_epoch) options_.on_epoch(info);

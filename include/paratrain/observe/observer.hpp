@@ -145,6 +145,7 @@ class Observer {
     if (evaluated) {
       r.values["epoch/eval_loss"] = info.eval_loss;
       r.values["epoch/eval_accuracy"] = info.eval_accuracy;
+      for (const auto& [name, value] : info.eval_metrics) r.values["epoch/eval_" + name] = value;
     }
     for (const auto& [name, value] : info.metrics)
       if (name != "loss") r.values["epoch/" + name] = value;

@@ -96,6 +96,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
 
  public:
   using model_type = Pipeline<Stage...>;
+  /// What the last stage returns: a tensor, or a tuple of them (a batch_loss reads it).
+  using output_type = detail::model_output_t<std::tuple_element_t<sizeof...(Stage) - 1, std::tuple<Stage...>>>;
   using communicator_type = Comm;
   using update_type = Update;
   using optimizer_type = typename Inner::optimizer_type;
@@ -154,7 +156,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
 
   /// One optimizer step over this replica's micro-batches, pipelined by the schedule;
   /// every stage of one replica is given the same micro-batches.
-  template <loss_function Loss>
+  template <loss_for<output_type> Loss>
   StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
     check_same_micro_batches(micro_batches);
     if (micro_batches.empty()) return join_checked(has_next);
@@ -179,9 +181,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// return an undefined tensor. Collective over the ranks of one replica, and over the
   /// stage's replicas at ZeRO stage 3 (which gather parameters): an empty batch, too,
   /// runs through the stages.
-  at::Tensor predict(const Batch& batch) {
+  output_type predict(const Batch& batch) {
     detail::EvalMode eval(*group_);
-    at::Tensor out;
+    output_type out;
     for (int s = p_; s < S; s += K_) {
       auto in = s == 0 ? detail::to_device(batch.inputs, device_)
                        : receive(pipeline::detail::Message::evaluation, s, 0).first;
@@ -190,7 +192,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
         const detail::AutocastScope autocast(options_.data_parallel.precision.autocast, device_);
         y = forward(s, std::move(in));
       }
-      if (s == S - 1) out = y.front();
+      if (s == S - 1) out = detail::output_of<output_type>(std::move(y));
       else deliver(pipeline::detail::Message::evaluation, s + 1, 0, y, std::vector<bool>(y.size(), false));
     }
     link_->flush();
@@ -446,7 +448,13 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const auto outputs = forward(a.stage, inputs);
     Flags needs;
     if (a.stage == S - 1) {
-      at::Tensor l = loss(outputs.front(), detail::move_to(batch.target, outputs.front().device()));
+      // Note [Losses of a batch]: of what the last stage returns and the batch (the targets
+      // alone, for a loss of them), on the output's device.
+      const auto device = outputs.front().device();
+      const Batch on_device = detail::reads_batch<Loss, output_type>
+                                  ? batch.to(device)
+                                  : Batch(std::vector<at::Tensor>{}, detail::move_to(batch.target, device));
+      at::Tensor l = detail::compute_loss<output_type>(loss, detail::output_of<output_type>(outputs), on_device);
       const auto n = static_cast<double>(batch.size());
       st.roots = {l * n};  // Note [Exact averaging]: the gradient of the sum over the samples
       run.loss_sum = run.loss_sum.to(l.device()) + l.detach().to(at::kDouble) * n;

@@ -158,6 +158,8 @@ class DataParallel {
 
  public:
   using model_type = Model;
+  /// What the model's forward returns: a tensor, or a tuple of them (a batch_loss reads it).
+  using output_type = detail::model_output_t<Model>;
   using communicator_type = Comm;
   using update_type = Update;
   using optimizer_type = typename detail::optimizer_of<Update>::type;
@@ -226,7 +228,7 @@ class DataParallel {
   /// equal to single-device training on all ranks' samples together. `loss` returns the
   /// *mean* loss of a batch. `has_next` says whether this rank has another step's
   /// batches after these (it lets `join` end every rank's loop together).
-  template <loss_function Loss>
+  template <loss_for<output_type> Loss>
   StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
     if (micro_batches.empty()) return join(has_next);
     std::string problem;
@@ -255,7 +257,7 @@ class DataParallel {
   /// the step above with one micro-batch.
   /// A batch the step cannot use (targets for fewer samples than the inputs, say) is an
   /// error on every rank, named by the rank that has it (Note [Unusable batches]).
-  template <loss_function Loss>
+  template <loss_for<output_type> Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
     agree_before_forward(detail::batch_problem(batch));
     return step_agreed(batch, loss, has_next);
@@ -266,7 +268,7 @@ class DataParallel {
   /// A batch it cannot use is left out and makes that next step an error on every rank; at
   /// ZeRO stage 3, where forward gathers units, it throws here, on this rank only (give
   /// stage 3 its micro-batches through step(span), which checks them all first).
-  template <loss_function Loss>
+  template <loss_for<output_type> Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
     if (!accumulating_) new_step();
     accumulating_ = true;
@@ -318,13 +320,13 @@ class DataParallel {
 
   /// The model's output for the batch's inputs, in evaluation mode and without gradients
   /// (under autocast with Precision::autocast, as training's forward: then often bf16).
-  at::Tensor predict(const Batch& batch) {
+  output_type predict(const Batch& batch) {
     static_assert(explain_model<Model>());
     const detail::AutocastScope autocast(options_.precision.autocast, device_);
     return detail::predict(model_, Batch(batch.inputs, at::Tensor()).to(device_).inputs);  // Note [One move per batch]
   }
   /// The output of a one-input model for `input`, in evaluation mode and without gradients.
-  at::Tensor predict(const at::Tensor& input) { return predict(Batch{input, at::Tensor()}); }
+  output_type predict(const at::Tensor& input) { return predict(Batch{input, at::Tensor()}); }
 
   /// Every parameter of the model, whole, as a copy (model()->parameters() order).
   /// Collective: at ZeRO stage 3 the parameters are gathered for it, so every rank calls it.
@@ -540,7 +542,7 @@ class DataParallel {
     at::Tensor l;
     {
       const detail::AutocastScope autocast(options_.precision.autocast, device_);  // Note [Mixed precision]
-      l = loss(detail::forward(model_, batch.inputs), batch.target);
+      l = detail::compute_loss<output_type>(loss, detail::forward(model_, batch.inputs), batch);
     }
     forward.stop();
     observe::PhaseTimer backward(timeline_, observe::Phase::backward);

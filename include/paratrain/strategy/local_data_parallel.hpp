@@ -62,6 +62,8 @@ class LocalDataParallel {
 
  public:
   using model_type = Model;
+  /// What the model's forward returns: a tensor, or a tuple of them (a batch_loss reads it).
+  using output_type = detail::model_output_t<Model>;
   using optimizer_type = Optim;
   using Options = LocalDataParallelOptions;
 
@@ -98,7 +100,7 @@ class LocalDataParallel {
   }
 
   /// One optimizer step over the micro-batches, each split over the replicas.
-  template <loss_function Loss>
+  template <loss_for<output_type> Loss>
   StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
     for (const auto& b : micro_batches) check_batch(b);  // all before any: no half-accumulated step
     double loss_sum = 0, samples = 0;
@@ -112,7 +114,7 @@ class LocalDataParallel {
     return r;
   }
 
-  template <loss_function Loss>
+  template <loss_for<output_type> Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
     return step(std::span<const Batch>(&batch, 1), loss, has_next);
   }
@@ -133,7 +135,7 @@ class LocalDataParallel {
 
  public:
   /// Forward and backward on every replica, gradients summed into the model; no update.
-  template <loss_function Loss>
+  template <loss_for<output_type> Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
     check_batch(batch);
     if (!accumulating_) zero_model_grads();
@@ -141,12 +143,12 @@ class LocalDataParallel {
     const auto n = batch.size();
     if (n == 0) return 0.0;
     const auto used = static_cast<int>(std::min<std::int64_t>(n, static_cast<std::int64_t>(replicas_.size())));
-    std::vector<std::vector<at::Tensor>> inputs(used);  // [replica][input], on the CPU: each thread moves its own
-    for (const auto& x : batch.inputs) {
-      auto parts = x.tensor_split(used);
-      for (int i = 0; i < used; ++i) inputs[i].push_back(parts[i]);
+    // Replica i's samples, on the CPU: each thread moves its own. tensor_split's cut.
+    std::vector<Batch> parts(used);
+    for (int i = 0; i < used; ++i) {
+      const auto begin = i * (n / used) + std::min<std::int64_t>(i, n % used);
+      parts[i] = batch.narrow(begin, n / used + (i < n % used ? 1 : 0));
     }
-    const auto targets = batch.target.tensor_split(used);
     std::vector<double> losses(used);
     std::vector<std::exception_ptr> errors(used);
     auto run = [&](int i) {
@@ -155,9 +157,9 @@ class LocalDataParallel {
         r->train();
         if (i > 0)
           for (auto& p : r->parameters()) p.mutable_grad() = at::Tensor();
-        const auto y = detail::move_to(targets[i], devices_[i]);  // Note [One move per batch]
-        const auto n_i = static_cast<double>(y.size(0));
-        at::Tensor l = loss(detail::forward(r, detail::to_device(inputs[i], devices_[i])), y);
+        const auto part = parts[i].to(devices_[i]);  // Note [One move per batch]
+        const auto n_i = static_cast<double>(part.size());
+        at::Tensor l = detail::compute_loss<output_type>(loss, detail::forward(r, part.inputs), part);
         (l * n_i).backward();  // the sum over the replica's samples
         losses[i] = l.template item<double>() * n_i;
       } catch (...) {
@@ -181,8 +183,8 @@ class LocalDataParallel {
   /// One process has nobody to wait for: nothing to do.
   StepResult join(bool has_next = false) { return {0, 0, 0, has_next ? 1 : 0, 0, /*has_loss=*/false}; }
 
-  at::Tensor predict(const Batch& batch) { return detail::predict(model_, detail::to_device(batch.inputs, devices_[0])); }
-  at::Tensor predict(const at::Tensor& input) { return predict(Batch{input, at::Tensor()}); }
+  output_type predict(const Batch& batch) { return detail::predict(model_, detail::to_device(batch.inputs, devices_[0])); }
+  output_type predict(const at::Tensor& input) { return predict(Batch{input, at::Tensor()}); }
 
   /// A world of one process: nothing to reduce.
   void all_reduce(at::Tensor&, reduce_op) const noexcept {}
