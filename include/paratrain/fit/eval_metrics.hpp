@@ -105,47 +105,60 @@ inline double ratio(const at::Tensor& totals) {
 }
 }  // namespace detail
 
-/// The fraction of predictions whose highest score is the target class: scores (N, C) or
-/// (N, ..., C) against class indices (N) or (N, ...), each element counted.
-struct Accuracy {
-  int output = 0;  ///< which of the model's outputs holds the scores
-  [[nodiscard]] std::string name() const { return "accuracy"; }
-  [[nodiscard]] at::Tensor sums(std::span<const at::Tensor> outputs, const Batch& b) const {
-    const auto& scores = detail::output(outputs, output, name());
-    detail::check_scores(scores, b.target, name());
-    return at::stack({scores.argmax(-1).eq(b.target).sum().to(at::kDouble),
-                      at::scalar_tensor(double(b.target.numel()), scores.options().dtype(at::kDouble))});
-  }
-  [[nodiscard]] double compute(const at::Tensor& totals) const { return detail::ratio(totals); }
-};
-
-/// The fraction of predictions whose `k` highest scores include the target class.
+/// The fraction of predictions whose `k` highest scores include the target class (targets
+/// equal to `ignore_index` left out).
 struct TopK {
   std::int64_t k = 5;
   int output = 0;
+  std::int64_t ignore_index = -100;
   [[nodiscard]] std::string name() const { return "top" + std::to_string(k) + "_accuracy"; }
   [[nodiscard]] at::Tensor sums(std::span<const at::Tensor> outputs, const Batch& b) const {
-    const auto& scores = detail::output(outputs, output, name());
-    detail::check_scores(scores, b.target, name());
+    return counts(outputs, b, name());
+  }
+  [[nodiscard]] double compute(const at::Tensor& totals) const { return detail::ratio(totals); }
+
+  /// [answers among the top k, targets counted], for a metric named `metric`.
+  [[nodiscard]] at::Tensor counts(std::span<const at::Tensor> outputs, const Batch& b, const std::string& metric) const {
+    const auto& scores = detail::output(outputs, output, metric);
+    detail::check_scores(scores, b.target, metric);
     if (k < 1 || k > scores.size(-1))
-      throw error("metric " + name(), -1,
+      throw error("metric " + metric, -1,
                   "k must lie in [1, classes = " + std::to_string(scores.size(-1)) + "]; it is " + std::to_string(k));
+    const auto kept = b.target.ne(ignore_index);
     const auto top = std::get<1>(scores.topk(k, -1));
-    return at::stack({top.eq(b.target.unsqueeze(-1)).any(-1).sum().to(at::kDouble),
-                      at::scalar_tensor(double(b.target.numel()), scores.options().dtype(at::kDouble))});
+    const auto hit = top.eq(b.target.unsqueeze(-1)).any(-1).logical_and(kept);
+    return at::stack({hit.sum().to(at::kDouble), kept.sum().to(at::kDouble)});
+  }
+};
+
+/// The fraction of predictions whose highest score is the target class: scores (N, C) or
+/// (N, ..., C) against class indices (N) or (N, ...), each element counted but those whose
+/// target is `ignore_index` (padding; -100, as cross_entropy's default).
+struct Accuracy {
+  int output = 0;  ///< which of the model's outputs holds the scores
+  std::int64_t ignore_index = -100;
+  [[nodiscard]] std::string name() const { return "accuracy"; }
+  [[nodiscard]] at::Tensor sums(std::span<const at::Tensor> outputs, const Batch& b) const {
+    return TopK{.k = 1, .output = output, .ignore_index = ignore_index}.counts(outputs, b, name());
   }
   [[nodiscard]] double compute(const at::Tensor& totals) const { return detail::ratio(totals); }
 };
 
-/// The mean of |output - target| over every element.
+/// The mean of |output - target| over every element; the target is the batch's, or the
+/// Batch::extra tensor named `extra` (a regression head beside a classifier's).
 struct MeanAbsoluteError {
   int output = 0;
+  std::string extra{};
   [[nodiscard]] std::string name() const { return "mae"; }
   [[nodiscard]] at::Tensor sums(std::span<const at::Tensor> outputs, const Batch& b) const {
     const auto& out = detail::output(outputs, output, name());
-    if (!b.target.defined() || out.sizes() != b.target.sizes())
+    const auto it = b.extra.find(extra);
+    if (!extra.empty() && it == b.extra.end())
+      throw error("metric " + name(), -1, "reads the batch's extra tensor '" + extra + "', which the batch has not");
+    const auto& target = extra.empty() ? b.target : it->second;
+    if (!target.defined() || out.sizes() != target.sizes())
       throw error("metric " + name(), -1, "needs targets of the output's shape");
-    return at::stack({(out.to(at::kDouble) - b.target.to(at::kDouble)).abs().sum(),
+    return at::stack({(out.to(at::kDouble) - target.to(at::kDouble)).abs().sum(),
                       at::scalar_tensor(double(out.numel()), out.options().dtype(at::kDouble))});
   }
   [[nodiscard]] double compute(const at::Tensor& totals) const { return detail::ratio(totals); }

@@ -68,9 +68,9 @@ consteval bool check_stages(std::index_sequence<I...>) {
   (explain_stage<I, Stage>() && ...);
   using Last = std::tuple_element_t<sizeof...(Stage) - 1, Stages>;
   if constexpr (plain_forward<Last>)
-    static_assert(std::same_as<forward_result_t<Last>, at::Tensor>,
+    static_assert(model_output<forward_result_t<Last>>,
                   "paratrain: a Pipeline's last stage must return one torch::Tensor, the output the loss compares "
-                  "with the targets");
+                  "with the targets, or a std::tuple of them for a loss of the whole output (paratrain::batch_loss)");
   if constexpr (sizeof...(Stage) > 1) {
     return [&]<std::size_t... J>(std::index_sequence<J...>) {
       return (stage_link<J, std::tuple_element_t<J, Stages>, std::tuple_element_t<J + 1, Stages>>() && ...);
@@ -95,7 +95,7 @@ using StageGroup = std::shared_ptr<StageGroupImpl>;
 
 /// A model cut into `Stage...`, in order: stage i+1's forward takes the tensors stage i's
 /// returns (a std::tuple for several), stage 0's takes the batch's inputs and the last
-/// stage's output goes to the loss. Checked at compile time. Train it with
+/// stage's output (a tensor, or a tuple of them) goes to the loss. Checked at compile time. Train it with
 /// `DataParallel<Pipeline<Stage...>, Comm, Optimizer>` (pipeline/pipeline.hpp): each
 /// pipeline rank builds and owns only its own stages.
 ///

@@ -1,0 +1,439 @@
+// The loop for real programs (issue #25): losses of the model's whole output and the
+// batch, evaluation metrics, stopping, budgets and schedules. Each is compared with an
+// independent expectation: a plain LibTorch loop on one device over the union of the
+// ranks' batches, a computation over the whole set in one process, or a formula.
+#include <torch/torch.h>
+
+#include <span>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/fit/fit.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/local_data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "paratrain/strategy/unit.hpp"
+#include "support/doctest.hpp"
+#include "support/equivalence.hpp"
+
+// A namespace of its own: this file shares a translation unit with others (Note [Unity groups]).
+namespace loop_test {
+
+namespace {
+
+namespace comm = paratrain::comm;
+namespace F = torch::nn::functional;
+using paratrain::Batch;
+using paratrain_test::max_relative_difference;
+using Pair = std::tuple<torch::Tensor, torch::Tensor>;
+
+// ---- two outputs and an auxiliary loss ---------------------------------------------
+// The model returns the class scores and the features they come from; the loss is the
+// per-sample weighted cross-entropy plus a penalty on the features' size (an auxiliary
+// loss), both means over the batch's samples (Note [Losses of a batch]).
+
+at::Tensor weighted_with_aux(const Pair& out, const Batch& b) {
+  const auto& [scores, features] = out;
+  const auto ce = F::cross_entropy(scores, b.target, F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  return (ce * b.extra.at("weight")).mean() + 0.1 * features.pow(2).sum(1).mean();
+}
+
+constexpr std::int64_t seed_of_heads = 6;
+
+// One hidden layer: 8 -> 8, tanh.
+struct HiddenImpl : torch::nn::Module {
+  explicit HiddenImpl(std::int64_t seed) {
+    torch::manual_seed(seed);
+    fc = register_module("fc", torch::nn::Linear(8, 8));
+  }
+  torch::Tensor forward(torch::Tensor x) { return torch::tanh(fc(x)); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Hidden);
+
+// The last stage: scores and features.
+struct HeadsImpl : torch::nn::Module {
+  HeadsImpl() {
+    torch::manual_seed(seed_of_heads);
+    fc = register_module("fc", torch::nn::Linear(8, 4));
+  }
+  Pair forward(torch::Tensor h) { return {fc(h), h}; }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Heads);
+
+// The whole model for DataParallel, each layer a ZeRO-3 unit: Hidden(5) then the heads.
+struct TwoOutputsImpl : torch::nn::Module {
+  TwoOutputsImpl() {
+    torch::manual_seed(5);
+    hidden = register_module("hidden", paratrain::Unit<torch::nn::Linear>(8, 8));
+    torch::manual_seed(seed_of_heads);
+    heads = register_module("heads", paratrain::Unit<torch::nn::Linear>(8, 4));
+  }
+  Pair forward(torch::Tensor x) {
+    const auto h = torch::tanh(hidden(x));
+    return {heads(h), h};
+  }
+  paratrain::Unit<torch::nn::Linear> hidden{nullptr}, heads{nullptr};
+};
+TORCH_MODULE(TwoOutputs);
+
+// The samples: features, classes and per-sample weights.
+struct Samples {
+  torch::Tensor x, y, w;
+  Samples() {
+    torch::manual_seed(42);
+    x = torch::randn({2048, 8});
+    y = torch::randint(0, 4, {2048}, torch::kLong);
+    w = torch::rand({2048}) * 2;
+  }
+  // Micro-batch m of replica q at step t: 3 + q + m samples (every replica's size differs).
+  [[nodiscard]] Batch of(int t, int q, int m) const {
+    const auto start = (t * 64 + q * 16 + m * 8);
+    const auto n = 3 + q + m;
+    Batch b{x.narrow(0, start, n), y.narrow(0, start, n)};
+    b.extra["weight"] = w.narrow(0, start, n);
+    return b;
+  }
+};
+
+torch::optim::SGDOptions momentum_sgd() { return torch::optim::SGDOptions(0.1).momentum(0.9); }
+
+// Plain LibTorch on one device: hidden layers seeded `seeds`, then the heads, trained on
+// the union of every replica's micro-batches of each step. Returns the parameters in
+// stage order.
+std::vector<torch::Tensor> reference_two_outputs(const std::vector<std::int64_t>& seeds, int replicas, int micro,
+                                                 int steps) {
+  const Samples data;
+  std::vector<torch::nn::Linear> layers;
+  for (auto seed : seeds) {
+    torch::manual_seed(seed);
+    layers.emplace_back(8, 8);
+  }
+  torch::manual_seed(seed_of_heads);
+  torch::nn::Linear head(8, 4);
+  std::vector<torch::Tensor> params;
+  for (auto& l : layers)
+    for (auto& p : l->parameters()) params.push_back(p);
+  for (auto& p : head->parameters()) params.push_back(p);
+  torch::optim::SGD sgd(params, momentum_sgd());
+  for (int t = 0; t < steps; ++t) {
+    std::vector<Batch> all;
+    for (int q = 0; q < replicas; ++q)
+      for (int m = 0; m < micro; ++m) all.push_back(data.of(t, q, m));
+    std::vector<torch::Tensor> xs, ys, ws;
+    for (const auto& b : all) xs.push_back(b.input()), ys.push_back(b.target), ws.push_back(b.extra.at("weight"));
+    Batch whole{torch::cat(xs), torch::cat(ys)};
+    whole.extra["weight"] = torch::cat(ws);
+    sgd.zero_grad();
+    auto h = whole.input();
+    for (auto& l : layers) h = torch::tanh(l(h));
+    weighted_with_aux(Pair{head(h), h}, whole).backward();
+    sgd.step();
+  }
+  std::vector<torch::Tensor> out;
+  for (auto& p : params) out.push_back(p.detach().clone());
+  return out;
+}
+
+// Trains `s` (this rank is replica `q` of `replicas`) with the batch loss and returns its
+// parameters, as full_parameters gives them.
+template <class S>
+std::vector<torch::Tensor> train_two_outputs(S& s, int q, int micro, int steps) {
+  const Samples data;
+  for (int t = 0; t < steps; ++t) {
+    std::vector<Batch> mine;
+    for (int m = 0; m < micro; ++m) mine.push_back(data.of(t, q, m));
+    const auto r = s.step(std::span<const Batch>(mine), weighted_with_aux);
+    if (r.has_loss) CHECK(std::isfinite(r.loss));
+  }
+  return s.full_parameters();
+}
+
+}  // namespace
+
+TEST_CASE("a model with two outputs and an auxiliary, weighted loss trains as one device does (DDP, ZeRO-3)") {
+  const int world = comm::Mpi().size();
+  const int rank = comm::Mpi().rank();
+  constexpr int micro = 2, steps = 6;
+  const auto want = reference_two_outputs({5}, world, micro, steps);
+  {
+    paratrain::DataParallel<TwoOutputs, comm::Mpi, torch::optim::SGD> s(TwoOutputs(), comm::Mpi(), momentum_sgd());
+    CHECK(max_relative_difference(train_two_outputs(s, rank, micro, steps), want) <= 1e-5);
+  }
+  {
+    paratrain::DataParallel<TwoOutputs, comm::Mpi, paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>> s(
+        TwoOutputs(), comm::Mpi(), momentum_sgd());
+    CHECK(max_relative_difference(train_two_outputs(s, rank, micro, steps), want) <= 1e-5);
+  }
+}
+
+TEST_CASE("a pipeline whose last stage returns two outputs trains with the batch loss as one device does") {
+  const int world = comm::Mpi().size();
+  constexpr int micro = 3, steps = 6;
+  const auto run = [&]<class... Stage>(paratrain::Pipeline<Stage...> stages, std::vector<std::int64_t> seeds,
+                                       paratrain::PipelineOptions options) {
+    paratrain::DataParallel<paratrain::Pipeline<Stage...>, comm::Mpi, torch::optim::SGD> s(
+        std::move(stages), comm::Mpi(), momentum_sgd(), options);
+    const auto want = reference_two_outputs(seeds, s.replicas(), micro, steps);
+    const auto got = train_two_outputs(s, s.replica(), micro, steps);
+    std::vector<torch::Tensor> expected;
+    for (int i = 0; i < static_cast<int>(sizeof...(Stage)); ++i)
+      if (s.owns(i)) expected.insert(expected.end(), want.begin() + 2 * i, want.begin() + 2 * i + 2);
+    CHECK(max_relative_difference(got, expected) <= 1e-5);
+  };
+  using Two = paratrain::Pipeline<Hidden, Heads>;
+  using Three = paratrain::Pipeline<Hidden, Hidden, Heads>;
+  const auto two = [] { return Two([] { return Hidden(5); }, [] { return Heads(); }); };
+  if (world % 2 == 0) run(two(), {5}, {});
+  if (world == 1) run(two(), {5}, {.schedule = paratrain::pipeline::Kind::interleaved_1f1b, .virtual_stages = 2});
+  if (world == 3)
+    run(Three([] { return Hidden(5); }, [] { return Hidden(7); }, [] { return Heads(); }), {5, 7},
+        {.schedule = paratrain::pipeline::Kind::zero_bubble_h1});
+}
+
+// ---- a weighted per-token loss ------------------------------------------------------
+// Sequences of 6 tokens, a class per token, and a weight per token (0 for padding): the
+// loss of a sample is the weighted sum of its tokens' cross-entropies over the sequence
+// length, and the batch's the mean over its samples.
+
+namespace {
+
+template <class Layer>
+struct TokensImpl : torch::nn::Cloneable<TokensImpl<Layer>> {
+  TokensImpl() { reset(); }
+  void reset() override {
+    torch::manual_seed(11);
+    fc1 = this->register_module("fc1", Layer(8, 16));
+    fc2 = this->register_module("fc2", Layer(16, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::tanh(fc1(x))); }  // (N, T, 8) -> (N, T, 4)
+  Layer fc1{nullptr}, fc2{nullptr};
+};
+template <class Layer>
+struct Tokens : torch::nn::ModuleHolder<TokensImpl<Layer>> {
+  using torch::nn::ModuleHolder<TokensImpl<Layer>>::ModuleHolder;
+  Tokens() : torch::nn::ModuleHolder<TokensImpl<Layer>>() {}
+};
+
+at::Tensor per_token(const at::Tensor& scores, const Batch& b) {
+  const auto n = scores.size(0), length = scores.size(1);
+  const auto ce = F::cross_entropy(scores.reshape({n * length, 4}), b.target.reshape({n * length}),
+                                   F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  return (ce.view({n, length}) * b.extra.at("weight")).sum(1).mean() / static_cast<double>(length);
+}
+
+struct Sequences {
+  torch::Tensor x, y, w;
+  Sequences() {
+    torch::manual_seed(43);
+    x = torch::randn({1024, 6, 8});
+    y = torch::randint(0, 4, {1024, 6}, torch::kLong);
+    w = (torch::rand({1024, 6}) > 0.3).to(torch::kFloat) * torch::rand({1024, 6}) * 2;  // ~30% padding
+  }
+  [[nodiscard]] Batch of(int t, int q, std::int64_t n) const {
+    const auto start = t * 64 + q * 16;
+    Batch b{x.narrow(0, start, n), y.narrow(0, start, n)};
+    b.extra["weight"] = w.narrow(0, start, n);
+    return b;
+  }
+};
+
+std::vector<torch::Tensor> reference_tokens(int replicas, int steps) {
+  const Sequences data;
+  Tokens<torch::nn::Linear> net;
+  torch::optim::SGD sgd(net->parameters(), momentum_sgd());
+  for (int t = 0; t < steps; ++t) {
+    std::vector<torch::Tensor> xs, ys, ws;
+    for (int q = 0; q < replicas; ++q) {
+      const auto b = data.of(t, q, 2 + q);
+      xs.push_back(b.input()), ys.push_back(b.target), ws.push_back(b.extra.at("weight"));
+    }
+    Batch whole{torch::cat(xs), torch::cat(ys)};
+    whole.extra["weight"] = torch::cat(ws);
+    sgd.zero_grad();
+    per_token(net->forward(whole.input()), whole).backward();
+    sgd.step();
+  }
+  std::vector<torch::Tensor> out;
+  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a weighted per-token loss trains as one device does (DDP, ZeRO-2, ZeRO-3; in-process replicas)") {
+  const int world = comm::Mpi().size(), rank = comm::Mpi().rank();
+  constexpr int steps = 6;
+  const Sequences data;
+  const auto want = reference_tokens(world, steps);
+  const auto train = [&](auto& s) {
+    for (int t = 0; t < steps; ++t) s.step(data.of(t, rank, 2 + rank), per_token);
+    return s.full_parameters();
+  };
+  using Units = Tokens<paratrain::Unit<torch::nn::Linear>>;
+  {
+    paratrain::DataParallel<Units, comm::Mpi, torch::optim::SGD> s(Units(), comm::Mpi(), momentum_sgd());
+    CHECK(max_relative_difference(train(s), want) <= 1e-5);
+  }
+  {
+    paratrain::DataParallel<Units, comm::Mpi, paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage2>> s(
+        Units(), comm::Mpi(), momentum_sgd());
+    CHECK(max_relative_difference(train(s), want) <= 1e-5);
+  }
+  {
+    paratrain::DataParallel<Units, comm::Mpi, paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>> s(
+        Units(), comm::Mpi(), momentum_sgd());
+    CHECK(max_relative_difference(train(s), want) <= 1e-5);
+  }
+  if (rank == 0) {  // one process, `world` replicas: the whole union split among them
+    using Plain = Tokens<torch::nn::Linear>;
+    paratrain::LocalDataParallel<Plain, torch::optim::SGD> s(Plain(), momentum_sgd(), {.replicas = 2, .cpu = true});
+    for (int t = 0; t < steps; ++t) {
+      std::vector<Batch> parts;
+      for (int q = 0; q < world; ++q) parts.push_back(data.of(t, q, 2 + q));
+      s.step(std::span<const Batch>(parts), per_token);  // micro-batches: accumulated, then one step
+    }
+    std::vector<torch::Tensor> got;
+    for (auto& p : s.model()->parameters()) got.push_back(p.detach());
+    CHECK(max_relative_difference(got, want) <= 1e-5);
+  }
+}
+
+// ---- metrics ------------------------------------------------------------------------
+
+namespace {
+
+// Scores of 5 classes with sizeable ties broken nowhere: a fixed random linear map.
+struct ScoresImpl : torch::nn::Module {
+  ScoresImpl() {
+    torch::manual_seed(3);
+    fc = register_module("fc", torch::nn::Linear(8, 5));
+  }
+  Pair forward(torch::Tensor x) {
+    const auto s = fc(x);
+    return {s, s.narrow(-1, 0, 2)};  // the scores, and a 2-value regression output
+  }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Scores);
+
+// The two outputs' losses: cross-entropy of the scores (over the last dimension; padding
+// tokens, -100, left out) and the regression's squared error against Batch::extra "value".
+at::Tensor scores_loss(const Pair& out, const Batch& b) {
+  const auto& s = std::get<0>(out);
+  return F::cross_entropy(s.reshape({-1, 5}), b.target.reshape({-1}), F::CrossEntropyFuncOptions().ignore_index(-100)) +
+         F::mse_loss(std::get<1>(out), b.extra.at("value"));
+}
+
+// `n` samples: features (n, 8) or sequences (n, 3, 8); classes with some -100 (padding);
+// values for the regression output.
+paratrain::data::TensorDataset scored_data(std::int64_t n, bool sequences) {
+  torch::manual_seed(77);
+  auto x = sequences ? torch::randn({n, 3, 8}) : torch::randn({n, 8});
+  auto y = sequences ? torch::randint(0, 5, {n, 3}, torch::kLong) : torch::randint(0, 5, {n}, torch::kLong);
+  if (sequences) y.masked_fill_(torch::rand({n, 3}) < 0.2, -100);
+  auto values = sequences ? torch::randn({n, 3, 2}) : torch::randn({n, 2});
+  return paratrain::data::TensorDataset({x}, y, {{"value", values}});
+}
+
+// Counts a metric's sums from every rank but throws on one: the failure every rank must see.
+struct ThrowsOnRank {
+  int rank = -1;
+  int here = -2;
+  [[nodiscard]] std::string name() const { return "throws"; }
+  [[nodiscard]] at::Tensor sums(std::span<const at::Tensor>, const Batch& b) const {
+    if (here == rank) throw std::runtime_error("this metric fails on rank " + std::to_string(rank));
+    return torch::tensor({double(b.size()), 1.0});
+  }
+  [[nodiscard]] double compute(const at::Tensor& t) const { return t[0].item<double>(); }
+};
+static_assert(paratrain::metric<ThrowsOnRank>);
+static_assert(paratrain::metric<paratrain::metrics::Perplexity>);
+static_assert(!paratrain::metric<int>);
+
+}  // namespace
+
+TEST_CASE("every provided metric equals its single-process computation over the whole set, at any world size") {
+  comm::Mpi c;
+  const int world = c.size();
+  paratrain::DataParallel<Scores, comm::Mpi, torch::optim::SGD> s(Scores(), comm::Mpi(), torch::optim::SGDOptions(0.1));
+  for (const bool sequences : {false, true}) {
+    CAPTURE(sequences);
+    const auto set = scored_data(97, sequences);  // 97: prime, no world divides it
+    const auto e = paratrain::evaluate(s, set,
+                                       {.batch_size = 6,
+                                        .metrics = {paratrain::metrics::Accuracy{}, paratrain::metrics::TopK{2},
+                                                    paratrain::metrics::TopK{.k = 5},
+                                                    paratrain::metrics::MeanAbsoluteError{.output = 1, .extra = "value"},
+                                                    paratrain::metrics::Perplexity{}}},
+                                       scores_loss);
+    // One process, the whole set, the formulas written out.
+    torch::NoGradGuard no_grad;
+    const auto [scores, values] = Scores()->forward(set.inputs());  // the same seed: the same weights
+    const auto y = set.targets();
+    const auto kept = y.ne(-100);
+    const auto counted = kept.sum().item<double>();
+    const auto predicted = scores.argmax(-1);
+    // Padding tokens are left out of (top-k) accuracy, as of the cross-entropy.
+    const double accuracy = (predicted.eq(y) & kept).sum().item<double>() / counted;
+    const auto order = scores.argsort(-1, /*descending=*/true);
+    const double top2 = (order.narrow(-1, 0, 2).eq(y.unsqueeze(-1)).any(-1)).sum().item<double>() / counted;
+    const double mae = (values - set.extra().at("value")).abs().mean().item<double>();
+    const auto nll = F::cross_entropy(scores.reshape({-1, 5}).to(torch::kDouble), y.reshape({-1}),
+                                      F::CrossEntropyFuncOptions().ignore_index(-100));
+    CHECK(e.samples == 97);
+    CHECK(e.metrics.at("accuracy") == doctest::Approx(accuracy).epsilon(1e-12));
+    CHECK(e.metrics.at("top2_accuracy") == doctest::Approx(top2).epsilon(1e-12));
+    CHECK(e.metrics.at("top5_accuracy") == 1.0);  // 5 classes
+    CHECK(e.metrics.at("mae") == doctest::Approx(mae).epsilon(1e-6));
+    CHECK(e.metrics.at("perplexity") == doctest::Approx(std::exp(nll.item<double>())).epsilon(1e-6));
+    if (!sequences)  // (with padding, a loss of token means is not a mean over samples)
+      CHECK(e.loss == doctest::Approx(scores_loss(Pair{scores, values}, set.get(torch::arange(97))).item<double>())
+                          .epsilon(1e-5));
+    CHECK(e.metrics.size() == 5);
+  }
+  // A name twice is an error before anything is evaluated; a metric that throws on one
+  // rank makes every rank throw, with that rank's message.
+  const auto set = scored_data(30, false);
+  CHECK_THROWS_WITH_AS(paratrain::evaluate(s, set, {.metrics = {paratrain::metrics::TopK{2}, paratrain::metrics::TopK{2}}},
+                                           scores_loss),
+                       doctest::Contains("two metrics are named 'top2_accuracy'"), paratrain::error);
+  const auto failure = "this metric fails on rank " + std::to_string(world - 1);
+  CHECK_THROWS_WITH_AS(
+      paratrain::evaluate(s, set, {.batch_size = 4, .metrics = {ThrowsOnRank{.rank = world - 1, .here = c.rank()}}},
+                          scores_loss),
+      doctest::Contains(failure.c_str()), paratrain::error);
+}
+
+TEST_CASE("fit evaluates its metrics every epoch: in EpochInfo, the result and the epoch line") {
+  comm::Mpi c;
+  const auto train = scored_data(64, false), test = scored_data(41, false);
+  paratrain::DataParallel<Scores, comm::Mpi, torch::optim::SGD> s(Scores(), comm::Mpi(), torch::optim::SGDOptions(0.05));
+  std::vector<double> seen;
+  const auto result = paratrain::fit(
+      s, train,
+      {.epochs = 2,
+       .batch_size = 8,
+       .eval = &test,
+       .eval_batch_size = 5,
+       .metrics = {paratrain::metrics::TopK{3}},
+       .progress = false,
+       .on_epoch = [&](const paratrain::EpochInfo& e) { seen.push_back(e.eval_metrics.at("top3_accuracy")); }},
+      scores_loss);
+  REQUIRE(result.epochs.size() == 2);
+  REQUIRE(seen.size() == 2);
+  // After training: the last epoch's value is the trained model's, over the whole test set.
+  torch::NoGradGuard no_grad;
+  const auto scores = std::get<0>(s.model()->forward(test.inputs()));
+  const double top3 = scores.argsort(-1, true).narrow(-1, 0, 3).eq(test.targets().unsqueeze(-1)).any(-1).to(torch::kDouble)
+                          .mean()
+                          .item<double>();
+  CHECK(result.epochs.back().eval_metrics.at("top3_accuracy") == doctest::Approx(top3).epsilon(1e-12));
+  CHECK(seen.back() == result.epochs.back().eval_metrics.at("top3_accuracy"));
+}
+
+}  // namespace loop_test
