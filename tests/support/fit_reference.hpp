@@ -39,11 +39,14 @@ inline paratrain::data::TensorDataset make_data(std::int64_t n, std::uint64_t se
 }
 
 /// Trains `net` (on `device`) as fit trains over `world` ranks with batches of `batch` per
-/// rank, `epochs` epochs, the sampler's `seed`, cross-entropy and SGD with `sgd`.
+/// rank, `epochs` epochs, the sampler's `seed`, cross-entropy and SGD with `sgd`; only the
+/// first `max_steps` optimizer steps where that is > 0.
 inline void train(Net& net, const paratrain::data::TensorDataset& data, int world, int epochs, std::int64_t batch,
-                  std::uint64_t seed, const torch::optim::SGDOptions& sgd, const torch::Device& device) {
+                  std::uint64_t seed, const torch::optim::SGDOptions& sgd, const torch::Device& device,
+                  std::int64_t max_steps = 0) {
   torch::optim::SGD optim(net->parameters(), sgd);
   const auto per_rank = static_cast<std::size_t>(batch);
+  std::int64_t steps = 0;
   for (int epoch = 0; epoch < epochs; ++epoch) {
     std::vector<std::vector<std::int64_t>> shards;
     for (int r = 0; r < world; ++r) {
@@ -52,6 +55,7 @@ inline void train(Net& net, const paratrain::data::TensorDataset& data, int worl
       shards.push_back(sampler.indices());
     }
     for (std::size_t first = 0; first < shards[0].size(); first += per_rank) {
+      if (max_steps > 0 && steps++ == max_steps) return;
       std::vector<std::int64_t> step;
       for (auto& shard : shards)
         step.insert(step.end(), shard.begin() + first, shard.begin() + std::min(first + per_rank, shard.size()));

@@ -4,11 +4,16 @@
 // ranks' batches, a computation over the whole set in one process, or a formula.
 #include <torch/torch.h>
 
+#include <cstdlib>
+#include <ctime>
+#include <filesystem>
+#include <functional>
 #include <span>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/fit/fit.hpp"
 #include "paratrain/pipeline/pipeline.hpp"
@@ -18,6 +23,8 @@
 #include "paratrain/strategy/unit.hpp"
 #include "support/doctest.hpp"
 #include "support/equivalence.hpp"
+#include "support/fit_reference.hpp"
+#include "support/shared_dir.hpp"
 
 // A namespace of its own: this file shares a translation unit with others (Note [Unity groups]).
 namespace loop_test {
@@ -434,6 +441,182 @@ TEST_CASE("fit evaluates its metrics every epoch: in EpochInfo, the result and t
                           .item<double>();
   CHECK(result.epochs.back().eval_metrics.at("top3_accuracy") == doctest::Approx(top3).epsilon(1e-12));
   CHECK(seen.back() == result.epochs.back().eval_metrics.at("top3_accuracy"));
+}
+
+// ---- stopping, budgets, the best checkpoint ----------------------------------------
+
+namespace {
+
+using paratrain_test::fit_reference::make_data;
+using paratrain_test::fit_reference::make_net;
+using paratrain_test::fit_reference::Net;
+using Ddp = paratrain::DataParallel<Net, comm::Mpi, torch::optim::SGD>;
+
+// A value logged once per epoch (by the first step's callback), so that the epoch's mean of
+// it is the table's entry: what the monitors read, independent of training.
+std::function<void(const paratrain::StepInfo&)> log_per_epoch(const std::vector<double>& table, std::int64_t per_epoch) {
+  return [=](const paratrain::StepInfo& i) {
+    if (i.step % per_epoch == 0) i.metrics->log("score", table.at(static_cast<std::size_t>(i.epoch)));
+  };
+}
+
+std::vector<torch::Tensor> parameters_of(Net& net) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("max_steps stops mid-epoch after exactly that many steps, as the single-device loop over them") {
+  comm::Mpi c;
+  const int world = c.size();
+  const auto train = make_data(203, 1);
+  const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
+  Ddp s(make_net(), comm::Mpi(), sgd);
+  const auto per_epoch = (203 / world + (203 % world ? 1 : 0) + 4) / 5;  // DistributedSampler pads; batch 5
+  const std::int64_t max_steps = per_epoch + 3;                          // in the second epoch
+  int calls = 0;
+  const auto result = paratrain::fit(s, train,
+                                     {.epochs = 4, .batch_size = 5, .seed = 3, .max_steps = max_steps,
+                                      .progress = false, .on_step = [&](const paratrain::StepInfo&) { ++calls; }});
+  CHECK(result.stopped == "max_steps");
+  CHECK(result.steps == max_steps);
+  CHECK(calls == max_steps);
+  REQUIRE(result.epochs.size() == 2);
+  CHECK(result.epochs[0].complete);
+  CHECK_FALSE(result.epochs[1].complete);
+  auto net = make_net();
+  paratrain_test::fit_reference::train(net, train, world, 4, 5, 3, sgd, torch::kCPU, max_steps);
+  CHECK(max_relative_difference(parameters_of(s.model()), parameters_of(net)) <= 1e-5);
+}
+
+TEST_CASE("early stopping stops after `patience` epochs without an improvement of more than min_delta") {
+  comm::Mpi c;
+  const auto train = make_data(64, 1);
+  const std::int64_t per_epoch = (64 / c.size() + 7) / 8;
+  // Improves by more than 0.05 at epochs 1, 5, 6 and 7; not at 2-4 (3.96 is within min_delta of 4).
+  const std::vector<double> table{5, 4, 4.5, 3.96, 4.2, 3, 2, 1};
+  struct Case {
+    paratrain::Goal goal;
+    int patience;
+    std::size_t epochs;  // trained: the formula's answer, worked out by hand
+  };
+  for (const auto& k : {Case{paratrain::Goal::minimize, 3, 5}, Case{paratrain::Goal::minimize, 4, 8},
+                        Case{paratrain::Goal::maximize, 2, 3}}) {
+    CAPTURE(k.patience);
+    Ddp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.01));
+    auto options = paratrain::FitOptions{.epochs = 8,
+                                         .batch_size = 8,
+                                         .early_stopping = {.monitor = {"score", k.goal}, .patience = k.patience,
+                                                            .min_delta = 0.05},
+                                         .progress = false,
+                                         .on_step = log_per_epoch(table, per_epoch)};
+    const auto result = paratrain::fit(s, train, options);
+    CHECK(result.epochs.size() == k.epochs);
+    CHECK((result.stopped.empty() == (k.epochs == 8)));
+    if (!result.stopped.empty()) CHECK(result.stopped.find("early stopping: score") == 0);
+  }
+  // A name no epoch has: an error on every rank, naming what there is.
+  Ddp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.01));
+  CHECK_THROWS_WITH_AS(paratrain::fit(s, train, {.batch_size = 8, .early_stopping = {.monitor = {"scor"}}, .progress = false}),
+                       doctest::Contains("the monitored value 'scor' is not one this epoch has (train_loss, eval_loss, "
+                                         "eval_accuracy, loss)"),
+                       paratrain::error);
+  CHECK_THROWS_WITH_AS(
+      paratrain::fit(s, train, {.batch_size = 8, .early_stopping = {.monitor = {"eval_loss"}}, .progress = false}),
+      doctest::Contains("needs an evaluation set"), paratrain::error);
+}
+
+TEST_CASE("a callback's request to stop, on one rank, stops every rank after that step") {
+  comm::Mpi c;
+  const int world = c.size(), rank = c.rank();
+  const auto train = make_data(200, 1);
+  Ddp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.01));
+  const auto result = paratrain::fit(s, train,
+                                     {.epochs = 3, .batch_size = 4, .progress = false,
+                                      .on_step = [&](const paratrain::StepInfo& i) {
+                                        if (rank == world - 1 && i.step == 5) i.stop->request("enough");
+                                      }});
+  CHECK(result.stopped == "enough");
+  CHECK(result.steps == 6);
+  // From on_epoch: after the first epoch.
+  const auto second = paratrain::fit(s, train,
+                                     {.epochs = 3, .batch_size = 4, .progress = false,
+                                      .on_epoch = [&](const paratrain::EpochInfo& e) {
+                                        if (rank == 0) e.stop->request("one epoch is plenty");
+                                      }});
+  CHECK(second.stopped == "one epoch is plenty");
+  CHECK(second.epochs.size() == 1);
+  CHECK(second.epochs[0].stop == nullptr);
+}
+
+TEST_CASE("a time limit saves a checkpoint and returns; the next run resumes to the uninterrupted result") {
+  comm::Mpi c;
+  const int world = c.size();
+  const auto dir = paratrain_test::shared_dir(c, "time-limit");
+  const auto train = make_data(203, 1);
+  const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
+  paratrain::FitOptions options{.epochs = 2, .batch_size = 5, .seed = 3, .progress = false,
+                                .checkpoint = {.directory = dir / "ckpt", .async = false}};
+  // The reserve alone outlasts the limit: the first check, after step 1, stops.
+  options.time_limit = {.seconds = 3600, .reserve_seconds = 3600};
+  Ddp first(make_net(), comm::Mpi(), sgd);
+  const auto stopped = paratrain::fit(first, train, options);
+  CHECK(stopped.stopped == "time limit");
+  CHECK(stopped.steps == 1);
+  CHECK(paratrain::checkpoint::latest(dir / "ckpt").has_value());
+  // From SLURM's end time, already past.
+  setenv("SLURM_JOB_END_TIME", std::to_string(std::time(nullptr)).c_str(), 1);
+  options.time_limit = {};
+  Ddp second(make_net(), comm::Mpi(), sgd);
+  const auto again = paratrain::fit(second, train, options);
+  unsetenv("SLURM_JOB_END_TIME");
+  CHECK(again.stopped == "time limit");
+  CHECK(again.steps == 2);  // resumed after step 1, stopped after step 2
+  // A run resumed at or past max_steps trains nothing.
+  Ddp past(make_net(), comm::Mpi(), sgd);
+  auto capped = options;
+  capped.max_steps = 2;
+  const auto nothing = paratrain::fit(past, train, capped);
+  CHECK(nothing.stopped == "max_steps");
+  CHECK(nothing.epochs.empty());
+  CHECK(nothing.steps == 2);
+  // The next job: no limit, resumes and finishes; as one uninterrupted run.
+  Ddp third(make_net(), comm::Mpi(), sgd);
+  const auto done = paratrain::fit(third, train, options);
+  CHECK(done.stopped.empty());
+  CHECK(done.resumed_from.has_value());
+  auto net = make_net();
+  paratrain_test::fit_reference::train(net, train, world, 2, 5, 3, sgd, torch::kCPU);
+  CHECK(max_relative_difference(parameters_of(third.model()), parameters_of(net)) <= 1e-5);
+  c.barrier();
+  if (c.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("checkpoint.best keeps the checkpoint of the best epoch by the monitored value") {
+  comm::Mpi c;
+  const auto dir = paratrain_test::shared_dir(c, "best");
+  const auto train = make_data(64, 1);
+  const std::int64_t per_epoch = (64 / c.size() + 7) / 8;
+  const std::vector<double> table{0.2, 0.5, 0.4, 0.7, 0.6};  // maximised: epoch 3 is the best
+  Ddp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.05));
+  std::vector<std::vector<torch::Tensor>> after_epoch;
+  paratrain::fit(s, train,
+                 {.epochs = 5,
+                  .batch_size = 8,
+                  .progress = false,
+                  .on_step = log_per_epoch(table, per_epoch),
+                  .on_epoch = [&](const paratrain::EpochInfo&) { after_epoch.push_back(parameters_of(s.model())); },
+                  .checkpoint = {.directory = dir, .keep = 1, .best = {"score", paratrain::Goal::maximize}}});
+  const auto best = paratrain::checkpoint::latest(dir / "best");
+  REQUIRE(best.has_value());
+  CHECK(*paratrain::checkpoint::step_of(*best) == 4 * per_epoch);  // after epoch 3
+  Ddp loaded(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.05));
+  paratrain::checkpoint::load(loaded, *best);
+  CHECK(max_relative_difference(parameters_of(loaded.model()), after_epoch.at(3)) == 0);
+  c.barrier();
+  if (c.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 }  // namespace loop_test

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,6 +19,7 @@
 #include "paratrain/collectives/agree.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/fit/metrics.hpp"
+#include "paratrain/fit/monitor.hpp"
 
 namespace paratrain {
 
@@ -38,6 +40,10 @@ struct CheckpointOptions {
   bool resume = true;
   /// Resume from this checkpoint instead (it must exist): another directory, an older one.
   std::filesystem::path resume_from{};
+  /// Also keep the checkpoint of the best epoch by this value, in `directory`/best
+  /// (Lightning's ModelCheckpoint(monitor=...)): saved after an epoch's evaluation whenever
+  /// the value improves on every earlier epoch's. Empty name: none.
+  Monitor best{};
 };
 
 namespace detail {
@@ -58,6 +64,11 @@ struct FitPosition {
   /// The data-parallel replicas that visited `position` (0 in checkpoints from before it
   /// was recorded): a sampler without set_epoch(epoch, start) resumes only at as many.
   std::int64_t replicas = 0;
+  // What the monitors have seen (none: NaN), so that a resumed run stops and keeps the best
+  // as the uninterrupted one would.
+  double early_best = std::numeric_limits<double>::quiet_NaN();  ///< EarlyStopping's best value
+  std::int64_t early_bad = 0;  ///< epochs since it improved
+  double best_saved = std::numeric_limits<double>::quiet_NaN();  ///< CheckpointOptions::best's
 };
 
 inline checkpoint::Dict to_dict(const FitPosition& p) {
@@ -72,6 +83,9 @@ inline checkpoint::Dict to_dict(const FitPosition& p) {
   d.insert("shuffle", p.shuffle);
   d.insert("drop_last", p.drop_last);
   d.insert("replicas", p.replicas);
+  d.insert("early_best", p.early_best);
+  d.insert("early_bad", p.early_bad);
+  d.insert("best_saved", p.best_saved);
   return d;
 }
 
@@ -99,6 +113,15 @@ inline FitPosition position_from(const std::filesystem::path& path, const checkp
   p.shuffle = d.at("shuffle").toBool();
   p.drop_last = d.at("drop_last").toBool();
   if (d.contains("replicas")) p.replicas = field<std::int64_t>(index, d, "replicas");
+  // Absent from checkpoints saved before they were recorded: nothing seen yet.
+  const auto number = [&](const char* key, double& out) {
+    if (!d.contains(key)) return;
+    typed(key, d.at(key).isDouble());
+    out = d.at(key).toDouble();
+  };
+  number("early_best", p.early_best);
+  number("best_saved", p.best_saved);
+  if (d.contains("early_bad")) p.early_bad = field<std::int64_t>(index, d, "early_bad");
   return p;
 }
 
@@ -131,10 +154,15 @@ class FitCheckpoints {
     if (options.directory.empty() && options.resume_from.empty()) return;
     if (options.every_steps < 0 || options.keep < 0)
       throw error("fit", s.rank(), "checkpoint.every_steps and checkpoint.keep must be >= 0");
+    if (!options.best.name.empty() && options.directory.empty())
+      throw error("fit", s.rank(), "checkpoint.best needs checkpoint.directory: the best checkpoint goes to its best/");
     if constexpr (possible) {
       if (!options.directory.empty())
         saver_ = std::make_unique<Saver>(
             s, checkpoint::Options{.directory = options.directory, .keep = options.keep, .async = options.async});
+      if (!options.directory.empty() && !options.best.name.empty())
+        best_ = std::make_unique<Saver>(
+            s, checkpoint::Options{.directory = best_directory(), .keep = 1, .async = options.async});
     } else {
       throw error("fit", s.rank(),
                   "FitOptions::checkpoint is set, and this strategy or its optimizer cannot be checkpointed "
@@ -187,15 +215,33 @@ class FitCheckpoints {
     }
   }
 
+  /// Saves the strategy and the loop's position as the best checkpoint, in best/, in place
+  /// of the one before. Collective.
+  void save_best(const FitPosition& p) {
+    if constexpr (possible) {
+      if (!best_) return;
+      auto extra = checkpoint::make_dict();
+      extra.insert("fit", to_dict(p));
+      best_->save(p.step, std::move(extra), checkpoint::make_dict());
+    }
+  }
+
   /// Publishes a background save whose files are all written. Collective while one is in flight.
   void poll() {
-    if constexpr (possible)
+    if constexpr (possible) {
       if (saver_) saver_->poll();
+      if (best_) best_->poll();
+    }
   }
   void wait() {
-    if constexpr (possible)
+    if constexpr (possible) {
       if (saver_) saver_->wait();
+      if (best_) best_->wait();
+    }
   }
+
+  /// Where CheckpointOptions::best keeps its checkpoint.
+  [[nodiscard]] std::filesystem::path best_directory() const { return options_.directory / "best"; }
 
   [[nodiscard]] bool saving() const noexcept { return saver_ != nullptr; }
   [[nodiscard]] const std::optional<std::filesystem::path>& resumed_from() const noexcept { return resumed_from_; }
@@ -216,6 +262,7 @@ class FitCheckpoints {
   S* s_;
   CheckpointOptions options_;
   std::unique_ptr<Saver> saver_;
+  std::unique_ptr<Saver> best_;  // CheckpointOptions::best's
   std::optional<std::filesystem::path> resumed_from_;
 };
 

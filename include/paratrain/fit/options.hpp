@@ -21,6 +21,7 @@
 #include "paratrain/fit/checkpoints.hpp"
 #include "paratrain/fit/eval_metrics.hpp"
 #include "paratrain/fit/metrics.hpp"
+#include "paratrain/fit/monitor.hpp"
 #include "paratrain/observe/observer.hpp"
 #include "paratrain/observe/step_times.hpp"
 
@@ -33,6 +34,38 @@ namespace paratrain {
 struct LrScaling {
   std::int64_t reference_batch = 0;  ///< 0: off
   double warmup_epochs = 0;
+};
+
+/// Stop when the monitored value has not improved by more than `min_delta` for `patience`
+/// epochs in a row (Lightning's EarlyStopping).
+struct EarlyStopping {
+  Monitor monitor{};      ///< empty name: off
+  int patience = 3;       ///< epochs without improvement that stop training
+  double min_delta = 0;   ///< an improvement must exceed this
+};
+
+/// A wall-clock budget: fit stops before it runs out, saves a checkpoint (with
+/// CheckpointOptions::directory) and returns, so the job ends cleanly and the next one
+/// resumes (Note [Ending before the time limit]).
+struct TimeLimit {
+  double seconds = 0;  ///< from fit's start; 0: no limit of its own
+  /// Also end before the SLURM job's end: SLURM_JOB_END_TIME (Unix seconds; set by Slurm >= 23.02).
+  bool slurm = true;
+  double reserve_seconds = 0;  ///< kept free beyond the predicted step, evaluation and save
+};
+
+/// A callback's way to end training: `info.stop->request("diverged")`. The ranks agree after
+/// each step (and each epoch) on whether any asked, so all stop together.
+class Stop {
+ public:
+  void request(std::string why = "a callback asked") {
+    if (why_.empty()) why_ = why.empty() ? std::string("a callback asked") : std::move(why);
+  }
+  [[nodiscard]] bool requested() const noexcept { return !why_.empty(); }
+  [[nodiscard]] const std::string& why() const noexcept { return why_; }
+
+ private:
+  std::string why_;
 };
 
 /// After each optimizer step.
@@ -48,6 +81,7 @@ struct StepInfo {
   double data_seconds = 0;
   Metrics* metrics = nullptr;    ///< log your own values here; fit reduces them safely
   bool has_loss = true;          ///< false where this rank computes no loss (a pipeline's earlier stages, a skipped step)
+  Stop* stop = nullptr;          ///< stop->request(why) ends training after this step, on every rank
 };
 
 /// After each epoch; the losses, accuracy and metrics are reduced over all ranks.
@@ -64,6 +98,10 @@ struct EpochInfo {
   std::map<std::string, double> eval_metrics;
   /// Steps whose optimizer step was skipped for NaN or Inf gradients (NonFinite::skip).
   std::int64_t skipped_steps = 0;
+  /// false for an epoch that training left part-way (max_steps, a time limit, a request).
+  bool complete = true;
+  /// In on_epoch: stop->request(why) ends training after this epoch. Null in FitResult.
+  Stop* stop = nullptr;
 };
 
 struct FitResult {
@@ -75,6 +113,10 @@ struct FitResult {
   /// The checkpoint this run resumed from (FitOptions::checkpoint); `epochs` then holds
   /// only the epochs it finished, the first of them possibly begun before.
   std::optional<std::filesystem::path> resumed_from;
+  /// Why training ended before FitOptions::epochs ("max_steps", "time limit", "early
+  /// stopping: ...", a callback's reason); empty when it trained them all.
+  std::string stopped;
+  std::int64_t steps = 0;  ///< optimizer steps since the run began (with those before a resume)
 };
 
 struct FitOptions {
@@ -95,6 +137,13 @@ struct FitOptions {
   /// A multiplier of the learning rate at a fractional epoch (2.5: half-way through the
   /// third), on top of lr_scaling; e.g. a cosine decay. Empty: constant.
   std::function<double(double epoch)> lr_schedule{};
+  /// Stop after this many optimizer steps since the run began (a resumed run counts those
+  /// before it); 0: `epochs` alone decides.
+  std::int64_t max_steps = 0;
+  /// A wall-clock budget that ends training cleanly, with a checkpoint, before it runs out.
+  TimeLimit time_limit{};
+  /// Stop when a monitored value stops improving.
+  EarlyStopping early_stopping{};
   std::int64_t log_every = 100;  ///< steps between progress lines and metric reductions
   bool progress = true;          ///< rank 0 reports progress on stdout
   std::function<void(const StepInfo&)> on_step{};

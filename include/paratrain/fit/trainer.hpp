@@ -7,8 +7,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <map>
 #include <optional>
 #include <span>
@@ -16,6 +19,7 @@
 #include <vector>
 
 #include "paratrain/collectives/agree.hpp"
+#include "paratrain/collectives/gather_strings.hpp"
 #include "paratrain/concepts/dataset.hpp"
 #include "paratrain/concepts/sampler.hpp"
 #include "paratrain/concepts/strategy.hpp"
@@ -47,6 +51,41 @@ inline std::string format(const char* fmt, auto... args) {
 // rank may have no loss (a pipeline's earlier stages) or no output (evaluation). Losses
 // are logged only where there is one, weighted by their samples, so the reduced mean is
 // over real samples; nothing is averaged in as 0.
+
+// Note [Ending before the time limit]
+// A job killed by its scheduler loses everything since its last checkpoint, and a
+// checkpoint cut off mid-write is no checkpoint. So fit ends itself first: after each step
+// each rank asks whether the time left (to TimeLimit::seconds from fit's start, or to
+// SLURM_JOB_END_TIME, whichever is sooner) still holds one more step (the longest so far),
+// the evaluation if that step ends an epoch, a save (the longest save so far) and
+// TimeLimit::reserve_seconds. If any rank says no, all stop after this step (one scalar
+// all-reduce per step while a limit is set), save a checkpoint where they are (mid-epoch,
+// with the epoch's running metrics) and return normally: the program exits 0 and the next
+// job, run with the same options, resumes there. Evaluation is skipped when stopping for
+// time. Clocks are read per rank; the decision is agreed, so no rank trains a step alone.
+
+/// The steady-clock time at which `limit` runs out for a run starting at `start`: the
+/// sooner of its own seconds and the SLURM job's end; none without either.
+inline std::optional<std::chrono::steady_clock::time_point> deadline_of(const TimeLimit& limit,
+                                                                        std::chrono::steady_clock::time_point start,
+                                                                        int rank) {
+  if (limit.seconds < 0 || limit.reserve_seconds < 0)
+    throw error("fit", rank, "time_limit.seconds and time_limit.reserve_seconds must be >= 0");
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  const auto sooner = [&](std::chrono::steady_clock::time_point t) { deadline = deadline ? std::min(*deadline, t) : t; };
+  if (limit.seconds > 0)
+    sooner(start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(limit.seconds)));
+  if (const char* end = std::getenv("SLURM_JOB_END_TIME"); limit.slurm && end != nullptr && *end != '\0') {
+    char* stop = nullptr;
+    const double unix_end = std::strtod(end, &stop);
+    if (stop == end || *stop != '\0' || !std::isfinite(unix_end))
+      throw error("fit", rank, std::string("SLURM_JOB_END_TIME is '") + end + "', not a number of seconds");
+    const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    sooner(std::chrono::steady_clock::now() +
+           std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(unix_end - now)));
+  }
+  return deadline;
+}
 
 /// The options fit builds a sampler type with: the strategy's replicas, FitOptions' order.
 template <strategy S>
@@ -101,7 +140,13 @@ class Trainer {
         observer_(s, options.observe),
         checkpoints_(s, options.checkpoint),
         lr_(options.lr_scaling, options.lr_schedule,
-            double(options.batch_size) * options.accumulation * shard_.count) {
+            double(options.batch_size) * options.accumulation * shard_.count),
+        deadline_(deadline_of(options.time_limit, clock::now(), s.rank())) {
+    for (const auto* m : {&options.early_stopping.monitor, &options.checkpoint.best})
+      if (m->name.starts_with("eval_") && !options.eval)
+        throw error("fit", s.rank(), "the monitored value '" + m->name + "' needs an evaluation set (FitOptions::eval)");
+    if (options.early_stopping.patience < 1 || options.early_stopping.min_delta < 0)
+      throw error("fit", s.rank(), "early_stopping.patience must be >= 1 and min_delta >= 0");
     start_ = {.dataset_size = static_cast<std::int64_t>(train.size()),
               .seed = static_cast<std::int64_t>(options.seed),
               .shuffle = options.shuffle,
@@ -111,8 +156,17 @@ class Trainer {
 
   FitResult run() {
     resume();
-    for (int epoch = static_cast<int>(start_.epoch); epoch < options_.epochs; ++epoch) train_epoch(epoch);
+    if (options_.max_steps > 0 && step_ >= options_.max_steps) stopped_ = "max_steps";
+    for (int epoch = static_cast<int>(start_.epoch); epoch < options_.epochs && stopped_.empty(); ++epoch)
+      train_epoch(epoch);
     checkpoints_.wait();
+    result_.stopped = stopped_;
+    result_.steps = step_;
+    if (!stopped_.empty())
+      progress_.line("stopped after step " + std::to_string(step_) + ": " + stopped_ +
+                     (stopped_ == time_limit_reason && !checkpoints_.saving()
+                          ? " (no checkpoint.directory: nothing was saved to resume from)"
+                          : ""));
     result_.step_times = observer_.finish();
     result_.samples_per_second = result_.train_seconds > 0 ? total_samples_ / result_.train_seconds : 0;
     if (lr_.active()) LrSchedule::apply(s_.optimizer(), base_lrs_, 1.0);  // as found: a second fit starts alike
@@ -123,6 +177,7 @@ class Trainer {
   static const FitOptions& validated(const FitOptions& o, int rank) {
     if (o.epochs < 0 || o.batch_size < 1 || o.accumulation < 1 || o.log_every < 1 || o.eval_batch_size < 1)
       throw error("fit", rank, "epochs must be >= 0 and batch_size, accumulation, log_every and eval_batch_size >= 1");
+    if (o.max_steps < 0) throw error("fit", rank, "max_steps must be >= 0 (0: no limit)");
     return o;
   }
 
@@ -139,6 +194,7 @@ class Trainer {
     std::int64_t skipped = 0;       ///< steps skipped for non-finite gradients
     clock::time_point start;
     bool save_at_end = false;
+    bool complete = true;           ///< false when training stopped within the epoch
   };
 
   void resume() {
@@ -164,6 +220,7 @@ class Trainer {
     base_lrs_ = start_.base_lrs;  // the loaded optimizer holds the scheduled rates of its step
     step_ = start_.step;
     result_.resumed_from = checkpoints_.resumed_from();
+    early_best_ = start_.early_best, early_bad_ = start_.early_bad, best_saved_ = start_.best_saved;
   }
 
   // Note [Resuming mid-epoch]
@@ -213,7 +270,7 @@ class Trainer {
       const auto begin = clock::now();
       double data_seconds = 0;
       const auto r = k < e.steps ? train_step(e, k, loader, data_seconds) : s_.join(false);
-      if (after_step(e, k, r, begin, clock::now(), data_seconds)) {
+      if (after_step(e, k, r, begin, clock::now(), data_seconds) || !stopped_.empty()) {
         ++step_;  // the next epoch's first step is a new one
         break;
       }
@@ -283,22 +340,27 @@ class Trainer {
                         .seconds = std::chrono::duration<double>(end - begin).count(),
                         .data_seconds = data_seconds,
                         .metrics = &metrics_,
-                        .has_loss = has_loss};
+                        .has_loss = has_loss,
+                        .stop = &stop_request_};
     observer_.step(step_, begin, end, info.loss, has_loss ? r.samples : 0);
     if (options_.on_step) options_.on_step(info);
     const bool last = r.ranks_with_next == 0;
+    longest_step_ = std::max(longest_step_, info.seconds);
     checkpoints_.poll();
-    if (options_.checkpoint.every_steps > 0 && (step_ + 1) % options_.checkpoint.every_steps == 0) {
-      if (last) {
-        e.save_at_end = true;  // after the epoch's evaluation, as the next epoch's start
-      } else {
-        // Indices each replica took in this epoch's steps so far (fewer where its share ran
-        // out, which matters only to a sampler that starts part-way: Note [Resuming mid-epoch]).
-        const auto taken = (k + 1 - e.done) * options_.accumulation * options_.batch_size;
-        const auto visited = resumable_sampler<Sampler> ? std::min<std::int64_t>(e.visiting, taken) : taken;
-        checkpoints_.save(position(step_ + 1, e.index, k + 1, e.begin + visited * shard_.count), metrics_);
-      }
+    stopped_ = stop_after_step(e, k, last);
+    const bool due = !stopped_.empty() ||
+                     (options_.checkpoint.every_steps > 0 && (step_ + 1) % options_.checkpoint.every_steps == 0);
+    if (due && last) {
+      e.save_at_end = true;  // after the epoch's evaluation, as the next epoch's start
+    } else if (due && checkpoints_.saving()) {
+      // Mid-epoch, with the epoch's running metrics. Indices each replica took in this
+      // epoch's steps so far (fewer where its share ran out, which matters only to a
+      // sampler that starts part-way: Note [Resuming mid-epoch]).
+      const auto taken = (k + 1 - e.done) * options_.accumulation * options_.batch_size;
+      const auto visited = resumable_sampler<Sampler> ? std::min<std::int64_t>(e.visiting, taken) : taken;
+      save(position(step_ + 1, e.index, k + 1, e.begin + visited * shard_.count), metrics_);
     }
+    if (!stopped_.empty() && !last) e.complete = false;
     const auto loss_text = [&](double loss) {
       return r.skipped ? std::string("skipped: NaN or Inf gradients") : has_loss ? format("loss %.4f", loss) : std::string();
     };
@@ -317,31 +379,41 @@ class Trainer {
   }
 
   /// Reduces the epoch's metrics, evaluates, reports and saves.
-  void end_epoch(const Epoch& e) {
-    EpochInfo info{.epoch = e.index, .skipped_steps = e.skipped};
+  void end_epoch(Epoch& e) {
+    EpochInfo info{.epoch = e.index, .skipped_steps = e.skipped, .complete = e.complete};
     info.seconds = std::chrono::duration<double>(clock::now() - e.start).count();
     info.samples_per_second = e.samples / info.seconds;
     window_ = Metrics{};
     info.metrics = metrics_.sync(s_);
     metrics_ = Metrics{};
     info.train_loss = info.metrics.count("loss") ? info.metrics.at("loss") : 0.0;
-    if (options_.eval) {
-      auto e = detail::evaluate(s_, options_.eval, {options_.eval_batch_size, options_.loader, options_.metrics}, loss_,
-                                "fit");
-      info.eval_loss = e.loss, info.eval_accuracy = e.accuracy, info.eval_samples = e.samples;
-      info.eval_metrics = std::move(e.metrics);
+    const bool evaluated = options_.eval && stopped_ != time_limit_reason;  // Note [Ending before the time limit]
+    if (evaluated) {
+      const auto begin = clock::now();
+      auto result = detail::evaluate(s_, options_.eval, {options_.eval_batch_size, options_.loader, options_.metrics},
+                                     loss_, "fit");
+      info.eval_loss = result.loss, info.eval_accuracy = result.accuracy, info.eval_samples = result.samples;
+      info.eval_metrics = std::move(result.metrics);
+      last_eval_ = std::chrono::duration<double>(clock::now() - begin).count();
     }
-    observer_.epoch(info, step_, bool(options_.eval));
-    std::string evaluated;
-    if (options_.eval) {
-      evaluated = format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss, 100 * info.eval_accuracy);
-      for (const auto& [name, value] : info.eval_metrics) evaluated += format("test %s %.4g, ", name.c_str(), value);
+    observer_.epoch(info, step_, evaluated);
+    std::string tested;
+    if (info.eval_samples > 0) {
+      tested = format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss, 100 * info.eval_accuracy);
+      for (const auto& [name, value] : info.eval_metrics) tested += format("test %s %.4g, ", name.c_str(), value);
     }
     progress_.line(format("epoch %d/%d: train loss %.4f, %s%.0f samples/s, %.1f s", e.index + 1, options_.epochs,
-                          info.train_loss, evaluated.c_str(), info.samples_per_second, info.seconds));
-    if (e.save_at_end && checkpoints_.saving())
-      checkpoints_.save(position(step_, e.index + 1, 0, 0), Metrics{});  // step_ counts the epoch's last step
-    if (options_.on_epoch) options_.on_epoch(info);
+                          info.train_loss, tested.c_str(), info.samples_per_second, info.seconds));
+    if (e.complete && (evaluated || !options_.eval)) watch(info);
+    if (options_.on_epoch) {
+      info.stop = &stop_request_;
+      options_.on_epoch(info);
+      info.stop = nullptr;
+      if (stopped_.empty()) stopped_ = agreed_stop(stop_request_.why());
+    }
+    // As the next epoch's start; step_ counts the epoch's last step.
+    if (e.complete && (e.save_at_end || !stopped_.empty()) && checkpoints_.saving())
+      save(position(step_, e.index + 1, 0, 0), Metrics{});
     result_.train_seconds += info.seconds;
     total_samples_ += e.samples;
     result_.epochs.push_back(std::move(info));
@@ -354,11 +426,82 @@ class Trainer {
     LrSchedule::apply(s_.optimizer(), base_lrs_, lr_.factor(step_, e.index + double(k) / steps, steps));
   }
 
+  static constexpr const char* time_limit_reason = "time limit";
+
+  /// Why training stops after step k of `e` (the same on every rank), or "": max_steps, a
+  /// callback's request on any rank, or the time limit on any rank.
+  std::string stop_after_step(const Epoch& e, std::int64_t k, bool last) {
+    std::string why = stop_request_.why();
+    if (why.empty() && deadline_) {  // Note [Ending before the time limit]
+      const bool next_ends_epoch = k + 2 >= e.longest;
+      const double need = (last ? 0.0 : longest_step_) + (last || next_ends_epoch ? last_eval_ : 0.0) +
+                          longest_save_ + options_.time_limit.reserve_seconds;
+      if (clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(need)) >= *deadline_)
+        why = time_limit_reason;
+    }
+    if (deadline_ || options_.on_step) why = agreed_stop(why);
+    if (why.empty() && options_.max_steps > 0 && step_ + 1 >= options_.max_steps) why = "max_steps";
+    return why;
+  }
+
+  /// The first rank's reason to stop where any rank has one; "" where none has. Collective.
+  std::string agreed_stop(const std::string& why) {
+    auto any = at::full({1}, why.empty() ? 0.0 : 1.0, at::kDouble);
+    s_.all_reduce(any, reduce_op::max);
+    if (any.item<double>() == 0) return {};
+    for (auto& of_rank : all_gather_strings(s_, why.empty() ? std::vector<std::string>{} : std::vector<std::string>{why}))
+      if (!of_rank.empty()) return of_rank.front();
+    return "another rank asked";
+  }
+
+  /// After a complete epoch: early stopping's and the best checkpoint's monitors.
+  void watch(const EpochInfo& info) {
+    const auto& early = options_.early_stopping;
+    if (!early.monitor.name.empty()) {
+      const double v = monitored(info, early.monitor.name);
+      if (improves(early.monitor.goal, v, early_best_, early.min_delta)) early_best_ = v, early_bad_ = 0;
+      else ++early_bad_;
+      if (early_bad_ >= early.patience && stopped_.empty())
+        stopped_ = format("early stopping: %s has not improved by more than %g for %d epochs (best %.6g)",
+                          early.monitor.name.c_str(), early.min_delta, early.patience, early_best_);
+    }
+    const auto& best = options_.checkpoint.best;
+    if (!best.name.empty() && checkpoints_.saving()) {
+      const double v = monitored(info, best.name);
+      if (improves(best.goal, v, best_saved_)) {
+        best_saved_ = v;
+        checkpoints_.save_best(position(step_, info.epoch + 1, 0, 0));
+      }
+    }
+  }
+
+  /// The value of a Monitor's name after an epoch: the same on every rank.
+  double monitored(const EpochInfo& info, const std::string& name) const {
+    if (name == "train_loss") return info.train_loss;
+    if (name == "eval_loss") return info.eval_loss;
+    if (name == "eval_accuracy") return info.eval_accuracy;
+    if (name.starts_with("eval_"))
+      if (const auto it = info.eval_metrics.find(name.substr(5)); it != info.eval_metrics.end()) return it->second;
+    if (const auto it = info.metrics.find(name); it != info.metrics.end()) return it->second;
+    std::string known = "train_loss, eval_loss, eval_accuracy";
+    for (const auto& [m, v] : info.eval_metrics) known += ", eval_" + m;
+    for (const auto& [m, v] : info.metrics) known += ", " + m;
+    throw error("fit", s_.rank(), "the monitored value '" + name + "' is not one this epoch has (" + known + ")");
+  }
+
+  /// Saves a checkpoint of the loop at `p`, timing it for the time limit.
+  void save(const FitPosition& p, const Metrics& metrics) {
+    const auto begin = clock::now();
+    checkpoints_.save(p, metrics);
+    longest_save_ = std::max(longest_save_, std::chrono::duration<double>(clock::now() - begin).count());
+  }
+
   /// The loop's position for a checkpoint: `steps_done` optimizer steps in all, `epoch_step`
   /// of them in `epoch`, which visited `visited` places of the epoch's sample order.
   FitPosition position(std::int64_t steps_done, int epoch, std::int64_t epoch_step, std::int64_t visited) const {
     FitPosition p = start_;
     p.step = steps_done, p.epoch = epoch, p.epoch_step = epoch_step, p.position = visited, p.base_lrs = base_lrs_;
+    p.early_best = early_best_, p.early_bad = early_bad_, p.best_saved = best_saved_;
     return p;
   }
 
@@ -379,6 +522,13 @@ class Trainer {
   Metrics window_;   // fit's loss since the last progress line
   std::int64_t step_ = 0;
   double total_samples_ = 0;
+  std::optional<clock::time_point> deadline_;  // Note [Ending before the time limit]
+  double longest_step_ = 0, longest_save_ = 0, last_eval_ = 0;  // seconds
+  Stop stop_request_;    // what callbacks asked on this rank
+  std::string stopped_;  // why training stops, agreed: "" while it goes on
+  double early_best_ = std::numeric_limits<double>::quiet_NaN();
+  std::int64_t early_bad_ = 0;
+  double best_saved_ = std::numeric_limits<double>::quiet_NaN();
 };
 
 }  // namespace paratrain::detail
