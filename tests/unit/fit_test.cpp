@@ -85,14 +85,17 @@ TEST_CASE("LrSchedule: the linear scaling rule's warm-up times the user's schedu
   // epochs of 10 steps; the user halves the rate from epoch 1 on.
   const paratrain::LrSchedule lr({.reference_batch = 32, .warmup_epochs = 2}, [](double epoch) { return epoch < 1 ? 1.0 : 0.5; },
                                  128);
+  const auto at = [](std::int64_t step, double epoch) { return paratrain::lr::Clock{.step = step, .total_steps = 40, .epoch = epoch}; };
   CHECK(lr.active());
-  CHECK(lr.factor(0, 0.0, 10) == doctest::Approx(1.0));
-  CHECK(lr.factor(5, 0.5, 10) == doctest::Approx(1.0 + 3.0 * 5 / 20));
-  CHECK(lr.factor(15, 1.5, 10) == doctest::Approx((1.0 + 3.0 * 15 / 20) * 0.5));
-  CHECK(lr.factor(40, 4.0, 10) == doctest::Approx(4.0 * 0.5));
+  CHECK(lr.factor(at(0, 0.0), 10) == doctest::Approx(1.0));
+  CHECK(lr.factor(at(5, 0.5), 10) == doctest::Approx(1.0 + 3.0 * 5 / 20));
+  CHECK(lr.factor(at(15, 1.5), 10) == doctest::Approx((1.0 + 3.0 * 15 / 20) * 0.5));
+  CHECK(lr.factor(at(40, 4.0), 10) == doctest::Approx(4.0 * 0.5));
   const paratrain::LrSchedule off({}, {}, 128);
   CHECK_FALSE(off.active());
-  CHECK(off.factor(7, 0.7, 10) == doctest::Approx(1.0));
+  CHECK(off.factor(at(7, 0.7), 10) == doctest::Approx(1.0));
+  const paratrain::LrSchedule empty({}, std::function<double(double)>(), 128);  // an empty function: no schedule
+  CHECK_FALSE(empty.active());
 }
 
 TEST_CASE("fit's epoch loss is the mean over every step of the epoch, whatever log_every") {

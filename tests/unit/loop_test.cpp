@@ -619,4 +619,147 @@ TEST_CASE("checkpoint.best keeps the checkpoint of the best epoch by the monitor
   if (c.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// ---- learning-rate schedules -------------------------------------------------------
+
+TEST_CASE("the provided schedules follow their formulas") {
+  using paratrain::lr::Clock;
+  const auto at = [](std::int64_t step) { return Clock{.step = step, .total_steps = 14, .epoch = 0}; };
+  const double pi = std::acos(-1.0);
+  // Warm-up over 4 steps, then cosine from 1 to 0.1 over the remaining 10.
+  const auto cosine = paratrain::lr::warmup_cosine(4, 0.1);
+  CHECK(cosine(at(0)) == doctest::Approx(0.25));
+  CHECK(cosine(at(2)) == doctest::Approx(0.75));
+  CHECK(cosine(at(3)) == doctest::Approx(1.0));
+  CHECK(cosine(at(4)) == doctest::Approx(1.0));
+  CHECK(cosine(at(9)) == doctest::Approx(0.1 + 0.9 * 0.5 * (1 + std::cos(pi * 0.5))));
+  CHECK(cosine(at(13)) == doctest::Approx(0.1 + 0.9 * 0.5 * (1 + std::cos(pi * 0.9))));
+  const auto linear = paratrain::lr::warmup_linear(4);
+  CHECK(linear(at(1)) == doctest::Approx(0.5));
+  CHECK(linear(at(6)) == doctest::Approx(0.8));
+  CHECK(linear(at(13)) == doctest::Approx(0.1));
+  const auto decay = paratrain::lr::step_decay(5, 0.5);
+  CHECK(decay(at(4)) == 1.0);
+  CHECK(decay(at(5)) == 0.5);
+  CHECK(decay(at(12)) == 0.25);
+  CHECK_THROWS_WITH_AS(paratrain::lr::step_decay(0, 0.5), doctest::Contains("every_steps must be >= 1"), paratrain::error);
+}
+
+namespace {
+
+// Every step's rate, on every rank, as StepInfo reports it.
+struct Rates {
+  std::vector<double> lr;
+  std::function<void(const paratrain::StepInfo&)> record() {
+    return [this](const paratrain::StepInfo& i) { lr.push_back(i.lr); };
+  }
+};
+
+}  // namespace
+
+TEST_CASE("fit sets warm-up + cosine per step, with the linear scaling rule, and resumes it exactly") {
+  comm::Mpi c;
+  const int world = c.size();
+  const auto dir = paratrain_test::shared_dir(c, "schedule");
+  const auto train = make_data(100, 1);
+  const std::int64_t per_epoch = (100 / world + (100 % world ? 1 : 0) + 3) / 4;  // batch 4
+  const std::int64_t total = 3 * per_epoch;
+  auto options = paratrain::FitOptions{.epochs = 3,
+                                       .batch_size = 4,
+                                       .lr_scaling = {.reference_batch = 4},  // × world, from the first step
+                                       .lr_schedule = paratrain::lr::warmup_cosine(5, 0.1),
+                                       .progress = false};
+  Rates whole;
+  options.on_step = whole.record();
+  Ddp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.2).momentum(0.9));
+  paratrain::fit(s, train, options);
+  REQUIRE(whole.lr.size() == static_cast<std::size_t>(total));
+  const double pi = std::acos(-1.0);
+  for (std::int64_t k = 0; k < total; ++k) {
+    CAPTURE(k);
+    const double f = k < 5 ? double(k + 1) / 5 : 0.1 + 0.9 * 0.5 * (1 + std::cos(pi * double(k - 5) / double(total - 5)));
+    CHECK(whole.lr[static_cast<std::size_t>(k)] == doctest::Approx(0.2 * world * f).epsilon(1e-12));
+  }
+  CHECK(s.optimizer().param_groups()[0].options().get_lr() == 0.2);  // as found, after fit
+  // Interrupted after step 4 (mid-epoch), then resumed: the same rates from step 5 on.
+  options.checkpoint = {.directory = dir, .async = false};
+  Rates first, second;
+  options.on_step = [&](const paratrain::StepInfo& i) {
+    first.lr.push_back(i.lr);
+    if (i.step == 4) i.stop->request("interrupted");
+  };
+  Ddp a(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.2).momentum(0.9));
+  CHECK(paratrain::fit(a, train, options).stopped == "interrupted");
+  options.on_step = second.record();
+  Ddp b(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.2).momentum(0.9));
+  paratrain::fit(b, train, options);
+  first.lr.insert(first.lr.end(), second.lr.begin(), second.lr.end());
+  CHECK(first.lr == whole.lr);
+  CHECK(max_relative_difference(parameters_of(b.model()), parameters_of(s.model())) == 0);
+  c.barrier();
+  if (c.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("reduce-on-plateau cuts the rate after `patience` epochs without improvement, also across a resume") {
+  comm::Mpi c;
+  const auto dir = paratrain_test::shared_dir(c, "plateau");
+  const auto train = make_data(32, 1);
+  const std::int64_t per_epoch = (32 / c.size() + 3) / 4;
+  const std::vector<double> table{1, 1, 1, 0.5, 0.5, 0.5, 0.5};
+  // Patience 1, as PyTorch's ReduceLROnPlateau counts it: the second epoch in a row without
+  // improvement cuts. Epochs 1 and 2 do not improve on 1: cut to 0.5 from epoch 3; 3
+  // improves; 4 and 5 do not: cut to 0.25 from epoch 6.
+  const std::vector<double> want{1, 1, 1, 0.5, 0.5, 0.5, 0.25};
+  const auto run = [&](Ddp& s, int epochs, bool stop_after_4) {
+    std::vector<double> lrs;
+    auto log = log_per_epoch(table, per_epoch);
+    paratrain::fit(s, train,
+                   {.epochs = epochs,
+                    .batch_size = 4,
+                    .reduce_on_plateau = {.monitor = {"score"}, .factor = 0.5, .patience = 1},
+                    .progress = false,
+                    .on_step =
+                        [&](const paratrain::StepInfo& i) {
+                          log(i);
+                          if (i.step % per_epoch == 0) lrs.push_back(i.lr);
+                        },
+                    .on_epoch =
+                        [&](const paratrain::EpochInfo& e) {
+                          if (stop_after_4 && e.epoch == 4) e.stop->request("interrupted");
+                        },
+                    .checkpoint = {.directory = dir, .async = false}});
+    return lrs;
+  };
+  Ddp a(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
+  auto lrs = run(a, 7, true);
+  CHECK(lrs.size() == 5);
+  Ddp b(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
+  const auto rest = run(b, 7, false);
+  lrs.insert(lrs.end(), rest.begin(), rest.end());
+  REQUIRE(lrs.size() == want.size());
+  for (std::size_t e = 0; e < want.size(); ++e) CHECK(lrs[e] == doctest::Approx(0.1 * want[e]));
+  c.barrier();
+  if (c.rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("LibTorch's own schedulers step the rates from a callback while fit's are off") {
+  comm::Mpi c;
+  const auto train = make_data(32, 1);
+  const std::int64_t per_epoch = (32 / c.size() + 3) / 4;
+  Ddp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
+  torch::optim::StepLR step_lr(s.optimizer(), /*step_size=*/2, /*gamma=*/0.5);
+  std::vector<double> lrs;
+  paratrain::fit(s, train,
+                 {.epochs = 5,
+                  .batch_size = 4,
+                  .progress = false,
+                  .on_step = [&](const paratrain::StepInfo& i) { if (i.step % per_epoch == 0) lrs.push_back(i.lr); },
+                  .on_epoch = [&](const paratrain::EpochInfo&) { step_lr.step(); }});
+  REQUIRE(lrs.size() == 5);
+  // LibTorch's StepLR (torch/csrc/api/src/optim/schedulers/step_lr.cpp) cuts at the calls
+  // whose count before the call is a positive multiple of step_size: the 3rd, 5th, ...
+  // (PyTorch's, which counts a call in its constructor, at the 2nd, 4th, ...).
+  const std::vector<double> want{0.1, 0.1, 0.1, 0.05, 0.05};
+  for (std::size_t e = 0; e < want.size(); ++e) CHECK(lrs[e] == doctest::Approx(want[e]));
+}
+
 }  // namespace loop_test

@@ -69,6 +69,9 @@ struct FitPosition {
   double early_best = std::numeric_limits<double>::quiet_NaN();  ///< EarlyStopping's best value
   std::int64_t early_bad = 0;  ///< epochs since it improved
   double best_saved = std::numeric_limits<double>::quiet_NaN();  ///< CheckpointOptions::best's
+  double plateau_factor = 1;  ///< lr::ReduceOnPlateau's cut so far
+  double plateau_best = std::numeric_limits<double>::quiet_NaN();
+  std::int64_t plateau_bad = 0;
 };
 
 inline checkpoint::Dict to_dict(const FitPosition& p) {
@@ -86,6 +89,9 @@ inline checkpoint::Dict to_dict(const FitPosition& p) {
   d.insert("early_best", p.early_best);
   d.insert("early_bad", p.early_bad);
   d.insert("best_saved", p.best_saved);
+  d.insert("plateau_factor", p.plateau_factor);
+  d.insert("plateau_best", p.plateau_best);
+  d.insert("plateau_bad", p.plateau_bad);
   return d;
 }
 
@@ -121,7 +127,10 @@ inline FitPosition position_from(const std::filesystem::path& path, const checkp
   };
   number("early_best", p.early_best);
   number("best_saved", p.best_saved);
+  number("plateau_factor", p.plateau_factor);
+  number("plateau_best", p.plateau_best);
   if (d.contains("early_bad")) p.early_bad = field<std::int64_t>(index, d, "early_bad");
+  if (d.contains("plateau_bad")) p.plateau_bad = field<std::int64_t>(index, d, "plateau_bad");
   return p;
 }
 

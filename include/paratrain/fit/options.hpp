@@ -20,21 +20,13 @@
 #include "paratrain/data/loader.hpp"
 #include "paratrain/fit/checkpoints.hpp"
 #include "paratrain/fit/eval_metrics.hpp"
+#include "paratrain/fit/lr_schedule.hpp"
 #include "paratrain/fit/metrics.hpp"
 #include "paratrain/fit/monitor.hpp"
 #include "paratrain/observe/observer.hpp"
 #include "paratrain/observe/step_times.hpp"
 
 namespace paratrain {
-
-/// The linear scaling rule with gradual warm-up (Goyal et al. 2017, "Accurate, Large
-/// Minibatch SGD"): the optimizer's learning rate was tuned for a global batch of
-/// `reference_batch`; with a global batch of B it becomes lr * B / reference_batch,
-/// reached linearly from lr over the first `warmup_epochs`.
-struct LrScaling {
-  std::int64_t reference_batch = 0;  ///< 0: off
-  double warmup_epochs = 0;
-};
 
 /// Stop when the monitored value has not improved by more than `min_delta` for `patience`
 /// epochs in a row (Lightning's EarlyStopping).
@@ -134,9 +126,12 @@ struct FitOptions {
   /// Worker threads reading the next batches while a step computes, training and evaluation.
   data::LoaderOptions loader{};
   LrScaling lr_scaling{};
-  /// A multiplier of the learning rate at a fractional epoch (2.5: half-way through the
-  /// third), on top of lr_scaling; e.g. a cosine decay. Empty: constant.
-  std::function<double(double epoch)> lr_schedule{};
+  /// A multiplier of the learning rate before each step, on top of lr_scaling: a function
+  /// of lr::Clock (step, total steps, fractional epoch) such as lr::warmup_cosine(500), or
+  /// of the fractional epoch alone. Empty: constant.
+  lr::Schedule lr_schedule{};
+  /// Cuts the rate when a monitored value stops improving (after each epoch).
+  lr::ReduceOnPlateau reduce_on_plateau{};
   /// Stop after this many optimizer steps since the run began (a resumed run counts those
   /// before it); 0: `epochs` alone decides.
   std::int64_t max_steps = 0;

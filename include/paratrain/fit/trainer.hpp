@@ -142,11 +142,15 @@ class Trainer {
         lr_(options.lr_scaling, options.lr_schedule,
             double(options.batch_size) * options.accumulation * shard_.count),
         deadline_(deadline_of(options.time_limit, clock::now(), s.rank())) {
-    for (const auto* m : {&options.early_stopping.monitor, &options.checkpoint.best})
+    for (const auto* m : {&options.early_stopping.monitor, &options.checkpoint.best, &options.reduce_on_plateau.monitor})
       if (m->name.starts_with("eval_") && !options.eval)
         throw error("fit", s.rank(), "the monitored value '" + m->name + "' needs an evaluation set (FitOptions::eval)");
     if (options.early_stopping.patience < 1 || options.early_stopping.min_delta < 0)
       throw error("fit", s.rank(), "early_stopping.patience must be >= 1 and min_delta >= 0");
+    if (const auto& p = options.reduce_on_plateau; p.patience < 0 || p.min_delta < 0 || p.factor <= 0 || p.factor >= 1 ||
+                                                   p.min_factor < 0)
+      throw error("fit", s.rank(),
+                  "reduce_on_plateau needs patience >= 0, min_delta >= 0, 0 < factor < 1 and min_factor >= 0");
     start_ = {.dataset_size = static_cast<std::int64_t>(train.size()),
               .seed = static_cast<std::int64_t>(options.seed),
               .shuffle = options.shuffle,
@@ -156,6 +160,7 @@ class Trainer {
 
   FitResult run() {
     resume();
+    if (lr_.active()) total_steps_ = total_steps();
     if (options_.max_steps > 0 && step_ >= options_.max_steps) stopped_ = "max_steps";
     for (int epoch = static_cast<int>(start_.epoch); epoch < options_.epochs && stopped_.empty(); ++epoch)
       train_epoch(epoch);
@@ -169,7 +174,8 @@ class Trainer {
                           : ""));
     result_.step_times = observer_.finish();
     result_.samples_per_second = result_.train_seconds > 0 ? total_samples_ / result_.train_seconds : 0;
-    if (lr_.active()) LrSchedule::apply(s_.optimizer(), base_lrs_, 1.0);  // as found: a second fit starts alike
+    if (lr_.active() || plateau_factor_ != 1.0)
+      LrSchedule::apply(s_.optimizer(), base_lrs_, 1.0);  // as found: a second fit starts alike
     return std::move(result_);
   }
 
@@ -221,6 +227,7 @@ class Trainer {
     step_ = start_.step;
     result_.resumed_from = checkpoints_.resumed_from();
     early_best_ = start_.early_best, early_bad_ = start_.early_bad, best_saved_ = start_.best_saved;
+    plateau_factor_ = start_.plateau_factor, plateau_best_ = start_.plateau_best, plateau_bad_ = start_.plateau_bad;
   }
 
   // Note [Resuming mid-epoch]
@@ -419,11 +426,24 @@ class Trainer {
     result_.epochs.push_back(std::move(info));
   }
 
-  /// The linear scaling rule's warm-up and the user's schedule, at step k of the epoch.
+  /// The linear scaling rule's warm-up, the user's schedule and ReduceOnPlateau's cut, at
+  /// step k of the epoch.
   void schedule_learning_rate(const Epoch& e, std::int64_t k) {
-    if (!lr_.active()) return;
+    if (!lr_.active() && plateau_factor_ == 1.0) return;
     const double steps = double(std::max<std::int64_t>(e.longest, 1));
-    LrSchedule::apply(s_.optimizer(), base_lrs_, lr_.factor(step_, e.index + double(k) / steps, steps));
+    const lr::Clock clock{.step = step_, .total_steps = total_steps_, .epoch = e.index + double(k) / steps};
+    LrSchedule::apply(s_.optimizer(), base_lrs_, lr_.factor(clock, steps) * plateau_factor_);
+  }
+
+  /// The run's optimizer steps for lr::Clock: max_steps, or epochs of the longest epoch's
+  /// steps (over the ranks: a sampler may give replicas shares of different lengths).
+  std::int64_t total_steps() {
+    const auto share = static_cast<double>(sampler_.size());
+    auto per_epoch = at::full({1}, std::ceil(std::ceil(share / double(options_.batch_size)) / options_.accumulation),
+                              at::kDouble);
+    s_.all_reduce(per_epoch, reduce_op::max);
+    const auto all = static_cast<std::int64_t>(per_epoch.item<double>()) * options_.epochs;
+    return options_.max_steps > 0 ? std::min(all, options_.max_steps) : all;
   }
 
   static constexpr const char* time_limit_reason = "time limit";
@@ -465,6 +485,15 @@ class Trainer {
         stopped_ = format("early stopping: %s has not improved by more than %g for %d epochs (best %.6g)",
                           early.monitor.name.c_str(), early.min_delta, early.patience, early_best_);
     }
+    const auto& plateau = options_.reduce_on_plateau;
+    if (!plateau.monitor.name.empty()) {
+      const double v = monitored(info, plateau.monitor.name);
+      if (improves(plateau.monitor.goal, v, plateau_best_, plateau.min_delta)) plateau_best_ = v, plateau_bad_ = 0;
+      else if (++plateau_bad_ > plateau.patience) {  // as PyTorch: more bad epochs than patience cut, then count afresh
+        plateau_factor_ = std::max(plateau_factor_ * plateau.factor, plateau.min_factor);
+        plateau_bad_ = 0;
+      }
+    }
     const auto& best = options_.checkpoint.best;
     if (!best.name.empty() && checkpoints_.saving()) {
       const double v = monitored(info, best.name);
@@ -502,6 +531,7 @@ class Trainer {
     FitPosition p = start_;
     p.step = steps_done, p.epoch = epoch, p.epoch_step = epoch_step, p.position = visited, p.base_lrs = base_lrs_;
     p.early_best = early_best_, p.early_bad = early_bad_, p.best_saved = best_saved_;
+    p.plateau_factor = plateau_factor_, p.plateau_best = plateau_best_, p.plateau_bad = plateau_bad_;
     return p;
   }
 
@@ -529,6 +559,10 @@ class Trainer {
   double early_best_ = std::numeric_limits<double>::quiet_NaN();
   std::int64_t early_bad_ = 0;
   double best_saved_ = std::numeric_limits<double>::quiet_NaN();
+  std::int64_t total_steps_ = 0;  // for lr::Clock
+  double plateau_factor_ = 1;     // lr::ReduceOnPlateau's
+  double plateau_best_ = std::numeric_limits<double>::quiet_NaN();
+  std::int64_t plateau_bad_ = 0;
 };
 
 }  // namespace paratrain::detail
