@@ -647,7 +647,7 @@ TEST_CASE("the provided schedules follow their formulas") {
 namespace {
 
 // Every step's rate, on every rank, as StepInfo reports it.
-struct Rates {
+struct LrLog {
   std::vector<double> lr;
   std::function<void(const paratrain::StepInfo&)> record() {
     return [this](const paratrain::StepInfo& i) { lr.push_back(i.lr); };
@@ -668,7 +668,7 @@ TEST_CASE("fit sets warm-up + cosine per step, with the linear scaling rule, and
                                        .lr_scaling = {.reference_batch = 4},  // × world, from the first step
                                        .lr_schedule = paratrain::lr::warmup_cosine(5, 0.1),
                                        .progress = false};
-  Rates whole;
+  LrLog whole;
   options.on_step = whole.record();
   Ddp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.2).momentum(0.9));
   paratrain::fit(s, train, options);
@@ -682,7 +682,7 @@ TEST_CASE("fit sets warm-up + cosine per step, with the linear scaling rule, and
   CHECK(s.optimizer().param_groups()[0].options().get_lr() == 0.2);  // as found, after fit
   // Interrupted after step 4 (mid-epoch), then resumed: the same rates from step 5 on.
   options.checkpoint = {.directory = dir, .async = false};
-  Rates first, second;
+  LrLog first, second;
   options.on_step = [&](const paratrain::StepInfo& i) {
     first.lr.push_back(i.lr);
     if (i.step == 4) i.stop->request("interrupted");
@@ -760,6 +760,29 @@ TEST_CASE("LibTorch's own schedulers step the rates from a callback while fit's 
   // (PyTorch's, which counts a call in its constructor, at the 2nd, 4th, ...).
   const std::vector<double> want{0.1, 0.1, 0.1, 0.05, 0.05};
   for (std::size_t e = 0; e < want.size(); ++e) CHECK(lrs[e] == doctest::Approx(want[e]));
+}
+
+// ---- throughput ---------------------------------------------------------------------
+
+TEST_CASE("throughput: tokens/s, TFLOP/s and MFU follow from samples/s by their definitions") {
+  comm::Mpi c;
+  const auto train = make_data(64, 1);
+  Ddp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.01));
+  // 20 tokens per sample at 3e6 FLOPs each; a peak of 1 TFLOP/s per rank.
+  const paratrain::Throughput t{.tokens_per_sample = 20, .flops_per_token = 3e6, .peak_flops_per_rank = 1e12};
+  const auto result = paratrain::fit(s, train, {.epochs = 2, .batch_size = 8, .throughput = t, .progress = false});
+  for (const auto& e : result.epochs) {
+    CHECK(e.rates.samples_per_second == e.samples_per_second);
+    CHECK(e.rates.tokens_per_second == doctest::Approx(20 * e.samples_per_second));
+    CHECK(e.rates.tflops == doctest::Approx(20 * 3e6 * e.samples_per_second / 1e12));
+    CHECK(e.rates.mfu == doctest::Approx(20 * 3e6 * e.samples_per_second / (1e12 * c.size())));
+  }
+  CHECK(result.rates.tokens_per_second == doctest::Approx(20 * result.samples_per_second));
+  CHECK(result.rates.mfu == doctest::Approx(60e6 * result.samples_per_second / (1e12 * c.size())));
+  // Without a peak, no MFU; FLOPs per sample take precedence over per token.
+  const auto r = paratrain::Rates::of({.tokens_per_sample = 4, .flops_per_sample = 10, .flops_per_token = 1e9}, 100, 2);
+  CHECK(r.tflops == doctest::Approx(1000 / 1e12));
+  CHECK(r.mfu == 0);
 }
 
 }  // namespace loop_test

@@ -60,6 +60,40 @@ class Stop {
   std::string why_;
 };
 
+/// What a sample costs, for throughput in the units people compare: tokens/s, TFLOP/s and
+/// the model FLOPs utilisation (MFU: the model's FLOP/s over the hardware's peak).
+struct Throughput {
+  double tokens_per_sample = 0;  ///< tokens in a sample (a sequence's length); 0: no tokens/s
+  /// Training FLOPs of one sample, forward and backward (a Transformer's: 6 × parameters ×
+  /// tokens, plus attention); or give flops_per_token. 0: neither TFLOP/s nor MFU.
+  double flops_per_sample = 0;
+  double flops_per_token = 0;    ///< used when flops_per_sample is 0: times tokens_per_sample
+  /// The peak FLOP/s of one rank's device for the training's precision, as the user states
+  /// it or plan::peak_flops knows it ("H100-SXM", "bf16"); 0: no MFU.
+  double peak_flops_per_rank = 0;
+
+  /// FLOPs of one sample: flops_per_sample, or flops_per_token × tokens_per_sample.
+  [[nodiscard]] double sample_flops() const {
+    return flops_per_sample > 0 ? flops_per_sample : flops_per_token * tokens_per_sample;
+  }
+};
+
+/// Rates at `samples_per_second` over all ranks (`ranks` of them), by Throughput's
+/// definitions: tokens/s, TFLOP/s, and MFU = model FLOP/s / (peak per rank × ranks).
+struct Rates {
+  double samples_per_second = 0;
+  double tokens_per_second = 0;  ///< with Throughput::tokens_per_sample
+  double tflops = 0;             ///< model TFLOP/s over all ranks, with the FLOPs per sample
+  double mfu = 0;                ///< a fraction, with the FLOPs and the peak
+  static Rates of(const Throughput& t, double samples_per_second, int ranks) {
+    const double flops = t.sample_flops() * samples_per_second;
+    return {.samples_per_second = samples_per_second,
+            .tokens_per_second = t.tokens_per_sample * samples_per_second,
+            .tflops = flops / 1e12,
+            .mfu = t.peak_flops_per_rank > 0 && ranks > 0 ? flops / (t.peak_flops_per_rank * ranks) : 0.0};
+  }
+};
+
 /// After each optimizer step.
 struct StepInfo {
   int epoch = 0;                 ///< from 0
@@ -85,6 +119,7 @@ struct EpochInfo {
   std::int64_t eval_samples = 0; ///< evaluated once each, never duplicated
   double seconds = 0;            ///< training time of the epoch on this rank (evaluation excluded)
   double samples_per_second = 0; ///< over all ranks
+  Rates rates;                   ///< samples/s as tokens/s, TFLOP/s and MFU (FitOptions::throughput)
   std::map<std::string, double> metrics;  ///< everything logged, reduced (Note [Safe metric reduction])
   /// FitOptions::metrics over the evaluation set, by name (Note [Metrics as sums]).
   std::map<std::string, double> eval_metrics;
@@ -100,6 +135,7 @@ struct FitResult {
   std::vector<EpochInfo> epochs;
   double train_seconds = 0;       ///< all epochs' training time
   double samples_per_second = 0;  ///< over all ranks and epochs
+  Rates rates;                     ///< the same as tokens/s, TFLOP/s and MFU (FitOptions::throughput)
   /// Every rank's step-time statistics and the stragglers, with ObserveOptions::straggler_report.
   std::optional<observe::StepTimeReport> step_times;
   /// The checkpoint this run resumed from (FitOptions::checkpoint); `epochs` then holds
@@ -139,6 +175,9 @@ struct FitOptions {
   TimeLimit time_limit{};
   /// Stop when a monitored value stops improving.
   EarlyStopping early_stopping{};
+  /// Tokens and FLOPs per sample and the device's peak: tokens/s, TFLOP/s and MFU in the
+  /// progress lines, the logs and the result.
+  Throughput throughput{};
   std::int64_t log_every = 100;  ///< steps between progress lines and metric reductions
   bool progress = true;          ///< rank 0 reports progress on stdout
   std::function<void(const StepInfo&)> on_step{};

@@ -174,6 +174,7 @@ class Trainer {
                           : ""));
     result_.step_times = observer_.finish();
     result_.samples_per_second = result_.train_seconds > 0 ? total_samples_ / result_.train_seconds : 0;
+    result_.rates = Rates::of(options_.throughput, result_.samples_per_second, s_.world_size());
     if (lr_.active() || plateau_factor_ != 1.0)
       LrSchedule::apply(s_.optimizer(), base_lrs_, 1.0);  // as found: a second fit starts alike
     return std::move(result_);
@@ -372,13 +373,14 @@ class Trainer {
       return r.skipped ? std::string("skipped: NaN or Inf gradients") : has_loss ? format("loss %.4f", loss) : std::string();
     };
     if ((k + 1) % options_.log_every == 0 && !last) {
-      const auto m = window_.sync(s_);  // Note [Safe metric reduction]: every rank is here
+      auto m = window_.sync(s_);  // Note [Safe metric reduction]: every rank is here
       const double seconds = std::chrono::duration<double>(clock::now() - e.start).count();
-      observer_.log(step_ + 1, e.index, m, info.lr, e.samples / seconds);
+      const auto rates = Rates::of(options_.throughput, e.samples / seconds, s_.world_size());
+      const double loss = m.count("loss") ? m.at("loss") : 0.0;
+      add_rates(m, rates);
+      observer_.log(step_ + 1, e.index, m, info.lr, rates.samples_per_second);
       progress_.step(e.index + 1, options_.epochs, k + 1, e.longest,
-                     format("loss %.4f lr %.3g %.0f samples/s", m.count("loss") ? m.at("loss") : 0.0, info.lr,
-                            e.samples / seconds),
-                     true);
+                     format("loss %.4f lr %.3g ", loss, info.lr) + rates_text(rates), true);
     } else {
       progress_.step(e.index + 1, options_.epochs, k + 1, e.longest, loss_text(r.loss), false);
     }
@@ -390,6 +392,7 @@ class Trainer {
     EpochInfo info{.epoch = e.index, .skipped_steps = e.skipped, .complete = e.complete};
     info.seconds = std::chrono::duration<double>(clock::now() - e.start).count();
     info.samples_per_second = e.samples / info.seconds;
+    info.rates = Rates::of(options_.throughput, info.samples_per_second, s_.world_size());
     window_ = Metrics{};
     info.metrics = metrics_.sync(s_);
     metrics_ = Metrics{};
@@ -409,8 +412,9 @@ class Trainer {
       tested = format("test loss %.4f, test accuracy %.2f%%, ", info.eval_loss, 100 * info.eval_accuracy);
       for (const auto& [name, value] : info.eval_metrics) tested += format("test %s %.4g, ", name.c_str(), value);
     }
-    progress_.line(format("epoch %d/%d: train loss %.4f, %s%.0f samples/s, %.1f s", e.index + 1, options_.epochs,
-                          info.train_loss, tested.c_str(), info.samples_per_second, info.seconds));
+    progress_.line(format("epoch %d/%d: train loss %.4f, %s", e.index + 1, options_.epochs, info.train_loss,
+                          tested.c_str()) +
+                   rates_text(info.rates) + format(", %.1f s", info.seconds));
     if (e.complete && (evaluated || !options_.eval)) watch(info);
     if (options_.on_epoch) {
       info.stop = &stop_request_;
@@ -447,6 +451,24 @@ class Trainer {
   }
 
   static constexpr const char* time_limit_reason = "time limit";
+
+  /// "12345 samples/s", with tokens/s, TFLOP/s and MFU where FitOptions::throughput gives them.
+  std::string rates_text(const Rates& r) const {
+    const auto& t = options_.throughput;
+    auto text = format("%.0f samples/s", r.samples_per_second);
+    if (t.tokens_per_sample > 0) text += format(", %.0f tokens/s", r.tokens_per_second);
+    if (t.sample_flops() > 0) text += format(", %.3g TFLOP/s", r.tflops);
+    if (t.sample_flops() > 0 && t.peak_flops_per_rank > 0) text += format(", MFU %.1f%%", 100 * r.mfu);
+    return text;
+  }
+
+  /// The rates Throughput gives, as values of the logs (train/tokens_per_second, ...).
+  void add_rates(std::map<std::string, double>& m, const Rates& r) const {
+    const auto& t = options_.throughput;
+    if (t.tokens_per_sample > 0) m["tokens_per_second"] = r.tokens_per_second;
+    if (t.sample_flops() > 0) m["tflops"] = r.tflops;
+    if (t.sample_flops() > 0 && t.peak_flops_per_rank > 0) m["mfu"] = r.mfu;
+  }
 
   /// Why training stops after step k of `e` (the same on every rank), or "": max_steps, a
   /// callback's request on any rank, or the time limit on any rank.

@@ -142,6 +142,9 @@ class Observer {
     r.values["epoch/train_loss"] = info.train_loss;
     r.values["epoch/samples_per_second"] = info.samples_per_second;
     r.values["epoch/seconds"] = info.seconds;
+    if (info.rates.tokens_per_second > 0) r.values["epoch/tokens_per_second"] = info.rates.tokens_per_second;
+    if (info.rates.tflops > 0) r.values["epoch/tflops"] = info.rates.tflops;
+    if (info.rates.mfu > 0) r.values["epoch/mfu"] = info.rates.mfu;
     if (evaluated) {
       r.values["epoch/eval_loss"] = info.eval_loss;
       r.values["epoch/eval_accuracy"] = info.eval_accuracy;
