@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "paratrain/strategy/recompute.hpp"
@@ -120,6 +121,28 @@ struct DecoderImpl : torch::nn::Module {
   torch::nn::LayerNorm norm{nullptr};
 };
 TORCH_MODULE(Decoder);
+
+/// Parameters of the encoder and of the decoder, from the configuration: per encoder layer
+/// self-attention 4d² + 4d, feed-forward 2·d·ff + ff + d, two norms 4d; per decoder layer two
+/// attentions 8d² + 8d, the feed-forward, three norms 6d; each stack's final norm 2d.
+inline std::pair<double, double> parameter_counts(const Config& c) {
+  const double d = double(c.d_model), ff = double(c.dim_feedforward);
+  const double encoder = double(c.encoder_layers) * (4 * d * d + 2 * d * ff + 9 * d + ff) + 2 * d;
+  const double decoder = double(c.decoder_layers) * (8 * d * d + 2 * d * ff + 15 * d + ff) + 2 * d;
+  return {encoder, decoder};
+}
+
+/// Training FLOPs of one sample, forward and backward: 6 × parameters × the tokens they
+/// see (the encoder's S source tokens, the decoder's T target tokens; Kaplan et al. 2020),
+/// plus attention's score and value products, 12 · d per pair of positions per layer
+/// (PaLM, Chowdhery et al. 2022, appendix B): S² per encoder layer, T² + T·S per decoder
+/// layer (self- and cross-attention).
+inline double flops_per_sample(const Config& c) {
+  const auto [encoder, decoder] = parameter_counts(c);
+  const double d = double(c.d_model), S = double(c.src_len), T = double(c.tgt_len);
+  return 6 * (encoder * S + decoder * T) +
+         12 * d * (double(c.encoder_layers) * S * S + double(c.decoder_layers) * (T * T + T * S));
+}
 
 /// The whole model: torch.nn.Transformer(batch_first=True), forward(src, tgt) -> out.
 struct TransformerImpl : torch::nn::Module {

@@ -11,7 +11,7 @@
 //   transformer_pipeline        encoder | decoder on 2 ranks (1F1B, GPipe or ZB-H1)
 //   transformer_pipeline_zero3  2 stages × 2 ZeRO-3 replicas on 4 ranks
 //
-//   mpirun -n 2 transformer_ddp --steps 8 --warmup 2
+//   mpirun -n 2 transformer_ddp --max-steps 8 --warmup 2 --lr-schedule cosine --lr-warmup 2
 //   mpirun -n 2 transformer_pipeline --micro-batches 4 --schedule gpipe
 //   transformer_single --write-data data.h5 && mpirun -n 2 transformer_ddp --data data.h5 --workers 2
 //
@@ -27,6 +27,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -34,12 +35,16 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <numbers>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <type_traits>
 #include <vector>
+
+#include <CLI/CLI.hpp>
 
 #include "model.hpp"
 #include "paratrain/paratrain.hpp"
@@ -91,126 +96,161 @@ constexpr const char* strategy_name() {
 
 struct Args {
   Config model;
+  int epochs = 1;
   std::int64_t batch = 32;                         // per data-parallel replica, per step (the reference's)
   std::int64_t micro_batches = pipelined ? 4 : 1;  // a pipeline's M; batch / M samples each
-  std::int64_t steps = 0;                          // 0: one epoch over all samples
+  std::int64_t max_steps = 0;                      // 0: the epochs decide
   std::int64_t warmup = 1;                         // first steps left out of ms_per_step
+  std::string lr_schedule = "constant";            // constant, cosine or linear, per step
+  std::int64_t lr_warmup = 0;                      // steps of linear warm-up before it
+  double lr_final = 0;                             // cosine's and linear's last factor
   std::string schedule = "1f1b";
   std::string trace;
   std::string data;        // an HDF5 file with datasets "src" and "tgt"; empty: made in memory
   std::string write_data;  // write the in-memory data to this HDF5 file, and stop
+  std::string checkpoint_dir;  // checkpoints here, and resume from the newest
+  double time_limit = 0;       // seconds; 0: none (and SLURM's job end, where Slurm says it)
   int workers = paratrain::data::LoaderOptions{}.workers;
   bool bf16 = false;  // forward under bf16 autocast, gradients summed in bf16
   std::string device;  // cpu or cuda; empty: cuda for transformer_single where there is a GPU, else cpu
+  double peak_tflops = 0;  // a rank's peak for MFU, stated
+  std::string gpu;         // or looked up: paratrain::plan::peak_flops
   std::uint64_t seed = 0;
   double lr = 0.001;         // Adam's, times the replicas (the reference's 0.001 x world size)
   double adam_eps = 1e-8;    // Adam's epsilon (LibTorch's default)
   std::int64_t reference = 0;  // transformer_single: plain LibTorch for this many replicas
 };
 
-constexpr std::string_view usage = R"(usage: transformer_<build> [options]
-  --d-model N        model width (512)             --heads N        attention heads (8)
-  --layers N         encoder and decoder layers, each (6)
-  --ff N             feed-forward width (2048)     --dropout P      (0.1)
-  --samples N        synthetic samples (2048)      --tgt-len N      target length (20)
-  --src-len N        source length (1)
-  --batch N          samples per replica per step (32)
-  --micro-batches M  pipeline builds: micro-batches per step, batch / M samples each (4)
-  --steps N          train N steps (N x batch x replicas samples; 0: one epoch over --samples)
-  --warmup N         steps left out of ms_per_step (1)
-  --schedule S       pipeline builds: gpipe, 1f1b (default) or zb (ZB-H1)
-  --trace FILE       a Chrome trace of every rank's steps
-  --seed N           data, initial weights and sample order (0)
-  --data FILE        train on the samples of an HDF5 file (datasets src [N, S, d_model] and
-                     tgt [N, T, d_model], float32) instead of data made in memory; the
-                     file's N, S and T replace --samples, --src-len and --tgt-len
-  --write-data FILE  write the data made in memory to FILE in that form, and stop (one process)
-  --bf16             mixed precision: forward under bf16 autocast, gradients summed across
-                     ranks in bf16; parameters and Adam's state stay fp32
-  --device D         cpu or cuda (transformer_single; default: cuda where LibTorch sees a GPU)
-  --recompute        recompute each layer's activations in backward instead of keeping them
-                     (activation checkpointing: paratrain::Recompute)
-  --workers N        loader threads reading the next batches while a step computes (1; 0:
-                     the training thread reads each batch when it needs it)
-  --lr X             Adam's learning rate per replica (0.001: X x replicas in all)
-  --adam-eps E       Adam's epsilon (1e-8); far above the gradients' size (1e8) Adam's step is
-                     (lr / E) x its momentum: linear in the gradient, so a wrong gradient scale
-                     shows (the comparisons in examples/CMakeLists.txt)
-  --reference R      transformer_single only: train as R replicas would together, in plain
-                     LibTorch (no paratrain strategy, loader or fit): the independent reference
-                     the other builds are compared with (needs --steps and --dropout 0)
-)";
+// A whole number of at least `low`, said so when it is not ("--batch: takes a whole number,
+// not 'x'"), rather than CLI11's range message with its bound.
+CLI::Validator at_least(std::int64_t low) {
+  return CLI::Validator(
+      [low](std::string& v) -> std::string {
+        std::int64_t x = 0;
+        const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+        if (ec != std::errc{} || end != v.data() + v.size()) return "takes a whole number, not '" + v + "'";
+        if (x < low) return "must be >= " + std::to_string(low) + ", not " + v;
+        return {};
+      },
+      ">= " + std::to_string(low));
+}
 
-// By hand, as tools/plan does (the Fashion-MNIST examples use CLI11, which scripts/deps.sh
-// installs): this example builds with the library's dependencies alone.
-Args parse(int argc, char** argv) {
-  Args a;
+// A number above 0, all of the text.
+const CLI::Validator positive_real(
+    [](std::string& v) -> std::string {
+      char* end = nullptr;
+      const double x = std::strtod(v.c_str(), &end);
+      if (v.empty() || *end != '\0' || !std::isfinite(x)) return "takes a number, not '" + v + "'";
+      if (!(x > 0)) return "must be > 0, not " + v;
+      return {};
+    },
+    "> 0");
+
+// The options, by CLI11 as every example's: --help on stdout from one rank, a missing or
+// malformed value an error naming the option, --name=value accepted. Returns the exit
+// status when the program should end now.
+std::optional<int> parse(int argc, char** argv, Args& a) {
   auto& m = a.model;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view k = argv[i];
-    if (k == "-h" || k == "--help") throw std::invalid_argument("");
-    if (k == "--recompute" || k == "--bf16") {  // the flags without a value
-      (k == "--bf16" ? a.bf16 : m.recompute) = true;
-      continue;
+  CLI::App app(std::string("torch.nn.Transformer trained as the PyTorch DDP reference program trains it; this build: ") +
+               strategy_name());
+  app.get_formatter()->column_width(28);
+  const auto positive = at_least(1), counted = at_least(0);
+  app.add_option("--d-model", m.d_model, "model width")->check(positive)->capture_default_str();
+  app.add_option("--heads", m.nhead, "attention heads")->check(positive)->capture_default_str();
+  app.add_option_function<std::int64_t>(
+         "--layers", [&](std::int64_t n) { m.encoder_layers = m.decoder_layers = n; },
+         "encoder and decoder layers, each (6)")
+      ->check(positive);
+  app.add_option("--ff", m.dim_feedforward, "feed-forward width")->check(positive)->capture_default_str();
+  app.add_option("--dropout", m.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  app.add_option("--samples", m.samples, "synthetic samples")->check(positive)->capture_default_str();
+  app.add_option("--tgt-len", m.tgt_len, "target length")->check(positive)->capture_default_str();
+  app.add_option("--src-len", m.src_len, "source length")->check(positive)->capture_default_str();
+  app.add_option("--epochs", a.epochs, "epochs over --samples")->check(at_least(0))->capture_default_str();
+  app.add_option("--batch", a.batch, "samples per replica per step")->check(positive)->capture_default_str();
+  app.add_option("--micro-batches", a.micro_batches, "pipeline builds: micro-batches per step, batch / M samples each")
+      ->check(positive)
+      ->capture_default_str();
+  app.add_option("--max-steps,--steps", a.max_steps, "stop after N optimizer steps (0: the epochs decide)")
+      ->check(counted)
+      ->capture_default_str();
+  app.add_option("--warmup", a.warmup, "first steps left out of ms_per_step")->check(counted)->capture_default_str();
+  app.add_option("--lr", a.lr, "Adam's learning rate per replica (times the replicas in all)")
+      ->check(positive_real)
+      ->capture_default_str();
+  app.add_option("--lr-schedule", a.lr_schedule, "the rate per step after the warm-up: constant, or cosine or linear "
+                                                 "decay to --lr-final x --lr at the last step")
+      ->check(CLI::IsMember({"constant", "cosine", "linear"}))
+      ->capture_default_str();
+  app.add_option("--lr-warmup", a.lr_warmup, "steps of linear warm-up first")->check(counted)->capture_default_str();
+  app.add_option("--lr-final", a.lr_final, "the decay's last factor")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  app.add_option("--adam-eps", a.adam_eps,
+                 "Adam's epsilon; far above the gradients' size (1e8) Adam's step is (lr / eps) x its momentum: "
+                 "linear in the gradient, so a wrong gradient scale shows (examples/CMakeLists.txt)")
+      ->check(positive_real)
+      ->capture_default_str();
+  app.add_option("--schedule", a.schedule, "pipeline builds: gpipe, 1f1b or zb (ZB-H1)")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "zb"}))
+      ->capture_default_str();
+  app.add_option("--trace", a.trace, "write a Chrome trace of every rank's steps to FILE");
+  app.add_option("--seed", a.seed, "data, initial weights and sample order")->check(counted)->capture_default_str();
+  app.add_option("--data", a.data, "train on an HDF5 file's datasets src [N, S, d_model] and tgt [N, T, d_model] "
+                                   "(float32) instead of data made in memory; they set --samples, --src-len, --tgt-len");
+  app.add_option("--write-data", a.write_data, "write the data made in memory to FILE in that form, and stop");
+  app.add_option("--checkpoint-dir", a.checkpoint_dir, "save a checkpoint at the end (and before --time-limit runs "
+                                                       "out) and resume from the newest one there");
+  app.add_option("--time-limit", a.time_limit, "seconds: stop before they run out, with a checkpoint (also before "
+                                               "SLURM_JOB_END_TIME, where Slurm sets it)")
+      ->check(positive_real);
+  app.add_flag("--bf16", a.bf16, "mixed precision: bf16 autocast, gradients summed in bf16; fp32 parameters and Adam");
+  app.add_flag("--recompute", m.recompute, "recompute each layer's activations in backward (paratrain::Recompute)");
+  app.add_option("--device", a.device, "cpu or cuda (transformer_single; default: cuda where LibTorch sees a GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--workers", a.workers, "loader threads reading the next batches (0: the training thread)")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
+  app.add_option("--peak-tflops", a.peak_tflops, "one rank's peak TFLOP/s, for MFU")->check(positive_real);
+  app.add_option("--gpu", a.gpu, "or the GPU whose peak paratrain::plan knows (H100-SXM, A100, ...), for MFU");
+  app.add_option("--reference", a.reference, "transformer_single: train as R replicas would together, in plain "
+                                             "LibTorch: the independent reference (needs --max-steps, --dropout 0)")
+      ->check(counted);
+  const auto check = [&] {
+    if (m.d_model % m.nhead != 0) throw CLI::ValidationError("--d-model", "must be a multiple of --heads");
+    if (a.batch % a.micro_batches != 0) throw CLI::ValidationError("--batch", "must be a multiple of --micro-batches");
+    if (!pipelined && a.micro_batches != 1)
+      throw CLI::ValidationError("--micro-batches", "is for the pipeline builds; this one takes the whole batch");
+    if (!pipelined && a.schedule != "1f1b") throw CLI::ValidationError("--schedule", "is for the pipeline builds");
+    if (!a.data.empty() && !a.write_data.empty()) throw CLI::ValidationError("--data", "excludes --write-data");
+    // The other builds reduce over MPI, in host memory (comm::Mpi takes CPU tensors).
+    if (a.device == "cuda" && strategy_name() != std::string_view("single"))
+      throw CLI::ValidationError("--device", "cuda is transformer_single's: the other builds reduce over MPI, on the host");
+    if (a.reference > 0 && (strategy_name() != std::string_view("single") || a.max_steps == 0 || m.dropout != 0 ||
+                            a.bf16 || !a.data.empty() || a.epochs != 1))
+      throw CLI::ValidationError("--reference", "is transformer_single's, with --max-steps N, --dropout 0 and one epoch, "
+                                                "from memory and without --bf16");
+    if (a.peak_tflops > 0 && !a.gpu.empty()) throw CLI::ValidationError("--gpu", "excludes --peak-tflops");
+    if (!a.gpu.empty()) {
+      try {
+        a.peak_tflops = paratrain::plan::peak_flops(a.gpu, a.bf16 ? "bf16" : "fp32") / 1e12;
+      } catch (const std::exception& e) {
+        throw CLI::ValidationError("--gpu", e.what());
+      }
     }
-    if (i + 1 >= argc) throw std::invalid_argument(std::string(k) + " needs a value");
-    const std::string v = argv[++i];
-    const auto integer = [&] {
-      std::size_t end = 0;
-      const long long x = std::stoll(v, &end);
-      if (end != v.size() || x < 0) throw std::invalid_argument(std::string(k) + " takes a number >= 0, not " + v);
-      return static_cast<std::int64_t>(x);
-    };
-    if (k == "--d-model") m.d_model = integer();
-    else if (k == "--heads") m.nhead = integer();
-    else if (k == "--layers") m.encoder_layers = m.decoder_layers = integer();
-    else if (k == "--ff") m.dim_feedforward = integer();
-    else if (k == "--dropout") m.dropout = std::stod(v);
-    else if (k == "--samples") m.samples = integer();
-    else if (k == "--tgt-len") m.tgt_len = integer();
-    else if (k == "--src-len") m.src_len = integer();
-    else if (k == "--batch") a.batch = integer();
-    else if (k == "--micro-batches") a.micro_batches = integer();
-    else if (k == "--steps") a.steps = integer();
-    else if (k == "--warmup") a.warmup = integer();
-    else if (k == "--schedule") a.schedule = v;
-    else if (k == "--trace") a.trace = v;
-    else if (k == "--seed") a.seed = static_cast<std::uint64_t>(integer());
-    else if (k == "--data") a.data = v;
-    else if (k == "--write-data") a.write_data = v;
-    else if (k == "--workers") a.workers = static_cast<int>(std::min<std::int64_t>(integer(), 64));
-    else if (k == "--lr") a.lr = std::stod(v);
-    else if (k == "--adam-eps") a.adam_eps = std::stod(v);
-    else if (k == "--reference") a.reference = integer();
-    else if (k == "--device") {
-      if (v != "cpu" && v != "cuda") throw std::invalid_argument("--device takes cpu or cuda, not " + v);
-      a.device = v;
-    }
-    else throw std::invalid_argument("unknown option " + std::string(k));
-  }
-  if (m.d_model < 1 || m.nhead < 1 || m.d_model % m.nhead != 0)
-    throw std::invalid_argument("--d-model must be a positive multiple of --heads");
-  if (a.batch < 1 || a.micro_batches < 1 || a.batch % a.micro_batches != 0)
-    throw std::invalid_argument("--batch must be a positive multiple of --micro-batches");
-  if (!pipelined && a.micro_batches != 1)
-    throw std::invalid_argument("--micro-batches is for the pipeline builds; this one takes the whole batch at once");
-  if (!pipelined && a.schedule != "1f1b")
-    throw std::invalid_argument("--schedule is for the pipeline builds");
-  if (!a.data.empty() && !a.write_data.empty()) throw std::invalid_argument("--data and --write-data exclude each other");
-  if (!(a.lr > 0) || !(a.adam_eps > 0)) throw std::invalid_argument("--lr and --adam-eps must be positive");
-  // The other builds reduce over MPI, in host memory (comm::Mpi takes CPU tensors).
-  if (a.device == "cuda" && strategy_name() != std::string_view("single"))
-    throw std::invalid_argument("--device cuda is transformer_single's: the other builds reduce over MPI, on the host");
-  if (a.reference > 0 && (strategy_name() != std::string_view("single") || a.steps == 0 || m.dropout != 0 ||
-                          a.bf16 || !a.data.empty()))
-    throw std::invalid_argument("--reference is transformer_single's, with --steps N and --dropout 0, from memory "
-                                "and without --bf16");
 #if !PARATRAIN_HAS_HDF5
-  if (!a.data.empty() || !a.write_data.empty())
-    throw std::invalid_argument("--data and --write-data need HDF5: this build has no paratrain::hdf5 (apt-get install "
-                                "libhdf5-dev, then configure again)");
+    if (!a.data.empty() || !a.write_data.empty())
+      throw CLI::ValidationError("--data", "and --write-data need HDF5: this build has no paratrain::hdf5 (apt-get "
+                                           "install libhdf5-dev, then configure again)");
 #endif
-  return a;
+  };
+  try {
+    app.parse(argc, argv);
+    check();
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    // Every rank parses the same command line; one of them prints.
+    if (paratrain::detail::known_rank() <= 0) return app.exit(e);
+    return e.get_exit_code();
+  }
 }
 
 paratrain::pipeline::Kind schedule_kind(const std::string& name) {
@@ -350,19 +390,31 @@ std::string json_number(double x, const char* format = "%.6g") {
 /// lr x R, and each step the mean loss over the union of the R replicas' batches as
 /// PyTorch's DistributedSampler deals them (torch::randperm from a generator seeded with
 /// seed + epoch; replica r takes every R-th index from r, so step t's union is positions
-/// [t B R, (t + 1) B R) of the permutation, B the batch per replica). Prints the last
-/// step's loss as the builds' summary line does.
+/// [t B R, (t + 1) B R) of the permutation, B the batch per replica), the rate of step t
+/// set by --lr-schedule's formula written out here. Prints the last step's loss as the
+/// builds' summary line does.
 int train_reference(const Args& a) {
-  const std::int64_t replicas = a.reference, per_step = a.batch * replicas, n = a.steps * per_step;
-  if (n > a.model.samples)
-    throw std::invalid_argument("--reference: --steps x --batch x R samples exceed --samples");
+  const std::int64_t replicas = a.reference, per_step = a.batch * replicas, steps = a.max_steps;
+  if (steps * per_step > a.model.samples)
+    throw std::invalid_argument("--reference: --max-steps x --batch x R samples exceed --samples (one epoch)");
   Transformer model(make_encoder(a), make_decoder(a));
   model->train();
-  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(a.lr * double(replicas)).eps(a.adam_eps));
+  const double lr = a.lr * double(replicas);
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(lr).eps(a.adam_eps));
   const auto [src, tgt] = synthetic(a.model, a.seed);
-  const auto order = torch::randperm(n, at::make_generator<at::CPUGeneratorImpl>(a.seed), torch::kLong);
+  const auto order = torch::randperm(a.model.samples, at::make_generator<at::CPUGeneratorImpl>(a.seed), torch::kLong);
+  // Linear warm-up to 1 over W steps ((t + 1) / W), then from 1 to the final factor f over
+  // the other steps: a half cosine, or a straight line, of p = (t - W) / (steps - W).
+  const auto factor = [&](std::int64_t t) {
+    const auto W = a.lr_warmup;
+    if (t < W) return double(t + 1) / double(W);
+    if (a.lr_schedule == "constant" || steps <= W) return 1.0;
+    const double p = double(t - W) / double(steps - W), f = a.lr_final;
+    return a.lr_schedule == "cosine" ? f + (1 - f) * 0.5 * (1 + std::cos(std::numbers::pi * p)) : f + (1 - f) * (1 - p);
+  };
   double loss = 0;
-  for (std::int64_t t = 0; t < a.steps; ++t) {
+  for (std::int64_t t = 0; t < steps; ++t) {
+    for (auto& g : adam.param_groups()) g.options().set_lr(lr * factor(t));
     const auto idx = order.narrow(0, t * per_step, per_step);
     const auto x = src.index_select(0, idx), y = tgt.index_select(0, idx);
     adam.zero_grad();
@@ -370,11 +422,11 @@ int train_reference(const Args& a) {
     l.backward();
     adam.step();
     loss = l.item<double>();
-    std::printf("step %lld/%lld: loss %.6f\n", (long long)t + 1, (long long)a.steps, loss);
+    std::printf("step %lld/%lld: loss %.6f\n", (long long)t + 1, (long long)steps, loss);
   }
   std::printf("{\"example\": \"transformer\", \"strategy\": \"reference\", \"replicas\": %lld, \"steps\": %lld, "
               "\"loss\": %s, \"first_loss\": null}\n",
-              (long long)replicas, (long long)a.steps, json_number(loss).c_str());
+              (long long)replicas, (long long)steps, json_number(loss).c_str());
   return std::isfinite(loss) ? 0 : 1;
 }
 
@@ -386,14 +438,7 @@ int run(int argc, char** argv) {
   torch::set_num_threads(1);  // one process per core
   const auto start = std::chrono::steady_clock::now();
   Args a;
-  try {
-    a = parse(argc, argv);
-    if constexpr (pipelined) (void)schedule_kind(a.schedule);
-  } catch (const std::exception& e) {  // every rank parses the same arguments and stops alike
-    if (*e.what()) std::fprintf(stderr, "transformer: %s\n", e.what());
-    std::fputs(usage.data(), stderr);
-    return *e.what() ? 2 : 0;
-  }
+  if (const auto status = parse(argc, argv, a)) return *status;
   // An error on any rank: one "paratrain: ..." line, and the whole job ends.
   return paratrain::guarded([&]() -> int {
   if (a.reference > 0) return train_reference(a);
@@ -424,32 +469,30 @@ int run(int argc, char** argv) {
   // The reference's Adam(lr=0.001 * world_size): one replica per process there, so replicas here.
   for (auto& g : s.optimizer().param_groups()) g.options().set_lr(a.lr * shard.count);
 
-  const std::int64_t per_step = a.batch * shard.count;
-  std::int64_t n = cfg.samples;
-  if (a.steps > 0) {  // one epoch of exactly `steps` steps: its first steps x batch x replicas samples
-    n = a.steps * per_step;
-    if (n > cfg.samples) {  // every rank finds this alike and stops
-      if (reporter)
-        std::fprintf(stderr, "transformer: --steps %lld needs %lld samples (steps x batch x replicas); raise --samples\n",
-                     (long long)a.steps, (long long)n);
-      return 2;
-    }
-  }
-  // The first n samples, from memory or from the file.
+  // The samples, from memory or from the file.
   std::optional<paratrain::data::TensorDataset> memory;
   paratrain::data::DatasetRef rows;
 #if PARATRAIN_HAS_HDF5
-  std::optional<paratrain::data::Subset<paratrain::data::Hdf5Dataset>> first_n;
-  if (file) rows = &first_n.emplace(*file, torch::arange(n));
+  if (file) rows = &*file;
 #endif
   if (!rows) {
     const auto [src, tgt] = synthetic(cfg, a.seed);
-    rows = &memory.emplace(src.narrow(0, 0, n), tgt.narrow(0, 0, n));
+    rows = &memory.emplace(src, tgt);
   }
   // Dropout's draws from here on: the same whether the data was made or read.
   torch::manual_seed(a.seed + 3);
-  // DistributedSampler pads the replicas' shards to equal sizes.
-  const std::int64_t steps = ((n + shard.count - 1) / shard.count + a.batch - 1) / a.batch;
+  // DistributedSampler pads the replicas' shards to equal sizes; --max-steps may end sooner.
+  const std::int64_t per_epoch = ((cfg.samples + shard.count - 1) / shard.count + a.batch - 1) / a.batch;
+  const std::int64_t steps =
+      a.max_steps > 0 ? std::min<std::int64_t>(a.max_steps, per_epoch * a.epochs) : per_epoch * a.epochs;
+  // What a sample costs (model.hpp): its tokens, source and target, and its training FLOPs.
+  const paratrain::Throughput throughput{.tokens_per_sample = double(cfg.src_len + cfg.tgt_len),
+                                         .flops_per_sample = flops_per_sample(cfg),
+                                         .peak_flops_per_rank = a.peak_tflops * 1e12};
+  paratrain::lr::Schedule schedule;
+  if (a.lr_schedule == "cosine") schedule = paratrain::lr::warmup_cosine(a.lr_warmup, a.lr_final);
+  else if (a.lr_schedule == "linear") schedule = paratrain::lr::warmup_linear(a.lr_warmup, a.lr_final);
+  else if (a.lr_warmup > 0) schedule = paratrain::lr::warmup_linear(a.lr_warmup, 1.0);  // warm-up, then constant
 
   if (reporter) {
     std::printf("Transformer (d_model %lld, %lld heads, %lld+%lld layers, ff %lld, dropout %g), %s: %d rank(s), "
@@ -459,8 +502,10 @@ int run(int argc, char** argv) {
                 shard.count, (long long)a.batch);
     if constexpr (pipelined)
       std::printf(" in %lld micro-batches, schedule %s", (long long)a.micro_batches, a.schedule.c_str());
-    std::printf(", %lld steps, Adam lr %g, data from %s, %d loader worker(s)\n", (long long)steps, a.lr * shard.count,
-                a.data.empty() ? "memory" : a.data.c_str(), a.workers);
+    std::printf(", %lld steps, Adam lr %g (%s", (long long)steps, a.lr * shard.count, a.lr_schedule.c_str());
+    if (a.lr_warmup > 0) std::printf(" after %lld warm-up steps", (long long)a.lr_warmup);
+    std::printf("), data from %s, %d loader worker(s), %.3g GFLOP per sample\n", a.data.empty() ? "memory" : a.data.c_str(),
+                a.workers, throughput.flops_per_sample / 1e9);
     std::fflush(stdout);
   }
 
@@ -468,11 +513,15 @@ int run(int argc, char** argv) {
   bool first_has_loss = false, last_has_loss = false;
   const auto result = paratrain::fit(
       s, SeedBatches{rows},
-      {.epochs = 1,
+      {.epochs = a.epochs,
        .batch_size = a.batch / a.micro_batches,
        .accumulation = static_cast<int>(a.micro_batches),
        .seed = a.seed,
        .loader = {.workers = a.workers, .depth = std::max(2, a.workers)},
+       .lr_schedule = schedule,
+       .max_steps = a.max_steps,
+       .time_limit = {.seconds = a.time_limit},
+       .throughput = throughput,
        .log_every = 1 << 30,  // the per-step lines below instead
        .progress = false,
        .on_step =
@@ -483,12 +532,13 @@ int run(int argc, char** argv) {
              if (losses.size() == 1) first_has_loss = i.has_loss;
              last_has_loss = i.has_loss;
              if (reporter) {
-               std::printf("step %lld/%lld: %.1f ms (data %.2f ms), loss %.6f\n", (long long)i.step + 1,
-                           (long long)steps, 1e3 * i.seconds, 1e3 * i.data_seconds, i.loss);
+               std::printf("step %lld/%lld: %.1f ms (data %.2f ms), loss %.6f, lr %.4g\n", (long long)i.step + 1,
+                           (long long)steps, 1e3 * i.seconds, 1e3 * i.data_seconds, i.loss, i.lr);
                std::fflush(stdout);
              }
            },
-       .observe = {.trace_file = a.trace}},
+       .observe = {.trace_file = a.trace},
+       .checkpoint = {.directory = a.checkpoint_dir, .every_epoch = true}},
       paratrain::CrossEntropy{});  // float targets: class probabilities over dim 1, as the reference's
 
   // Step time and the wait for data in it: the slowest rank's means over the steps after
@@ -576,6 +626,14 @@ int run(int argc, char** argv) {
                   mib(planned.autocast_copies), rank);
     std::printf("gradients sent per step and rank, MiB: planned %.1f, sent %.1f (the most of any rank)\n",
                 mib(traffic_planned), mib(traffic_sent));
+    const auto& rates = result.rates;
+    std::printf("throughput: %.1f samples/s, %.0f tokens/s, %.3g TFLOP/s over %d rank(s), MFU %s\n",
+                rates.samples_per_second, rates.tokens_per_second, rates.tflops, world,
+                a.peak_tflops > 0 ? (json_number(100 * rates.mfu, "%.2f") + "% of " + json_number(a.peak_tflops) +
+                                     " TFLOP/s per rank")
+                                        .c_str()
+                                  : "n/a (give --peak-tflops or --gpu)");
+    if (!result.stopped.empty()) std::printf("stopped: %s\n", result.stopped.c_str());
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::printf(
         "{\"example\": \"transformer\", \"strategy\": \"%s\", \"world_size\": %d, \"replicas\": %d, "
@@ -585,7 +643,8 @@ int run(int argc, char** argv) {
         "\"samples_per_second\": %s, \"planned_bytes_per_rank_max\": %.0f, \"held_bytes_per_rank_max\": %.0f, "
         "\"recompute\": %s, \"bf16\": %s, \"tgt_len\": %lld, \"peak_rss_mib_max\": %.1f, "
         "\"gradient_bytes_planned\": %.0f, \"gradient_bytes_sent\": %.0f, \"baseline_mib\": %.1f, "
-        "\"peak_above_baseline_mib\": %.1f, \"plan_peak_mib\": %s, \"wall_seconds\": %.2f}\n",
+        "\"peak_above_baseline_mib\": %.1f, \"plan_peak_mib\": %s, \"tokens_per_second\": %s, \"tflops\": %s, "
+        "\"mfu\": %s, \"lr_schedule\": \"%s\", \"wall_seconds\": %.2f}\n",
         strategy_name(), world, shard.count, pipeline_ranks, pipelined ? ("\"" + a.schedule + "\"").c_str() : "null",
         (long long)a.micro_batches, (long long)a.batch, (long long)total_parameters, (long long)seconds.size(),
         (long long)a.warmup, json_number(loss).c_str(), json_number(first_loss).c_str(),
@@ -594,7 +653,9 @@ int run(int argc, char** argv) {
         a.data.empty() ? "memory" : "hdf5", a.workers, json_number(result.samples_per_second, "%.2f").c_str(), planned_max,
         held_max, cfg.recompute ? "true" : "false", a.bf16 ? "true" : "false", (long long)cfg.tgt_len, peak_rss_mib,
         traffic_planned, traffic_sent, peak[1].item<double>(), peak[2].item<double>(),
-        pipelined ? "null" : json_number(peak[3].item<double>(), "%.1f").c_str(), wall);
+        pipelined ? "null" : json_number(peak[3].item<double>(), "%.1f").c_str(),
+        json_number(result.rates.tokens_per_second, "%.1f").c_str(), json_number(result.rates.tflops, "%.4g").c_str(),
+        a.peak_tflops > 0 ? json_number(result.rates.mfu, "%.4g").c_str() : "null", a.lr_schedule.c_str(), wall);
     std::fflush(stdout);
   }
   return std::isfinite(loss) ? 0 : 1;  // a run whose loss is not a number failed

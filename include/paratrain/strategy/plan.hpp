@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <iomanip>
@@ -440,6 +441,53 @@ inline std::string significant(double x, int digits = 3) {
     s << (st == stage::ddp ? " " : ", ") << to_string(st) << ' ' << gb(gradient_traffic(m, st)) << " GB";
   s << '\n';
   return s.str();
+}
+
+/// Dense peak FLOP/s of an accelerator in one precision, from its maker's data sheet (no
+/// structured sparsity): the denominator of MFU (FitOptions::throughput).
+struct DevicePeak {
+  std::string_view gpu;
+  double fp32 = 0, tf32 = 0, bf16 = 0, fp16 = 0;  ///< FLOP/s; 0 where the device has no such unit
+};
+
+/// The accelerators peak_flops knows. NVIDIA's data sheets, dense tensor-core figures (half
+/// the "with sparsity" ones): H100 SXM5 and H200 (989 TFLOP/s bf16), H100 PCIe (756), A100
+/// (312), L40S (366), A10 (125), L4 (121), V100 (125 fp16, no bf16), T4 (65 fp16, no bf16).
+inline constexpr std::array<DevicePeak, 9> known_devices{{
+    {"H100-SXM", 67e12, 494.5e12, 989.4e12, 989.4e12},
+    {"H100-PCIe", 51e12, 378e12, 756e12, 756e12},
+    {"H200", 67e12, 494.5e12, 989.4e12, 989.4e12},
+    {"A100", 19.5e12, 156e12, 312e12, 312e12},
+    {"L40S", 91.6e12, 183e12, 366e12, 366e12},
+    {"A10", 31.2e12, 62.5e12, 125e12, 125e12},
+    {"L4", 30.3e12, 60e12, 121e12, 121e12},
+    {"V100", 15.7e12, 0, 0, 125e12},
+    {"T4", 8.1e12, 0, 0, 65e12},
+}};
+
+/// The peak FLOP/s of `gpu` (a name of known_devices, any case) in `precision` ("fp32",
+/// "tf32", "bf16", "fp16"). Throws paratrain::error naming the known ones, or saying that
+/// the device has no such unit.
+inline double peak_flops(std::string_view gpu, std::string_view precision) {
+  const auto lower = [](std::string_view v) {
+    std::string out(v);
+    for (auto& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return out;
+  };
+  std::string names;
+  for (const auto& p : known_devices) {
+    names += (names.empty() ? "" : ", ") + std::string(p.gpu);
+    if (lower(p.gpu) != lower(gpu)) continue;
+    const auto which = lower(precision);
+    const double v = which == "fp32" ? p.fp32 : which == "tf32" ? p.tf32 : which == "bf16" ? p.bf16
+                     : which == "fp16" ? p.fp16 : -1;
+    if (v < 0) throw error("plan::peak_flops", -1, "the precision is fp32, tf32, bf16 or fp16, not '" + std::string(precision) + "'");
+    if (v == 0)
+      throw error("plan::peak_flops", -1, std::string(p.gpu) + " has no " + which + " unit; use fp16 or fp32");
+    return v;
+  }
+  throw error("plan::peak_flops", -1, "'" + std::string(gpu) + "' is none of the known accelerators (" + names +
+                                          "); state the peak yourself");
 }
 
 }  // namespace paratrain::plan
