@@ -24,6 +24,7 @@
 #include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
+#include "paratrain/strategy/precision.hpp"
 #include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "gpu/gpu_support.hpp"
@@ -205,6 +206,49 @@ TEST_CASE("[gpu] fit's loader copies batches to the GPU beside the step, and fit
   const auto want_loss = torch::nn::functional::cross_entropy(net->forward(all.input()), all.target).item<double>();
   CHECK(result.epochs.back().eval_samples == train.size());
   CHECK(result.epochs.back().eval_loss == doctest::Approx(want_loss).epsilon(1e-5));
+}
+
+TEST_CASE("[gpu] fp16 autocast with loss scaling trains as a hand-written GradScaler loop on the GPU") {
+  if (skipped(!gpu().is_cuda(), "fp16 autocast needs a GPU (LibTorch's CPU autocast is bf16 only)")) return;
+  // DDP over the ranks, fp16 autocast and a scale that grows every 3 clean steps, against one
+  // device on the union of the ranks' batches with GradScaler's steps written out: the loss
+  // times S, backward, the gradients divided by S, the step skipped on Inf or NaN, S halved
+  // then or doubled after 3 clean steps (torch.amp.GradScaler's update).
+  const int world = gloo_world().size(), rank = gloo_world().rank();
+  const auto data = fit_reference::make_data(40 * world * 12, 5);
+  const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
+  const paratrain::LossScaling scaling{.init_scale = 65536, .growth_interval = 3};
+  auto model = fit_reference::make_net();
+  model->to(gpu());
+  paratrain::DataParallel<fit_reference::Net, comm::Gloo, torch::optim::SGD> s(
+      model, gloo_world(), sgd, {.precision = {.autocast = torch::kHalf, .loss_scale = scaling}});
+  auto net = fit_reference::make_net();
+  net->to(gpu());
+  torch::optim::SGD optim(net->parameters(), sgd);
+  double scale = scaling.init_scale;
+  int clean = 0;
+  for (int t = 0; t < 12; ++t) {
+    const auto all = data.get(torch::arange(t * 40 * world, (t + 1) * 40 * world)).to(gpu());
+    const auto r = s.step(all.narrow(rank * 40, 40), paratrain::CrossEntropy{});
+    optim.zero_grad();
+    {
+      const paratrain::detail::AutocastScope autocast(torch::kHalf, gpu());
+      (torch::nn::functional::cross_entropy(net->forward(all.input()), all.target) * scale).backward();
+    }
+    bool finite = true;
+    for (auto& p : net->parameters()) {
+      p.mutable_grad().div_(scale);
+      finite = finite && torch::isfinite(p.grad()).all().item<bool>();
+    }
+    if (finite) optim.step();
+    if (!finite) scale *= 0.5, clean = 0;
+    else if (++clean == 3) scale *= 2, clean = 0;
+    CAPTURE(t);
+    CHECK(r.skipped == !finite);
+    CHECK(s.loss_scaler().scale() == scale);
+  }
+  CHECK(s.loss_scaler().scale() > scaling.init_scale);  // it grew
+  CHECK(max_relative_difference(s.model()->parameters(), net->parameters()) <= 1e-3);  // fp16 forward
 }
 
 // LocalDataParallel's case: a model it can clone into replicas.

@@ -4,7 +4,11 @@
 // ranks' batches, a computation over the whole set in one process, or a formula.
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
+#include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <ctime>
 #include <filesystem>
 #include <functional>
@@ -25,6 +29,7 @@
 #include "support/equivalence.hpp"
 #include "support/fit_reference.hpp"
 #include "support/shared_dir.hpp"
+#include "support/test_data.hpp"
 
 // A namespace of its own: this file shares a translation unit with others (Note [Unity groups]).
 namespace loop_test {
@@ -783,6 +788,139 @@ TEST_CASE("throughput: tokens/s, TFLOP/s and MFU follow from samples/s by their 
   const auto r = paratrain::Rates::of({.tokens_per_sample = 4, .flops_per_sample = 10, .flops_per_token = 1e9}, 100, 2);
   CHECK(r.tflops == doctest::Approx(1000 / 1e12));
   CHECK(r.mfu == 0);
+}
+
+// ---- loss scaling ---------------------------------------------------------------------
+
+namespace {
+
+// p · x per sample, p of two elements: the gradient of a step is the mean of its samples' x,
+// the record's [1, 2] (or [1, Inf], [1, NaN] where a rank's sample carries the bad value).
+struct DotImpl : torch::nn::Module {
+  DotImpl() { p = register_parameter("p", torch::ones({2})); }
+  torch::Tensor forward(torch::Tensor x) { return (x * p).sum(1); }
+  torch::Tensor p;
+};
+TORCH_MODULE(Dot);
+
+at::Tensor mean_output(const at::Tensor& out, const at::Tensor&) { return out.mean(); }
+
+}  // namespace
+
+TEST_CASE("loss scaling skips and backs off on Inf and NaN, and grows, as PyTorch's GradScaler (recorded)") {
+  comm::Mpi c;
+  const int world = c.size(), rank = c.rank();
+  std::ifstream in(paratrain_test::test_data_dir() / "grad_scaler_reference.json");
+  REQUIRE(in);
+  const auto record = nlohmann::json::parse(in);
+  for (const auto& k : record.at("cases")) {
+    const paratrain::LossScaling scaling{.init_scale = k.at("init_scale"),
+                                         .growth_factor = k.at("growth_factor"),
+                                         .backoff_factor = k.at("backoff_factor"),
+                                         .growth_interval = k.at("growth_interval")};
+    CAPTURE(scaling.init_scale);
+    // The scaler alone, on the record's overflows.
+    paratrain::LossScaler alone(scaling);
+    // DataParallel, one sample per rank, the bad value on rank t % world: every rank must
+    // skip the step and set the same scale.
+    paratrain::DataParallel<Dot, comm::Mpi, torch::optim::SGD> s(Dot(), comm::Mpi(), torch::optim::SGDOptions(0.125),
+                                                                  {.precision = {.loss_scale = scaling}});
+    CHECK(s.loss_scaler().scale() == scaling.init_scale);
+    std::int64_t applied = 0;
+    const auto steps = k.at("steps").get<std::vector<std::string>>();
+    for (std::size_t t = 0; t < steps.size(); ++t) {
+      CAPTURE(t);
+      const double bad = steps[t] == "inf" ? INFINITY : steps[t] == "nan" ? NAN : 2.0;
+      const bool mine = static_cast<int>(t) % world == rank;
+      const auto x = torch::tensor({{1.0, mine ? bad : 2.0}});
+      const auto r = s.step(Batch{x, torch::zeros({1})}, mean_output);
+      alone.update(steps[t] != "ok" || k.at("skipped")[t].get<bool>());
+      CHECK(r.skipped == k.at("skipped")[t].get<bool>());
+      CHECK(s.loss_scaler().scale() == k.at("scale_after")[t].get<double>());
+      CHECK(alone.scale() == k.at("scale_after")[t].get<double>());
+      applied += r.skipped ? 0 : 1;
+    }
+    // The steps applied moved p by the unscaled mean gradient [1, 2] each (SGD, rate 1/8).
+    const auto want = torch::tensor({1.0 - 0.125 * double(applied), 1.0 - 0.25 * double(applied)});
+    CHECK(torch::equal(s.model()->p.detach(), want.to(torch::kFloat)));
+  }
+}
+
+TEST_CASE("a scaled step equals the unscaled one bit for bit (DDP, ZeRO-3, a pipeline)") {
+  comm::Mpi c;
+  const int world = c.size(), rank = c.rank();
+  const paratrain::Precision scaled{.loss_scale = paratrain::LossScaling{.init_scale = 1024, .growth_interval = 2}};
+  constexpr int micro = 2, steps = 5;
+  const auto train = [&](auto& s, int q) {
+    const Samples data;
+    for (int t = 0; t < steps; ++t) {
+      std::vector<Batch> mine;
+      for (int m = 0; m < micro; ++m) mine.push_back(data.of(t, q, m));
+      s.step(std::span<const Batch>(mine), weighted_with_aux);
+    }
+    return s.full_parameters();
+  };
+  using Zero3 = paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>;
+  {
+    paratrain::DataParallel<TwoOutputs, comm::Mpi, Zero3> plain(TwoOutputs(), comm::Mpi(), momentum_sgd());
+    paratrain::DataParallel<TwoOutputs, comm::Mpi, Zero3> s(TwoOutputs(), comm::Mpi(), momentum_sgd(),
+                                                            {.precision = scaled});
+    CHECK(max_relative_difference(train(s, rank), train(plain, rank)) == 0);
+    CHECK(s.loss_scaler().scale() == 1024 * 4);  // two growths after 2 clean steps each
+  }
+  {
+    paratrain::DataParallel<TwoOutputs, comm::Mpi, torch::optim::SGD> plain(TwoOutputs(), comm::Mpi(), momentum_sgd());
+    paratrain::DataParallel<TwoOutputs, comm::Mpi, torch::optim::SGD> s(TwoOutputs(), comm::Mpi(), momentum_sgd(),
+                                                                        {.precision = scaled});
+    CHECK(max_relative_difference(train(s, rank), train(plain, rank)) == 0);
+  }
+  if (world % 2 == 0) {
+    using Two = paratrain::Pipeline<Hidden, Heads>;
+    const auto two = [] { return Two([] { return Hidden(5); }, [] { return Heads(); }); };
+    paratrain::DataParallel<Two, comm::Mpi, torch::optim::SGD> plain(two(), comm::Mpi(), momentum_sgd());
+    paratrain::DataParallel<Two, comm::Mpi, torch::optim::SGD> s(two(), comm::Mpi(), momentum_sgd(),
+                                                                 {.data_parallel = {.precision = scaled}});
+    CHECK(max_relative_difference(train(s, s.replica()), train(plain, plain.replica())) == 0);
+    CHECK(s.loss_scaler().scale() == 1024 * 4);
+  }
+}
+
+TEST_CASE("an overflow on one pipeline stage skips the step on every stage; fit keeps the scale in checkpoints") {
+  comm::Mpi c;
+  const int world = c.size();
+  const auto dir = paratrain_test::shared_dir(c, "loss-scale");
+  if (world % 2 == 0) {
+    // The last stage's loss is Inf in step 2 (one replica's): every rank of every stage skips.
+    using Two = paratrain::Pipeline<Hidden, Heads>;
+    paratrain::DataParallel<Two, comm::Mpi, torch::optim::SGD> s(
+        Two([] { return Hidden(5); }, [] { return Heads(); }), comm::Mpi(), momentum_sgd(),
+        {.data_parallel = {.precision = {.loss_scale = paratrain::LossScaling{.init_scale = 256}}}});
+    const Samples data;
+    for (int t = 0; t < 4; ++t) {
+      std::vector<Batch> mine{data.of(t, s.replica(), 0)};
+      if (t == 2 && s.replica() == 0) mine[0].extra["weight"] = mine[0].extra["weight"] * INFINITY;
+      const auto r = s.step(std::span<const Batch>(mine), weighted_with_aux);
+      CHECK(r.skipped == (t == 2));
+    }
+    CHECK(s.loss_scaler().scale() == 128);
+  }
+  // fit: saved with the checkpoint, restored on resume (a scale that grows every step).
+  const auto train = make_data(64, 1);
+  const paratrain::Precision precision{.loss_scale = paratrain::LossScaling{.init_scale = 2, .growth_interval = 1}};
+  paratrain::FitOptions options{.epochs = 1, .batch_size = 4, .progress = false,
+                                .checkpoint = {.directory = dir, .async = false}};
+  options.on_step = [](const paratrain::StepInfo& i) {
+    if (i.step == 2) i.stop->request("interrupted");
+  };
+  Ddp a(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.01), {.precision = precision});
+  paratrain::fit(a, train, options);
+  CHECK(a.loss_scaler().scale() == 16);  // 3 steps
+  options.on_step = {};
+  Ddp b(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.01), {.precision = precision});
+  const auto done = paratrain::fit(b, train, options);
+  CHECK(b.loss_scaler().scale() == 2.0 * std::pow(2.0, double(done.steps)));
+  c.barrier();
+  if (c.rank() == 0) std::filesystem::remove_all(dir);
 }
 
 }  // namespace loop_test

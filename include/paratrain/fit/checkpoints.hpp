@@ -72,6 +72,8 @@ struct FitPosition {
   double plateau_factor = 1;  ///< lr::ReduceOnPlateau's cut so far
   double plateau_best = std::numeric_limits<double>::quiet_NaN();
   std::int64_t plateau_bad = 0;
+  double loss_scale = 0;  ///< the strategy's loss scale (Note [Loss scaling]); 0: none
+  std::int64_t loss_scale_tracker = 0;
 };
 
 inline checkpoint::Dict to_dict(const FitPosition& p) {
@@ -92,6 +94,8 @@ inline checkpoint::Dict to_dict(const FitPosition& p) {
   d.insert("plateau_factor", p.plateau_factor);
   d.insert("plateau_best", p.plateau_best);
   d.insert("plateau_bad", p.plateau_bad);
+  d.insert("loss_scale", p.loss_scale);
+  d.insert("loss_scale_tracker", p.loss_scale_tracker);
   return d;
 }
 
@@ -131,6 +135,8 @@ inline FitPosition position_from(const std::filesystem::path& path, const checkp
   number("plateau_best", p.plateau_best);
   if (d.contains("early_bad")) p.early_bad = field<std::int64_t>(index, d, "early_bad");
   if (d.contains("plateau_bad")) p.plateau_bad = field<std::int64_t>(index, d, "plateau_bad");
+  number("loss_scale", p.loss_scale);
+  if (d.contains("loss_scale_tracker")) p.loss_scale_tracker = field<std::int64_t>(index, d, "loss_scale_tracker");
   return p;
 }
 

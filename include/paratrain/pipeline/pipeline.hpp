@@ -229,6 +229,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// This rank's stages' parameters, whole, as copies (stages() order). Collective over
   /// the stage's replicas: at ZeRO stage 3 they are gathered for it.
   [[nodiscard]] std::vector<at::Tensor> full_parameters() { return inner_->full_parameters(); }
+  /// Dynamic loss scaling's state, the same on every stage (Note [Loss scaling]).
+  [[nodiscard]] LossScaler& loss_scaler() noexcept { return inner_->loss_scaler(); }
+  [[nodiscard]] const LossScaler& loss_scaler() const noexcept { return inner_->loss_scaler(); }
   [[nodiscard]] const Options& options() const noexcept { return options_; }
   [[nodiscard]] const PipelineStepStats& last_step_stats() const noexcept { return stats_; }
   /// The schedule run for `micro_batches` micro-batches (checked before it is first run).
@@ -456,7 +459,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
                                   : Batch(std::vector<at::Tensor>{}, detail::move_to(batch.target, device));
       at::Tensor l = detail::compute_loss<output_type>(loss, detail::output_of<output_type>(outputs), on_device);
       const auto n = static_cast<double>(batch.size());
-      st.roots = {l * n};  // Note [Exact averaging]: the gradient of the sum over the samples
+      // Note [Exact averaging]: the gradient of the sum over the samples; times the loss
+      // scale, which every stage's buckets divide out again (Note [Loss scaling]).
+      st.roots = {l * (n * inner_->loss_scaler().scale())};
       run.loss_sum = run.loss_sum.to(l.device()) + l.detach().to(at::kDouble) * n;
     } else {
       for (const auto& y : outputs) {

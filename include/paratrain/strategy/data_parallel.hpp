@@ -405,6 +405,10 @@ class DataParallel {
   /// DDP holds everything whole; ZeRO's optimizer steps pieces of the parameters, and
   /// at stage 3 the unit parameters at rest are this rank's pieces too.
   [[nodiscard]] CheckpointLayout checkpoint_layout() { return store_->checkpoint_layout(*model_); }
+  /// Dynamic loss scaling's state (Note [Loss scaling]): inactive, at scale 1, unless
+  /// Precision::loss_scale or fp16 autocast asks for it. fit keeps it in its checkpoints.
+  [[nodiscard]] LossScaler& loss_scaler() noexcept { return scaler_; }
+  [[nodiscard]] const LossScaler& loss_scaler() const noexcept { return scaler_; }
   /// After a checkpoint was loaded into checkpoint_layout()'s slices: nothing derives
   /// from them here (every rank loaded its own). Collective, by the concept.
   void loaded() noexcept {}
@@ -475,6 +479,7 @@ class DataParallel {
                       "; it places a model the strategy builds (give a build function), and a model built already "
                       "must be there");
     detail::check_precision(options.precision, device_, "DataParallel", comm_.rank());
+    if (const auto scaling = detail::loss_scaling(options.precision)) scaler_ = LossScaler(*scaling);
     detail::check_model_device(comm_, device_, "DataParallel");
     detail::check_same_model(*this, *model_, "DataParallel");  // Note [Same model]
     // Replicas start from rank 0's values; what units built sharded hold, no rank has
@@ -546,8 +551,9 @@ class DataParallel {
     }
     forward.stop();
     observe::PhaseTimer backward(timeline_, observe::Phase::backward);
-    // Note [Exact averaging]: the gradient of the sum over this rank's samples.
-    (l * static_cast<double>(batch.size())).backward();
+    // Note [Exact averaging]: the gradient of the sum over this rank's samples; times the
+    // loss scale (Note [Loss scaling]), which the buckets' division takes out again.
+    (l * (static_cast<double>(batch.size()) * scaler_.scale())).backward();
     return l.item<double>();
   }
 
@@ -559,7 +565,7 @@ class DataParallel {
     // takes part in the others' unit gathers: Note [Joining at stage 3].
     if (local == 0) store_->replay_gathers(rank());
     observe::PhaseTimer sync(timeline_, observe::Phase::sync);
-    const auto status = grads_->finish(local, has_next, joined, !failure.empty());
+    const auto status = grads_->finish(local, has_next, joined, !failure.empty(), scaler_.scale());
     sync.stop();
     if (status.ranks_failed > 0) {
       if (!joined) store_->end_step();
@@ -575,11 +581,14 @@ class DataParallel {
                       "does), or keep DataParallelOptions::join on (the default)");
     ++steps_;
     double norm = 0;
-    const bool clip = options_.max_grad_norm > 0, check = options_.nonfinite_gradients != NonFinite::apply;
+    // Loss scaling checks every step: an overflow is how its scale learns it is too large.
+    const bool clip = options_.max_grad_norm > 0,
+               check = options_.nonfinite_gradients != NonFinite::apply || scaler_.active();
     typename Grads::Totals totals;
     if (status.samples > 0 && (clip || check)) totals = grads_->totals(clip, check, norm_elsewhere_);
     const bool finite = totals.nonfinite == 0;
-    const bool skipped = !finite && options_.nonfinite_gradients == NonFinite::skip;
+    const bool skipped = !finite && (options_.nonfinite_gradients == NonFinite::skip || scaler_.active());
+    if (status.samples > 0) scaler_.update(!finite);  // the same on every rank: `finite` is agreed
     if (status.samples > 0 && finite) {
       if (clip) norm = grads_->clip_grad_norm(options_.max_grad_norm, totals.squares);
       observe::PhaseTimer step(timeline_, observe::Phase::optimizer);
@@ -619,6 +628,7 @@ class DataParallel {
   Comm comm_;  // before model_, which sharded construction builds with it
   Model model_;
   Options options_;
+  LossScaler scaler_;  // Note [Loss scaling]: off unless Precision asks for it
   at::Device device_;  // the model's, where the communicator reduces (comm::Nccl: CUDA only)
   std::unique_ptr<Store> store_;  // before grads_, which points at its layout
   std::unique_ptr<Grads> grads_;  // its hooks point at it: a stable address

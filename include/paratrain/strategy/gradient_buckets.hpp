@@ -244,9 +244,11 @@ class GradientBuckets {
   }
 
   /// After backward (or instead of it, for a rank that has joined with no data):
-  /// launches what is left, waits, and divides by the global sample count. A rank that
+  /// launches what is left, waits, and divides by the global sample count (times
+  /// `loss_scale`, the factor backward's loss carried: Note [Loss scaling]). A rank that
   /// `failed` joins, and every rank's status then says how many failed, and nothing else.
-  StepStatus finish(double local_samples, bool has_next, bool joined = false, bool failed = false) {
+  StepStatus finish(double local_samples, bool has_next, bool joined = false, bool failed = false,
+                    double loss_scale = 1.0) {
     // Note [Step agreement]: per parameter, the ranks that used it, with find_unused_parameters.
     StepAgreement agreement(params_.size(), find_unused_);
     std::optional<std::string> unused;
@@ -286,7 +288,7 @@ class GradientBuckets {
                                " other rank(s) found a parameter without gradient (see their message); enable "
                                "DataParallel::Options::find_unused_parameters if that is expected");
     if (status.samples > 0)
-      for (auto& b : buckets_) reduced(b).div_(status.samples);
+      for (auto& b : buckets_) reduced(b).div_(status.samples * loss_scale);
     return status;
   }
 

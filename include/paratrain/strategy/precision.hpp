@@ -14,6 +14,7 @@
 
 #include "paratrain/util/torch_compat.hpp"
 #include "paratrain/core/error.hpp"
+#include "paratrain/strategy/loss_scale.hpp"
 
 namespace paratrain {
 
@@ -47,8 +48,8 @@ namespace paratrain {
 /// paratrain::DataParallelOptions o{.precision = {.autocast = at::kBFloat16, .reduce = at::kBFloat16}};
 /// \endcode
 struct Precision {
-  /// Forward and the loss under autocast to this type: at::kBFloat16 (CPU or CUDA; fp16
-  /// would need loss scaling, which is not there yet). Empty: everything in the
+  /// Forward and the loss under autocast to this type: at::kBFloat16 (CPU or CUDA), or
+  /// at::kHalf on a GPU, with dynamic loss scaling (loss_scale). Empty: everything in the
   /// parameters' type.
   std::optional<at::ScalarType> autocast;
   /// The type gradients are summed in across ranks: at::kBFloat16 halves the bytes of
@@ -62,24 +63,33 @@ struct Precision {
   /// throughout. Master weights and optimizer state stay fp32 either way. Note [Gathers in
   /// the compute type].
   std::optional<at::ScalarType> gather;
+  /// Dynamic loss scaling (Note [Loss scaling]): on with GradScaler's defaults whenever
+  /// autocast is at::kHalf; set it to scale without fp16 too, or to change its parameters.
+  std::optional<LossScaling> loss_scale;
 };
 
 namespace detail {
+
+/// The loss scaling `p` asks for: its own, or GradScaler's defaults under fp16 autocast.
+inline std::optional<LossScaling> loss_scaling(const Precision& p) {
+  if (p.loss_scale) return p.loss_scale;
+  if (p.autocast == at::kHalf) return LossScaling{};
+  return std::nullopt;
+}
 
 /// Throws paratrain::error, the same on every rank, for a type autocast or the reduction
 /// cannot use on `device`.
 inline void check_precision(const Precision& p, const c10::Device& device, std::string_view owner, int rank) {
   if (p.autocast) {
     const auto t = *p.autocast;
-    if (t == at::kHalf)
+    if (t == at::kHalf && !device.is_cuda())
       throw error(owner, rank,
-                  std::string("Precision::autocast is Half: fp16 gradients underflow without loss scaling, which "
-                              "paratrain does not do yet") +
-                      (device.is_cuda() ? "" : " (nor does LibTorch's CPU autocast take Half)") +
-                      "; use at::kBFloat16, whose range is fp32's");
-    if (t != at::kBFloat16)
+                  "Precision::autocast is Half on the CPU, whose autocast LibTorch runs in bf16 only; use "
+                  "at::kBFloat16 there (fp16 with loss scaling is for GPUs without bf16: V100, T4)");
+    if (t != at::kBFloat16 && t != at::kHalf)
       throw error(owner, rank,
-                  std::string("Precision::autocast is ") + c10::toString(t) + "; autocast computes in at::kBFloat16");
+                  std::string("Precision::autocast is ") + c10::toString(t) +
+                      "; autocast computes in at::kBFloat16, or at::kHalf on a GPU (with loss scaling)");
   }
   if (p.gather && *p.gather != at::kFloat && *p.gather != p.autocast)
     throw error(owner, rank,
