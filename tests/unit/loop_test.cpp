@@ -923,4 +923,80 @@ TEST_CASE("an overflow on one pipeline stage skips the step on every stage; fit 
   if (c.rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// ---- a loop of your own: two models, two optimizers (GAN-style) ---------------------
+
+TEST_CASE("a GAN-style loop of two strategies trains as the same loop on one device") {
+  // Docs: docs/fit.md, "A loop of your own". Generator 4 -> 8, discriminator 8 -> 1, each
+  // a DataParallel with its own optimizer. A discriminator step on real and generated
+  // samples (the generator's output detached), then a generator step through the
+  // discriminator with its parameters frozen (requires_grad off: no gradient, so its
+  // strategy's hooks stay quiet and its step is untouched). Rank r has 3 + r samples.
+  comm::Mpi c;
+  const int world = c.size(), rank = c.rank();
+  const auto make = [](std::int64_t in, std::int64_t out, std::int64_t seed) {
+    torch::manual_seed(seed);
+    return torch::nn::Linear(in, out);
+  };
+  const auto bce = [](const at::Tensor& logits, const at::Tensor& target) {
+    return F::binary_cross_entropy_with_logits(logits.squeeze(1), target);
+  };
+  torch::manual_seed(21);
+  const auto real = torch::randn({256, 8}) + 1, noise = torch::randn({256, 4});
+  const auto rows = [&](const at::Tensor& t, int step, int r) { return t.narrow(0, step * 32 + r * 8, 3 + r); };
+  constexpr int steps = 5;
+  const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
+  using Strategy = paratrain::DataParallel<torch::nn::Linear, comm::Mpi, torch::optim::SGD>;
+  Strategy g(make(4, 8, 1), comm::Mpi(), sgd), d(make(8, 1, 2), comm::Mpi(), sgd);
+  const auto set_trainable = [](torch::nn::Module& m, bool on) {
+    for (auto& p : m.parameters()) p.requires_grad_(on);
+  };
+  for (int t = 0; t < steps; ++t) {
+    const auto z = rows(noise, t, rank), x = rows(real, t, rank);
+    // The discriminator: real samples labelled 1, generated ones 0.
+    at::Tensor fake;
+    {
+      torch::NoGradGuard no_grad;
+      fake = g.model()->forward(z);
+    }
+    d.step(Batch{torch::cat({x, fake}), torch::cat({torch::ones({x.size(0)}), torch::zeros({fake.size(0)})})}, bce);
+    // The generator: its samples labelled 1 by the discriminator, whose parameters stay put.
+    set_trainable(*d.model(), false);
+    auto& critic = d.model();
+    g.step(Batch{z, torch::ones({z.size(0)})},
+           [&](const at::Tensor& generated, const Batch& b) { return bce(critic->forward(generated), b.target); });
+    set_trainable(*d.model(), true);
+  }
+  // One device, the same loop on the union of the ranks' samples.
+  auto G = make(4, 8, 1), D = make(8, 1, 2);
+  torch::optim::SGD og(G->parameters(), sgd), od(D->parameters(), sgd);
+  for (int t = 0; t < steps; ++t) {
+    std::vector<at::Tensor> xs, zs;
+    for (int r = 0; r < world; ++r) xs.push_back(rows(real, t, r)), zs.push_back(rows(noise, t, r));
+    // The discriminator's union: each rank's real samples then its generated ones.
+    std::vector<at::Tensor> inputs, labels;
+    for (int r = 0; r < world; ++r) {
+      torch::NoGradGuard no_grad;
+      const auto f = G->forward(zs[r]);
+      inputs.push_back(torch::cat({xs[r], f}));
+      labels.push_back(torch::cat({torch::ones({xs[r].size(0)}), torch::zeros({f.size(0)})}));
+    }
+    od.zero_grad();
+    bce(D->forward(torch::cat(inputs)), torch::cat(labels)).backward();
+    od.step();
+    og.zero_grad();
+    set_trainable(*D, false);
+    const auto z = torch::cat(zs);
+    bce(D->forward(G->forward(z)), torch::ones({z.size(0)})).backward();
+    set_trainable(*D, true);
+    og.step();
+  }
+  const auto params = [](torch::nn::Module& m) {
+    std::vector<torch::Tensor> out;
+    for (auto& p : m.parameters()) out.push_back(p.detach().clone());
+    return out;
+  };
+  CHECK(max_relative_difference(params(*g.model()), params(*G)) <= 1e-5);
+  CHECK(max_relative_difference(params(*d.model()), params(*D)) <= 1e-5);
+}
+
 }  // namespace loop_test
