@@ -263,3 +263,15 @@ TEST_CASE("plan: the peak of a step adds the pools and the larger of gradients a
                        doctest::Contains("prefetch"), paratrain::error);
   CHECK_THROWS_WITH_AS((void)plan::scratch_bytes("lamb"), doctest::Contains("scratch_bytes"), paratrain::error);
 }
+
+TEST_CASE("plan: peak_flops gives the data sheets' dense peaks, any case, and names what it knows") {
+  // NVIDIA's data sheets, dense (half the "with sparsity" figures): H100 SXM5 1979/2 TFLOP/s
+  // bf16, A100 312, T4 65 fp16.
+  CHECK(plan::peak_flops("H100-SXM", "bf16") == doctest::Approx(989.4e12));
+  CHECK(plan::peak_flops("h100-sxm", "BF16") == doctest::Approx(989.4e12));
+  CHECK(plan::peak_flops("A100", "tf32") == doctest::Approx(156e12));
+  CHECK(plan::peak_flops("T4", "fp16") == doctest::Approx(65e12));
+  CHECK_THROWS_WITH(plan::peak_flops("V100", "bf16"), doctest::Contains("V100 has no bf16 unit"));
+  CHECK_THROWS_WITH(plan::peak_flops("H100", "bf16"), doctest::Contains("none of the known accelerators (H100-SXM, "));
+  CHECK_THROWS_WITH(plan::peak_flops("A100", "int8"), doctest::Contains("fp32, tf32, bf16 or fp16"));
+}
