@@ -32,6 +32,9 @@ struct Args {
   std::int64_t checkpoint_every = 200;  // steps between checkpoints (and one after every epoch)
   int workers = paratrain::data::LoaderOptions{}.workers;  // threads preparing the next batches
   std::string device;  // cpu or cuda; empty: cuda where there is a GPU the strategy can use, else cpu
+  std::int64_t max_steps = 0;  // 0: the epochs decide
+  double time_limit = 0;       // seconds; 0: none (and SLURM's job end, where Slurm sets it)
+  std::uint64_t seed = 0;      // initial weights and sample order
 };
 
 // The options, by CLI11: --help, and values checked (a missing or malformed one is an error
@@ -51,6 +54,13 @@ inline std::optional<int> parse(int argc, char** argv, Args& a) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--workers", a.workers, "threads per process reading the next batches (0: on the training thread)")
       ->check(CLI::Range(0, 64))->capture_default_str();
+  app.add_option("--max-steps", a.max_steps, "stop after N optimizer steps (0: the epochs decide)")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+  app.add_option("--time-limit", a.time_limit,
+                 "seconds: stop before they run out, with a checkpoint in --checkpoint-dir (also before "
+                 "SLURM_JOB_END_TIME, where Slurm sets it)")
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_option("--seed", a.seed, "initial weights and sample order")->capture_default_str();
   try {
     app.parse(argc, argv);
     return std::nullopt;
@@ -159,7 +169,7 @@ int train(const Args& args) {
   const auto n = args.train_samples > 0 ? std::min(args.train_samples, all.size()) : all.size();
   const paratrain::data::Subset train(all, torch::arange(n, torch::kLong));
 
-  torch::manual_seed(0);  // the same initial values on every rank
+  torch::manual_seed(args.seed);  // the same initial values on every rank
   const auto device = device_for<Strategy>(args);
   Strategy strategy = make_strategy<Strategy>(args.lr, device);
   const bool root = strategy.rank() == 0;
@@ -172,11 +182,14 @@ int train(const Args& args) {
   const auto result = paratrain::fit(strategy, train,
                                      {.epochs = args.epochs,
                                       .batch_size = args.batch,
+                                      .seed = args.seed,
                                       .eval = &test,
                                       .loader = {.workers = args.workers, .depth = std::max(args.workers, 2)},
                                       .lr_schedule = [&](double epoch) {  // cosine decay to 0
                                         return 0.5 * (1 + std::cos(3.141592653589793 * epoch / args.epochs));
                                       },
+                                      .max_steps = args.max_steps,
+                                      .time_limit = {.seconds = args.time_limit},
                                       .log_every = 200,
                                       .on_epoch = [&](const paratrain::EpochInfo& e) {
                                         if (!seconds_to_90 && e.eval_accuracy >= 0.90) seconds_to_90 = elapsed();
