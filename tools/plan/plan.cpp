@@ -3,16 +3,21 @@
 //   paratrain_plan --params 7.5e9 --optimizer adam --precision mixed --ranks 64 [--activations 2GiB]
 //   paratrain_plan --params 44.1M --ranks 2 --autocast bf16 --reduce bf16
 //
-// Arguments are parsed by hand: there are eleven of them, and the tool builds with the
-// library's dependencies alone (CLI11 is the tests' and the Fashion-MNIST examples'). docs/plan.md.
+//   paratrain_plan --peak H100-SXM
+//
+// Options by CLI11, as every example's and benchmark's: --help on stdout, --name=value, a bad
+// value an error naming the option. docs/plan.md.
 
+#include <CLI/CLI.hpp>
 #include <paratrain/strategy/plan.hpp>
 
+#include <cctype>
 #include <charconv>
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -22,38 +27,6 @@
 namespace plan = paratrain::plan;
 
 namespace {
-
-constexpr std::string_view usage = R"(usage: paratrain_plan --params N --ranks N_d [options]
-
-Per-rank bytes of parameters, gradients and optimizer state under DDP and ZeRO
-stages 1-3 (Rajbhandari et al. 2019), in GB (1e9 bytes) and MiB.
-
-  --params N             parameter count Psi: 7.5e9, 7.5B, 350M, 1T
-  --ranks N_d            data-parallel degree (processes), >= 1
-  --optimizer NAME       sgd, sgd_momentum, adam (default), adamw, adagrad, rmsprop,
-                         rmsprop_momentum
-  --precision P          fp32 (default: B_p = B_g = 4) or mixed (B_p = B_g = 2, plus an
-                         fp32 master copy in K: mixed Adam has K = 12)
-  --activations SIZE     activation estimate per rank: 2GiB, 512MiB, 3.5GB, 1e9 (bytes)
-  --buckets N            flat buffers, each padded to a multiple of N_d: adds the padding bound
-  --autocast T           bf16: paratrain's Precision::autocast, fp32 parameters plus bf16
-                         copies of the weights from forward to backward; none (default)
-  --reduce T             bf16 or fp32: the type gradients are summed in across ranks
-                         (Precision::reduce); default: B_g
-  --gather T             with --autocast bf16: the type ZeRO-3 gathers units in
-                         (Precision::gather): bf16 (default; no autocast copies of units,
-                         taken to hold every parameter) or fp32
-  --bucket SIZE          the largest gradient bucket (25MiB: DataParallel's default cap;
-                         at least the largest parameter): adds the peak of a step
-  --unit N               the largest paratrain::Unit's parameter count (ZeRO-3's gathers)
-  --largest-param N      the largest parameter's element count (autograd's gradients,
-                         the optimizer's scratch)
-  --prefetch N           units ZeRO-3 gathers ahead (DataParallelOptions::prefetch, 1)
-  --optimizer-bytes K    K in bytes per parameter, instead of --optimizer's
-  --param-bytes B        B_p, instead of --precision's
-  --grad-bytes B         B_g, instead of --precision's
-  -h, --help             this text
-)";
 
 struct usage_error : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -112,10 +85,9 @@ std::int64_t whole(std::string_view flag, std::string_view text) {
 
 // Precision::autocast's copies of the weights, bytes per parameter.
 double autocast_copy_bytes(std::string_view text) {
-  if (text == "bf16") return 2;
+  if (text == "bf16" || text == "fp16") return 2;  // fp16: on a GPU, with loss scaling
   if (text == "none") return 0;
-  throw usage_error("--autocast is bf16 or none, not \"" + std::string(text) +
-                    "\" (paratrain autocasts to bf16 only: fp16 would need loss scaling)");
+  throw usage_error("--autocast is bf16, fp16 or none, not \"" + std::string(text) + "\"");
 }
 
 // Precision::reduce: bytes per gradient element summed across ranks.
@@ -126,7 +98,32 @@ double reduced_bytes(std::string_view text) {
                     "\" (fp16 sums over samples overflow)");
 }
 
-plan::Model parse(int argc, char** argv) {
+// The peaks paratrain::plan knows for `gpu` ("all": every one), a line each, in TFLOP/s.
+std::string peaks(std::string_view gpu) {
+  std::ostringstream out;
+  bool found = false;
+  for (const auto& p : plan::known_devices) {
+    std::string name(p.gpu), lower = name, wanted(gpu);
+    for (auto* s : {&lower, &wanted})
+      for (auto& c : *s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    if (wanted != "all" && wanted != lower) continue;
+    found = true;
+    const auto tf = [](double v) { return v > 0 ? std::to_string(v / 1e12).substr(0, std::to_string(v / 1e12).find('.') + 2) : std::string("-"); };
+    out << name << ": fp32 " << tf(p.fp32) << ", tf32 " << tf(p.tf32) << ", bf16 " << tf(p.bf16) << ", fp16 "
+        << tf(p.fp16) << " TFLOP/s (dense; MFU's denominator per GPU)\n";
+  }
+  if (!found) plan::peak_flops(gpu, "fp32");  // throws, naming the known ones
+  return out.str();
+}
+
+// What to print: the plan of a model, or the peaks of --peak.
+struct Request {
+  plan::Model model;
+  std::string peak;
+};
+
+// Parses the command line; returns the exit status when the program should end now.
+std::optional<int> parse(int argc, char** argv, Request& request) {
   std::optional<double> params;
   std::optional<std::int64_t> ranks;
   std::optional<double> optimizer_bytes, param_bytes, grad_bytes;
@@ -139,84 +136,114 @@ plan::Model parse(int argc, char** argv) {
   double bucket_bytes = 0, unit = 0, largest = 0;
   std::int64_t prefetch = 1;
 
-  for (int i = 1; i < argc; ++i) {
-    std::string_view flag = argv[i], value;
-    if (flag == "-h" || flag == "--help") {
-      std::cout << usage;
-      std::exit(0);
+  CLI::App app("Per-rank bytes of parameters, gradients and optimizer state under DDP and ZeRO stages 1-3 "
+               "(Rajbhandari et al. 2019), in GB (1e9 bytes) and MiB.");
+  app.get_formatter()->column_width(30);
+  // An option whose text `convert` reads (its errors name the option).
+  const auto option = [&](const std::string& flag, auto convert, const std::string& help) {
+    return app.add_option_function<std::string>(
+        flag, [flag, convert](const std::string& text) { convert(text); }, help);
+  };
+  option("--params", [&](const std::string& v) { params = parameter_count(v); },
+         "parameter count Psi: 7.5e9, 7.5B, 350M, 1T (required)");
+  option("--ranks", [&](const std::string& v) { ranks = whole("--ranks", v); },
+         "data-parallel degree (processes), >= 1 (required)");
+  app.add_option("--optimizer", optimizer, "sgd, sgd_momentum, adam, adamw, adagrad, rmsprop, rmsprop_momentum")
+      ->capture_default_str();
+  option("--precision",
+         [&](const std::string& v) {
+           if (v == "fp32") precision = plan::fp32;
+           else if (v == "mixed") precision = plan::mixed;
+           else throw usage_error("--precision is fp32 or mixed, not \"" + v + "\"");
+         },
+         "fp32 (default: B_p = B_g = 4) or mixed (B_p = B_g = 2, plus an fp32 master copy in K)");
+  option("--activations", [&](const std::string& v) { activations = bytes("--activations", v); },
+         "activation estimate per rank: 2GiB, 512MiB, 3.5GB, 1e9 (bytes)");
+  option("--buckets", [&](const std::string& v) { buckets = whole("--buckets", v); },
+         "flat buffers, each padded to a multiple of N_d: adds the padding bound");
+  option("--autocast", [&](const std::string& v) { autocast_bytes = autocast_copy_bytes(v); },
+         "bf16 or fp16: Precision::autocast, fp32 parameters plus 2-byte copies of the weights from forward to "
+         "backward; none (default)");
+  option("--reduce", [&](const std::string& v) { reduce_bytes = reduced_bytes(v); },
+         "bf16 or fp32: the type gradients are summed in across ranks (Precision::reduce); default: B_g");
+  option("--gather",
+         [&](const std::string& v) {
+           if (v == "bf16") gather_bytes = 2;
+           else if (v == "fp32") gather_bytes = 4;
+           else throw usage_error("--gather is bf16 or fp32, not \"" + v + "\"");
+         },
+         "with --autocast bf16: the type ZeRO-3 gathers units in (Precision::gather): bf16 (default) or fp32");
+  option("--bucket", [&](const std::string& v) { bucket_bytes = bytes("--bucket", v); },
+         "the largest gradient bucket (25MiB: DataParallel's default cap): adds the peak of a step");
+  option("--unit", [&](const std::string& v) { unit = parameter_count(v); },
+         "the largest paratrain::Unit's parameter count (ZeRO-3's gathers)");
+  option("--largest-param", [&](const std::string& v) { largest = parameter_count(v); },
+         "the largest parameter's element count (autograd's gradients, the optimizer's scratch)");
+  option("--prefetch", [&](const std::string& v) { prefetch = whole("--prefetch", v); },
+         "units ZeRO-3 gathers ahead (DataParallelOptions::prefetch, 1)");
+  option("--optimizer-bytes", [&](const std::string& v) { optimizer_bytes = per_parameter("--optimizer-bytes", v); },
+         "K in bytes per parameter, instead of --optimizer's");
+  option("--param-bytes", [&](const std::string& v) { param_bytes = per_parameter("--param-bytes", v); },
+         "B_p, instead of --precision's");
+  option("--grad-bytes", [&](const std::string& v) { grad_bytes = per_parameter("--grad-bytes", v); },
+         "B_g, instead of --precision's");
+  app.add_option("--peak", request.peak,
+                 "print a GPU's dense peak TFLOP/s for MFU (FitOptions::throughput), or every known one's with "
+                 "\"all\"; nothing else is needed then");
+  const auto check = [&] {
+    if (!request.peak.empty()) {
+      request.peak = peaks(request.peak);
+      return;
     }
-    if (const auto eq = flag.find('='); eq != std::string_view::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      throw usage_error(std::string(flag) + " needs a value");
-    }
-    if (flag == "--params") params = parameter_count(value);
-    else if (flag == "--ranks") ranks = whole("--ranks", value);
-    else if (flag == "--optimizer") optimizer = value;
-    else if (flag == "--precision") {
-      if (value == "fp32") precision = plan::fp32;
-      else if (value == "mixed") precision = plan::mixed;
-      else throw usage_error("--precision is fp32 or mixed, not \"" + std::string(value) + "\"");
-    } else if (flag == "--activations") activations = bytes("--activations", value);
-    else if (flag == "--buckets") buckets = whole("--buckets", value);
-    else if (flag == "--autocast") autocast_bytes = autocast_copy_bytes(value);
-    else if (flag == "--reduce") reduce_bytes = reduced_bytes(value);
-    else if (flag == "--gather") {
-      if (value == "bf16") gather_bytes = 2;
-      else if (value == "fp32") gather_bytes = 4;
-      else throw usage_error("--gather is bf16 or fp32, not \"" + std::string(value) + "\"");
-    }
-    else if (flag == "--bucket") bucket_bytes = bytes("--bucket", value);
-    else if (flag == "--unit") unit = parameter_count(value);
-    else if (flag == "--largest-param") largest = parameter_count(value);
-    else if (flag == "--prefetch") prefetch = whole("--prefetch", value);
-    else if (flag == "--optimizer-bytes") optimizer_bytes = per_parameter("--optimizer-bytes", value);
-    else if (flag == "--param-bytes") param_bytes = per_parameter("--param-bytes", value);
-    else if (flag == "--grad-bytes") grad_bytes = per_parameter("--grad-bytes", value);
-    else throw usage_error("unknown option " + std::string(flag));
+    if (!params) throw usage_error("--params is required (the parameter count, e.g. --params 7.5e9)");
+    if (!ranks) throw usage_error("--ranks is required (the data-parallel degree, e.g. --ranks 64)");
+    // paratrain's autocast keeps fp32 parameters and adds 2-byte copies; parameters held in
+    // 2 bytes already (ZeRO's mixed precision) are not copied.
+    const double b_p = param_bytes.value_or(precision.param_bytes);
+    if (gather_bytes && autocast_bytes == 0)
+      throw usage_error("--gather is the type ZeRO-3 gathers units in under autocast: give --autocast bf16 too");
+    // Precision::gather's default: autocast's type (Note [Gathers in the compute type]).
+    const double gather = autocast_bytes > 0 ? gather_bytes.value_or(2) : 0;
+    if (autocast_bytes > 0 && b_p <= 2)
+      throw usage_error("--autocast adds bf16 copies of fp32 parameters, and these are 2 bytes already (--precision "
+                        "mixed or --param-bytes): leave out --autocast, or keep fp32 parameters");
+    request.model = {.parameters = *params,
+                     .param_bytes = b_p,
+                     .grad_bytes = grad_bytes.value_or(precision.grad_bytes),
+                     .optimizer_bytes = optimizer_bytes ? *optimizer_bytes : plan::optimizer_bytes(optimizer, precision),
+                     .ranks = *ranks,
+                     .activation_bytes = activations,
+                     .buckets = buckets,
+                     .autocast_bytes = autocast_bytes,
+                     .reduce_bytes = reduce_bytes,
+                     .gather_bytes = gather,
+                     .narrow_parameters = gather > 0 && gather < b_p ? *params : 0,
+                     .bucket_elements = bucket_bytes / grad_bytes.value_or(precision.grad_bytes),
+                     .unit_elements = unit,
+                     .prefetch = prefetch,
+                     .largest_parameter = largest,
+                     .scratch_bytes = optimizer_bytes ? 0.0 : plan::scratch_bytes(optimizer)};
+  };
+  try {
+    app.parse(argc, argv);
+    check();
+    return std::nullopt;
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const usage_error& e) {
+    std::cerr << "paratrain_plan: " << e.what() << "\nRun with --help for more information.\n";
+    return 2;
   }
-  if (!params) throw usage_error("--params is required (the parameter count, e.g. --params 7.5e9)");
-  if (!ranks) throw usage_error("--ranks is required (the data-parallel degree, e.g. --ranks 64)");
-  // paratrain's autocast keeps fp32 parameters and adds 2-byte copies; parameters held in
-  // 2 bytes already (ZeRO's mixed precision) are not copied.
-  const double b_p = param_bytes.value_or(precision.param_bytes);
-  if (gather_bytes && autocast_bytes == 0)
-    throw usage_error("--gather is the type ZeRO-3 gathers units in under autocast: give --autocast bf16 too");
-  // Precision::gather's default: autocast's type (Note [Gathers in the compute type]).
-  const double gather = autocast_bytes > 0 ? gather_bytes.value_or(2) : 0;
-  if (autocast_bytes > 0 && b_p <= 2)
-    throw usage_error("--autocast adds bf16 copies of fp32 parameters, and these are 2 bytes already (--precision "
-                      "mixed or --param-bytes): leave out --autocast, or keep fp32 parameters");
-
-  return {.parameters = *params,
-          .param_bytes = b_p,
-          .grad_bytes = grad_bytes.value_or(precision.grad_bytes),
-          .optimizer_bytes = optimizer_bytes ? *optimizer_bytes : plan::optimizer_bytes(optimizer, precision),
-          .ranks = *ranks,
-          .activation_bytes = activations,
-          .buckets = buckets,
-          .autocast_bytes = autocast_bytes,
-          .reduce_bytes = reduce_bytes,
-          .gather_bytes = gather,
-          .narrow_parameters = gather > 0 && gather < b_p ? *params : 0,
-          .bucket_elements = bucket_bytes / grad_bytes.value_or(precision.grad_bytes),
-          .unit_elements = unit,
-          .prefetch = prefetch,
-          .largest_parameter = largest,
-          .scratch_bytes = optimizer_bytes ? 0.0 : plan::scratch_bytes(optimizer)};
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
-    std::cout << plan::format_table(parse(argc, argv));
+    Request request;
+    if (const auto status = parse(argc, argv, request)) return *status;
+    std::cout << (request.peak.empty() ? plan::format_table(request.model) : request.peak);
     return 0;
-  } catch (const usage_error& e) {
-    std::cerr << "paratrain_plan: " << e.what() << "\n\n" << usage;
   } catch (const paratrain::error& e) {
     std::cerr << e.what() << '\n';
   }
