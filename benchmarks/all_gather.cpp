@@ -12,16 +12,20 @@
 #include <cstdlib>
 #include <string>
 
+#include "cli.hpp"
 #include "driver.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
 
 int main(int argc, char** argv) {
   paratrain::comm::Mpi::Environment env(argc, argv);
-  // Arguments: [largest size in bytes] [segment size in bytes] [segment above bytes]
-  const std::size_t max_bytes = argc > 1 ? std::strtoull(argv[1], nullptr, 10) : std::size_t{256} << 20;
+  paratrain::bench::Sizes sizes;
+  CLI::App app("all_gather: comm::Mpi's against raw MPI's, message sizes doubling from 4 KiB");
+  sizes.add_to(app);
+  if (const auto status = paratrain::bench::parse(app, argc, argv)) return *status;
+  const std::size_t max_bytes = sizes.max_bytes;
   paratrain::comm::Mpi::Options options;
-  if (argc > 2) options.sharding_segment_bytes = std::strtoull(argv[2], nullptr, 10);
-  if (argc > 3) options.all_gather_segment_above_bytes = std::strtoull(argv[3], nullptr, 10);
+  if (sizes.segment_bytes) options.sharding_segment_bytes = *sizes.segment_bytes;
+  if (sizes.segment_above_bytes) options.all_gather_segment_above_bytes = *sizes.segment_above_bytes;
   paratrain::comm::Mpi world(options);
   const double n = world.size();
   for (const bool in_place : {false, true}) {

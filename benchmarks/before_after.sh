@@ -16,12 +16,12 @@ for ((r = 1; r <= rounds; ++r)); do
   for side in before after; do
     tree=${!side}
     cd "$tree"
-    scripts/mpirun.sh 2 build-bench/benchmarks/bench_ddp_vs_torch 200 2>/dev/null | grep steps_per_s | jq -r .steps_per_s >> "$out/ddp.$side"
+    scripts/mpirun.sh 2 build-bench/benchmarks/bench_ddp_vs_torch --steps 200 2>/dev/null | grep steps_per_s | jq -r .steps_per_s >> "$out/ddp.$side"
     for s in zero1 zero3; do
-      scripts/mpirun.sh 2 build-bench/benchmarks/bench_zero $s 4 15 2>/dev/null | grep steps_per_s | jq -r .steps_per_s >> "$out/$s.$side"
+      scripts/mpirun.sh 2 build-bench/benchmarks/bench_zero --strategy $s --layers 4 --steps 15 2>/dev/null | grep steps_per_s | jq -r .steps_per_s >> "$out/$s.$side"
     done
     # pipeline: the mean step time (ms) of 1F1B and ZB-H1 at M = 8 (columns: schedule, M, ..., step ms)
-    scripts/mpirun.sh 2 build-bench/benchmarks/bench_pipeline 1024 4 64 7 2>/dev/null |
+    scripts/mpirun.sh 2 build-bench/benchmarks/bench_pipeline --width 1024 --layers 4 --micro 64 --steps 7 2>/dev/null |
       awk -F'|' '$3+0 == 8 && ($2 ~ /1F1B|1f1b|ZB|zb/) && $2 !~ /nterleaved/ {s += $10; n++} END {print s / n}' >> "$out/pipeline_ms.$side"
   done
   echo "round $r done" >&2

@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cli.hpp"
 #include "driver.hpp"
 #include "paratrain/checkpoint/checkpoint.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
@@ -129,12 +130,14 @@ int run(std::string_view name, int layers, const fs::path& dir) {
 int main(int argc, char** argv) {
   paratrain::comm::Mpi::Environment env(argc, argv);
   torch::set_num_threads(1);
-  const std::string_view strategy = argc > 1 ? argv[1] : "ddp";
-  const int layers = argc > 2 ? std::atoi(argv[2]) : 4;
-  const fs::path dir = argc > 3 ? argv[3] : "bench_checkpoint.tmp";
+  std::string strategy = "ddp", dir = "bench_checkpoint.tmp";
+  int layers = 4;
+  CLI::App app("bench_checkpoint: saving and loading a wide MLP's checkpoint, synchronously and in the background");
+  app.add_option("--strategy", strategy, "ddp or zero3")->check(CLI::IsMember({"ddp", "zero3"}))->capture_default_str();
+  app.add_option("--layers", layers, "wide layers of the MLP (wide_mlp.hpp)")->check(CLI::Range(1, 4096))->capture_default_str();
+  app.add_option("--dir", dir, "where the checkpoints are written (removed after)")->capture_default_str();
+  if (const auto status = paratrain::bench::parse(app, argc, argv)) return *status;
   using Adam = torch::optim::Adam;
   if (strategy == "ddp") return run<Adam>(strategy, layers, dir);
-  if (strategy == "zero3") return run<paratrain::Sharded<Adam, paratrain::zero::stage3>>(strategy, layers, dir);
-  std::fprintf(stderr, "usage: bench_checkpoint <ddp|zero3> [layers] [dir]\n");
-  return 2;
+  return run<paratrain::Sharded<Adam, paratrain::zero::stage3>>(strategy, layers, dir);
 }

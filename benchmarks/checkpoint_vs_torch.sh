@@ -18,7 +18,7 @@ for layers in 4 12; do
   $python benchmarks/checkpoint_vs_torch.py "$layers" "$dir" >>"$out"
   for ranks in 1 2; do
     for strategy in ddp zero3; do
-      scripts/mpirun.sh "$ranks" "$build/benchmarks/bench_checkpoint" "$strategy" "$layers" "$dir" >>"$out"
+      scripts/mpirun.sh "$ranks" "$build/benchmarks/bench_checkpoint" --strategy "$strategy" --layers "$layers" --dir "$dir" >>"$out"
     done
   done
 done

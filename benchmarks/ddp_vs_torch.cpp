@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "cli.hpp"
 #include "driver.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
@@ -54,12 +55,22 @@ struct Data {
 int main(int argc, char** argv) {
   paratrain::comm::Mpi::Environment env(argc, argv);
   torch::set_num_threads(1);
-  const int steps = argc > 1 ? std::atoi(argv[1]) : 200;   // timed steps per candidate
-  const int trials = argc > 2 ? std::atoi(argv[2]) : 5;    // steps are split into this many trials
-  const int warmup = argc > 3 ? std::atoi(argv[3]) : 20;
+  int steps = 200, trials = 5, warmup = 20;
   paratrain::DataParallelOptions options;
-  if (argc > 4) options.bucket_cap_bytes = std::strtoull(argv[4], nullptr, 10);
-  if (argc > 5) options.first_bucket_cap_bytes = std::strtoull(argv[5], nullptr, 10);
+  CLI::App app("bench_ddp_vs_torch: paratrain's DDP step against a hand-written LibTorch loop with one all-reduce");
+  app.add_option("--steps", steps, "timed steps per candidate")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  app.add_option("--trials", trials, "the steps are split into this many alternating trials")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  app.add_option("--warmup", warmup, "steps before the timed ones")->check(CLI::Range(0, 1 << 20))->capture_default_str();
+  app.add_option("--bucket-cap-bytes", options.bucket_cap_bytes, "DataParallelOptions::bucket_cap_bytes")
+      ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 40))
+      ->capture_default_str();
+  app.add_option("--first-bucket-cap-bytes", options.first_bucket_cap_bytes,
+                 "DataParallelOptions::first_bucket_cap_bytes")
+      ->check(CLI::Range(std::size_t{0}, std::size_t{1} << 40))
+      ->capture_default_str();
+  if (const auto status = paratrain::bench::parse(app, argc, argv)) return *status;
 
   paratrain::comm::Mpi world;
   torch::manual_seed(1 + world.rank());

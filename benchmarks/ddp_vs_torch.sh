@@ -37,9 +37,9 @@ echo "Command: $command" >&2
 for ((round = 1; round <= rounds; ++round)); do
   echo "-- round $round of $rounds" >&2
   run_clean "$python" benchmarks/ddp_vs_torch.py --ranks 1 --steps "$steps" --bind
-  run_clean scripts/mpirun.sh 1 "$bench" "$steps"
+  run_clean scripts/mpirun.sh 1 "$bench" --steps "$steps"
   run_clean "$python" benchmarks/ddp_vs_torch.py --ranks 2 --steps "$steps" --bind
-  run_clean scripts/mpirun.sh 2 "$bench" "$steps"
+  run_clean scripts/mpirun.sh 2 "$bench" --steps "$steps"
 done
 
 # The table: medians over rounds; efficiency = steps/s at 2 ranks / steps/s at 1 rank

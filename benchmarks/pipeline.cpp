@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli.hpp"
 #include "driver.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/pipeline/schedule.hpp"
@@ -184,10 +185,12 @@ int main(int argc, char** argv) {
   paratrain::comm::Mpi::Environment env(argc, argv);
   torch::set_num_threads(1);
   Shape shape;
-  if (argc > 1) shape.width = std::atoll(argv[1]);
-  if (argc > 2) shape.layers = std::atoi(argv[2]);
-  if (argc > 3) shape.micro = std::atoll(argv[3]);
-  if (argc > 4) shape.steps = std::atoi(argv[4]);
+  CLI::App app("bench_pipeline: each schedule's bubble on 2 ranks against theory, and activation memory");
+  app.add_option("--width", shape.width, "the layers' width")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20))->capture_default_str();
+  app.add_option("--layers", shape.layers, "layers L per stage (the MLP has 2L; even: interleaved 1F1B cuts L / 2)")->check(CLI::Range(2, 4096))->capture_default_str();
+  app.add_option("--micro", shape.micro, "samples per micro-batch")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20))->capture_default_str();
+  app.add_option("--steps", shape.steps, "timed steps")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+  if (const auto status = paratrain::bench::parse(app, argc, argv)) return *status;
   paratrain::comm::Mpi world;
   if (world.size() != 2 || shape.layers % 2 != 0) {
     if (world.rank() == 0) std::fprintf(stderr, "bench_pipeline runs on 2 ranks, with an even L\n");

@@ -20,15 +20,27 @@
 #include "paratrain/strategy/plan.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"
+#include "cli.hpp"
 #include "timing.hpp"
 #include "wide_mlp.hpp"
 
 namespace paratrain::bench {
 
 struct ZeroRun {
-  std::string_view strategy;  // ddp, zero1, zero2 or zero3
+  std::string strategy = "ddp";  // ddp, zero1, zero2 or zero3
   int layers = 4, steps = 30, warmup = 3;
   bool bf16 = false;  // forward under bf16 autocast (and ZeRO-3's gathers: Note [Gathers in the compute type])
+
+  /// Its options (bench_zero's and bench_zero_rendezvous's).
+  void add_to(CLI::App& app) {
+    app.add_option("--strategy", strategy, "ddp, zero1, zero2 or zero3")
+        ->check(CLI::IsMember({"ddp", "zero1", "zero2", "zero3"}))
+        ->capture_default_str();
+    app.add_option("--layers", layers, "wide layers of the MLP (wide_mlp.hpp)")->check(CLI::Range(1, 4096))->capture_default_str();
+    app.add_option("--steps", steps, "timed steps")->check(CLI::Range(1, 1 << 20))->capture_default_str();
+    app.add_option("--warmup", warmup, "steps before the timed ones")->check(CLI::Range(0, 1 << 20))->capture_default_str();
+    app.add_flag("--bf16", bf16, "forward under bf16 autocast (and ZeRO-3's units gathered in bf16)");
+  }
 };
 
 /// This process's peak resident set, MiB.

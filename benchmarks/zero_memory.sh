@@ -29,8 +29,10 @@ trap 'rm -rf "$tmp"' EXIT
 for layers in $sizes; do
   for ranks in $worlds; do
     for strategy in ddp zero1 zero2 zero3; do
-      echo "\$ scripts/mpirun.sh $ranks $bench $strategy $layers $steps 1 $precision" >&2
-      scripts/mpirun.sh "$ranks" "$bench" $strategy "$layers" "$steps" 1 "$precision" | tee -a "$tmp/results" >&2
+      flags=(--strategy "$strategy" --layers "$layers" --steps "$steps" --warmup 1)
+      [[ $precision == bf16 ]] && flags+=(--bf16)
+      echo "\$ scripts/mpirun.sh $ranks $bench ${flags[*]}" >&2
+      scripts/mpirun.sh "$ranks" "$bench" "${flags[@]}" | tee -a "$tmp/results" >&2
     done
   done
 done

@@ -30,8 +30,9 @@ for layers in $sizes; do
   for ((round = 1; round <= rounds; ++round)); do
     for strategy in ddp zero1 zero2 zero3; do
       for progress in 0 "$interval"; do
-        echo "\$ PARATRAIN_MPI_PROGRESS_US=$progress scripts/mpirun.sh $ranks $bench $strategy $layers $steps 3" >&2
-        PARATRAIN_MPI_PROGRESS_US=$progress scripts/mpirun.sh "$ranks" "$bench" $strategy "$layers" "$steps" 3 |
+        echo "\$ PARATRAIN_MPI_PROGRESS_US=$progress scripts/mpirun.sh $ranks $bench --strategy $strategy --layers $layers --steps $steps --warmup 3" >&2
+        PARATRAIN_MPI_PROGRESS_US=$progress scripts/mpirun.sh "$ranks" "$bench" --strategy "$strategy" --layers "$layers" \
+          --steps "$steps" --warmup 3 |
           jq -c --argjson p "$progress" '. + {progress_us: $p}' | tee -a "$tmp/results" >&2
       done
     done

@@ -66,16 +66,15 @@ int measure(Comm world, const torch::Device& device, const paratrain::bench::Zer
 }  // namespace
 
 int main(int argc, char** argv) try {
-  const std::string_view usage =
-      "usage: bench_zero_rendezvous <cpu|cuda> <ddp|zero1|zero2|zero3> [layers] [steps] [warmup]\n";
-  if (argc < 3 || (std::string_view(argv[1]) != "cpu" && std::string_view(argv[1]) != "cuda"))
-    return std::fputs(usage.data(), stderr), 2;
+  paratrain::bench::ZeroRun run;
+  std::string where = "cpu";
+  CLI::App app("bench_zero_rendezvous: DDP and ZeRO 1-3 over comm::Gloo (--device cpu) or comm::Nccl (cuda), ranks "
+               "met through a store (torchrun's variables)");
+  app.add_option("--device", where, "cpu (Gloo) or cuda (NCCL)")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
+  run.add_to(app);
+  if (const auto status = paratrain::bench::parse(app, argc, argv)) return *status;
   torch::set_num_threads(1);
-  const paratrain::bench::ZeroRun run{.strategy = argv[2],
-                                      .layers = argc > 3 ? std::atoi(argv[3]) : 4,
-                                      .steps = argc > 4 ? std::atoi(argv[4]) : 30,
-                                      .warmup = argc > 5 ? std::atoi(argv[5]) : 3};
-  const auto device = paratrain::local_device(argv[1]);
+  const auto device = paratrain::local_device(where);
   int rc = 2;
   if (device.is_cuda()) {
 #if PARATRAIN_HAS_NCCL
@@ -87,7 +86,6 @@ int main(int argc, char** argv) try {
   } else {
     rc = measure(paratrain::comm::Gloo(), device, run, "gloo");
   }
-  if (rc == 2) std::fputs(usage.data(), stderr);
   return rc;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "bench_zero_rendezvous: %s\n", e.what());

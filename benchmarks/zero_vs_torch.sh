@@ -44,7 +44,7 @@ for ((round = 1; round <= rounds; ++round)); do
       record tuned env "${tuned[@]}" "$python" benchmarks/zero_vs_torch.py --mode $mode --layers "$layers" --steps "$steps"
     done
     for strategy in ddp zero1 zero2 zero3; do
-      record defaults scripts/mpirun.sh 2 "$bench" $strategy "$layers" "$steps"
+      record defaults scripts/mpirun.sh 2 "$bench" --strategy "$strategy" --layers "$layers" --steps "$steps"
     done
   done
 done

@@ -205,8 +205,8 @@ if ((gpus > 0)) && grep -q 'paratrain::nccl with' "$out/configure.log"; then
   for layers in 4 12; do
     for strategy in ddp zero1 zero2 zero3; do
       log=$out/zero_${strategy}_$layers
-      tests/launch/torchrun_style.sh --timeout 900 "$gpus" "$build/benchmarks/bench_zero_rendezvous" cuda \
-        "$strategy" "$layers" "$steps" >"$log.paratrain.log" 2>&1 || failed=1
+      tests/launch/torchrun_style.sh --timeout 900 "$gpus" "$build/benchmarks/bench_zero_rendezvous" --device cuda \
+        --strategy "$strategy" --layers "$layers" --steps "$steps" >"$log.paratrain.log" 2>&1 || failed=1
       case $strategy in ddp | zero1) peer=$strategy ;; zero3) peer=fsdp ;; *) peer="" ;; esac
       t=""
       if [[ -n $peer ]]; then
