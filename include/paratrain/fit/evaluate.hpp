@@ -121,7 +121,7 @@ Evaluation evaluate(S& s, const data::DatasetRef& set, const EvaluateOptions& op
   }
   // The metrics' sums go in the loss's all-reduce; a rank that evaluated nothing learns
   // their lengths first (it never called sums()).
-  auto lengths = at::zeros({static_cast<std::int64_t>(metric_sums.size()) + 1}, at::kDouble);
+  auto lengths = at::zeros({static_cast<std::int64_t>(metric_sums.size())}, at::kDouble);
   for (std::size_t m = 0; m < metric_sums.size(); ++m)
     if (metric_sums[m].defined()) lengths[static_cast<std::int64_t>(m)] = double(metric_sums[m].numel());
   if (!metric_sums.empty()) s.all_reduce(lengths, reduce_op::max);
