@@ -19,7 +19,8 @@ struct StepResult {
   /// out of the mean rather than counting it as 0.
   bool has_loss = true;
   /// The optimizer step was skipped on every rank: the averaged gradients held NaN or Inf
-  /// and DataParallelOptions::nonfinite_gradients is NonFinite::skip.
+  /// and DataParallelOptions::nonfinite_gradients is NonFinite::skip, or loss scaling is on
+  /// (Note [Loss scaling]: its scale backs off then).
   bool skipped = false;
 };
 
