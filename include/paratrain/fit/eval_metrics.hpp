@@ -151,7 +151,7 @@ struct MeanAbsoluteError {
   std::string extra{};
   [[nodiscard]] std::string name() const { return "mae"; }
   [[nodiscard]] at::Tensor sums(std::span<const at::Tensor> outputs, const Batch& b) const {
-    const auto& out = detail::output(outputs, output, name());
+    const at::Tensor out = detail::output(outputs, output, name());  // a handle: no reference into a temporary
     const auto it = b.extra.find(extra);
     if (!extra.empty() && it == b.extra.end())
       throw error("metric " + name(), -1, "reads the batch's extra tensor '" + extra + "', which the batch has not");
@@ -171,7 +171,7 @@ struct Perplexity {
   int output = 0;
   [[nodiscard]] std::string name() const { return "perplexity"; }
   [[nodiscard]] at::Tensor sums(std::span<const at::Tensor> outputs, const Batch& b) const {
-    const auto& scores = detail::output(outputs, output, name());
+    const at::Tensor scores = detail::output(outputs, output, name());
     detail::check_scores(scores, b.target, name());
     const auto logits = scores.reshape({-1, scores.size(-1)}).to(at::kDouble);
     const auto target = b.target.reshape({-1});
