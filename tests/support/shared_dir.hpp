@@ -24,4 +24,10 @@ inline std::filesystem::path shared_dir(paratrain::comm::Mpi& c, const std::stri
   return dir;
 }
 
+/// Removes a shared_dir once every rank is done with it; collective over `c`.
+inline void remove_shared_dir(paratrain::comm::Mpi& c, const std::filesystem::path& dir) {
+  c.barrier();
+  if (c.rank() == 0) std::filesystem::remove_all(dir);
+}
+
 }  // namespace paratrain_test

@@ -595,8 +595,7 @@ TEST_CASE("a time limit saves a checkpoint and returns; the next run resumes to 
   auto net = make_net();
   paratrain_test::fit_reference::train(net, train, world, 2, 5, 3, sgd, torch::kCPU);
   CHECK(max_relative_difference(parameters_of(third.model()), parameters_of(net)) <= 1e-5);
-  c.barrier();
-  if (c.rank() == 0) std::filesystem::remove_all(dir);
+  paratrain_test::remove_shared_dir(c, dir);
 }
 
 TEST_CASE("checkpoint.best keeps the checkpoint of the best epoch by the monitored value") {
@@ -620,8 +619,7 @@ TEST_CASE("checkpoint.best keeps the checkpoint of the best epoch by the monitor
   Ddp loaded(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.05));
   paratrain::checkpoint::load(loaded, *best);
   CHECK(max_relative_difference(parameters_of(loaded.model()), after_epoch.at(3)) == 0);
-  c.barrier();
-  if (c.rank() == 0) std::filesystem::remove_all(dir);
+  paratrain_test::remove_shared_dir(c, dir);
 }
 
 // ---- learning-rate schedules -------------------------------------------------------
@@ -700,8 +698,7 @@ TEST_CASE("fit sets warm-up + cosine per step, with the linear scaling rule, and
   first.lr.insert(first.lr.end(), second.lr.begin(), second.lr.end());
   CHECK(first.lr == whole.lr);
   CHECK(max_relative_difference(parameters_of(b.model()), parameters_of(s.model())) == 0);
-  c.barrier();
-  if (c.rank() == 0) std::filesystem::remove_all(dir);
+  paratrain_test::remove_shared_dir(c, dir);
 }
 
 TEST_CASE("reduce-on-plateau cuts the rate after `patience` epochs without improvement, also across a resume") {
@@ -742,8 +739,7 @@ TEST_CASE("reduce-on-plateau cuts the rate after `patience` epochs without impro
   lrs.insert(lrs.end(), rest.begin(), rest.end());
   REQUIRE(lrs.size() == want.size());
   for (std::size_t e = 0; e < want.size(); ++e) CHECK(lrs[e] == doctest::Approx(0.1 * want[e]));
-  c.barrier();
-  if (c.rank() == 0) std::filesystem::remove_all(dir);
+  paratrain_test::remove_shared_dir(c, dir);
 }
 
 TEST_CASE("LibTorch's own schedulers step the rates from a callback while fit's are off") {
@@ -919,8 +915,7 @@ TEST_CASE("an overflow on one pipeline stage skips the step on every stage; fit 
   Ddp b(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.01), {.precision = precision});
   const auto done = paratrain::fit(b, train, options);
   CHECK(b.loss_scaler().scale() == 2.0 * std::pow(2.0, double(done.steps)));
-  c.barrier();
-  if (c.rank() == 0) std::filesystem::remove_all(dir);
+  paratrain_test::remove_shared_dir(c, dir);
 }
 
 // ---- a loop of your own: two models, two optimizers (GAN-style) ---------------------
