@@ -28,6 +28,7 @@
 
 #include "paratrain/data/batches.hpp"
 #include "paratrain/data/dataset_ref.hpp"
+#include "paratrain/data/deterministic_sampler.hpp"
 #include "paratrain/data/distributed_sampler.hpp"
 #include "paratrain/data/exact_sampler.hpp"
 #include "paratrain/data/idx_dataset.hpp"
@@ -41,6 +42,7 @@
 
 #include "paratrain/strategy/bucket_layout.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/deterministic.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
 #include "paratrain/strategy/local_data_parallel.hpp"
 #include "paratrain/strategy/optimizer_state.hpp"

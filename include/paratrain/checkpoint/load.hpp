@@ -211,6 +211,8 @@ Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
   detail::agree(s, "checkpoint::load", err);
   detail::commit(staged, s.optimizer());
   s.loaded();
+  // Deterministic mode keys random draws on the steps taken: Note [Deterministic training].
+  if constexpr (requires { s.set_step_count(out.step); }) s.set_step_count(out.step);
   return out;
 }
 

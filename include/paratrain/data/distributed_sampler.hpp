@@ -2,10 +2,7 @@
 /// \file
 /// paratrain::data::DistributedSampler — PyTorch's DistributedSampler, index for index.
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/randperm.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -16,6 +13,7 @@
 
 #include "paratrain/data/sampler_options.hpp"
 #include "paratrain/data/detail/deal.hpp"
+#include "paratrain/data/detail/epoch_order.hpp"
 #include "paratrain/data/detail/shard_checks.hpp"
 #include "paratrain/core/error.hpp"
 
@@ -97,20 +95,7 @@ class DistributedSampler {
 
   // The whole epoch's order, before padding or truncation.
   [[nodiscard]] std::vector<std::int64_t> epoch_order() const {
-    std::vector<std::int64_t> order(static_cast<std::size_t>(dataset_size_));
-    if (!options_.shuffle) {
-      std::iota(order.begin(), order.end(), std::int64_t{0});
-      return order;
-    }
-    // Python's Generator.manual_seed(seed + epoch) keeps the sum modulo 2^64, which is
-    // what unsigned arithmetic does; the CPU generator and randperm kernel are the ones
-    // Python calls, so the permutation is the same.
-    const auto generator = at::make_generator<at::CPUGeneratorImpl>(
-        options_.seed + static_cast<std::uint64_t>(epoch_));
-    const auto permutation = at::randperm(dataset_size_, generator, at::kLong);
-    const auto* data = permutation.data_ptr<std::int64_t>();
-    std::copy(data, data + dataset_size_, order.begin());
-    return order;
+    return detail::epoch_order(dataset_size_, options_.shuffle, options_.seed, epoch_);
   }
 
   std::int64_t dataset_size_;

@@ -33,6 +33,7 @@
 #include "paratrain/core/error.hpp"
 #include "paratrain/core/timeline.hpp"
 #include "paratrain/strategy/bucket_layout.hpp"
+#include "paratrain/strategy/deterministic.hpp"
 #include "paratrain/strategy/gradient_buckets.hpp"
 #include "paratrain/strategy/memory_check.hpp"
 #include "paratrain/strategy/parameter_store.hpp"
@@ -93,6 +94,10 @@ struct DataParallelOptions {
   /// Check at construction that paratrain::plan::peak fits the memory this process may
   /// still use (Note [Checking the plan]); off by default.
   MemoryCheck memory{};
+  /// The same bits at every world size and stage: each global batch cut into this many
+  /// virtual shards, their gradients summed in shard order (Note [Deterministic training]).
+  /// Off by default; `{.shards = 12}` covers 1-4 ranks.
+  Deterministic deterministic{};
 };
 
 template <class Model, class Comm, class Update>
@@ -231,6 +236,10 @@ class DataParallel {
   template <loss_for<output_type> Loss>
   StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
     if (micro_batches.empty()) return join(has_next);
+    if (options_.deterministic.on()) {
+      if (micro_batches.size() != 1) refuse_in_deterministic_mode("DataParallel::step", "micro-batches");
+      return step(micro_batches.front(), loss, has_next);
+    }
     std::string problem;
     for (std::size_t i = 0; i < micro_batches.size() && problem.empty(); ++i)
       problem = detail::batch_problem(micro_batches[i]);
@@ -259,6 +268,7 @@ class DataParallel {
   /// error on every rank, named by the rank that has it (Note [Unusable batches]).
   template <loss_for<output_type> Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
+    if (options_.deterministic.on()) return step_deterministic(batch, loss, has_next);
     agree_before_forward(detail::batch_problem(batch));
     return step_agreed(batch, loss, has_next);
   }
@@ -270,6 +280,7 @@ class DataParallel {
   /// stage 3 its micro-batches through step(span), which checks them all first).
   template <loss_for<output_type> Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
+    if (options_.deterministic.on()) refuse_in_deterministic_mode("DataParallel::accumulate", "accumulate()");
     if (!accumulating_) new_step();
     accumulating_ = true;
     if (auto problem = detail::batch_problem(batch); !problem.empty()) {
@@ -286,6 +297,10 @@ class DataParallel {
   /// For a rank that has no batch this step while others do: takes part in their
   /// collectives with no samples, and applies the same update, so replicas stay equal.
   StepResult join(bool has_next = false) {
+    if (options_.deterministic.on()) {  // every shard has samples: a rank without any is an error everywhere
+      static_cast<void>(agree_on_shards(0, {}));
+      throw error("DataParallel::join", rank(), "deterministic mode gives every rank samples in every step");
+    }
     agree_before_forward({});
     begin_step();
     grads_->prepare(/*sync=*/true);
@@ -308,7 +323,10 @@ class DataParallel {
     norm_elsewhere_ = std::move(reduce);
   }
   /// Note [Steps driven from outside]: before the step's first forward.
-  void begin_external_step(PipelineDriver) { begin_step(); }
+  void begin_external_step(PipelineDriver) {
+    if (options_.deterministic.on()) refuse_in_deterministic_mode("Pipeline", "a pipeline's steps");
+    begin_step();
+  }
   /// Note [Steps driven from outside]: before each backward pass over model()'s parameters.
   void before_backward(PipelineDriver, bool last) { grads_->prepare(/*sync=*/last); }
   /// Note [Steps driven from outside]: after the last backward; `samples` were this rank's.
@@ -412,6 +430,11 @@ class DataParallel {
   /// After a checkpoint was loaded into checkpoint_layout()'s slices: nothing derives
   /// from them here (every rank loaded its own). Collective, by the concept.
   void loaded() noexcept {}
+  /// The optimizer steps taken (or skipped) so far; deterministic mode keys each shard's
+  /// random draws on it (deterministic::shard_seed). checkpoint::load sets it to the
+  /// checkpoint's step, so that a resumed run draws what the uninterrupted one drew.
+  [[nodiscard]] std::int64_t step_count() const noexcept { return steps_; }
+  void set_step_count(std::int64_t steps) noexcept { steps_ = steps; }
 
   /// Reports each step's phases and each bucket's all-reduce into `timeline` (fit's
   /// trace does this); null, the default, times nothing. Note [Zero-cost timeline].
@@ -482,6 +505,7 @@ class DataParallel {
     if (const auto scaling = detail::loss_scaling(options.precision)) scaler_ = LossScaler(*scaling);
     detail::check_model_device(comm_, device_, "DataParallel");
     detail::check_same_model(*this, *model_, "DataParallel");  // Note [Same model]
+    check_deterministic(options);
     // Replicas start from rank 0's values; what units built sharded hold, no rank has
     // whole: their ranks checked instead that they drew the same (Note [Sharded construction]).
     const auto sharded = detail::sharded_at_construction(*model_);
@@ -513,6 +537,91 @@ class DataParallel {
     grads_ = std::make_unique<Grads>(store_->layout(), comm_, options.find_unused_parameters,
                                      [s = store_.get()](std::size_t b) { s->on_gradients_complete(b); },
                                      options.precision.reduce, &store_->group(), store_->replicas());
+  }
+
+  /// Note [Deterministic training]: every rank checks alike, turns on LibTorch's
+  /// deterministic algorithms, or every rank throws the first rank's reason.
+  void check_deterministic(const Options& options) {
+    std::string buffer;
+    for (const auto& b : model_->named_buffers()) {
+      buffer = b.key();
+      break;
+    }
+    auto problem = detail::deterministic_problem<optimizer_type>(
+        options.deterministic, comm_.size(), device_, buffer, options.precision.reduce.has_value(),
+        sharding_communicator<Comm>);
+    if (options.deterministic.on() && problem.empty()) {
+      try {
+        at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+      } catch (const std::exception& e) {
+        problem = detail::message_of(e);
+      }
+    }
+    if (options.deterministic.shards != 0) detail::agree(*this, "DataParallel", problem);
+  }
+
+  [[noreturn]] void refuse_in_deterministic_mode(const char* operation, const char* what) const {
+    throw error(operation, comm_.rank(),
+                std::string("deterministic mode computes one batch per step in its virtual shards; ") + what +
+                    " would cut it otherwise: give step() each step's whole batch (Note [Deterministic training])");
+  }
+
+  /// Note [Deterministic training]: this rank's shards of the global batch, round by round,
+  /// each gradient gathered and summed in shard order; then the step as always.
+  /// Every rank's sample count and whether its batch is usable (`problem`), in one
+  /// all-reduce of integers (exact in any order): the global batch's shard plan, known and
+  /// checked alike on every rank, which all throw when one rank's samples do not fit it.
+  deterministic::ShardPlan agree_on_shards(std::int64_t samples, const std::string& problem) {
+    const int ranks = comm_.size(), me = comm_.rank();
+    const auto shards = options_.deterministic.shards;
+    auto counts = at::zeros({ranks + 1}, at::kDouble);
+    counts[me] = static_cast<double>(samples);
+    counts[ranks] = problem.empty() ? 0.0 : 1.0;
+    detail::all_reduce_on(comm_, counts, device_, reduce_op::sum);
+    const auto c = counts.cpu();
+    if (c[ranks].item<double>() > 0) detail::raise_everywhere(*this, "DataParallel::step", problem);
+    std::int64_t total = 0;
+    for (int r = 0; r < ranks; ++r) total += static_cast<std::int64_t>(c[r].item<double>());
+    const deterministic::ShardPlan plan(total, shards);
+    std::string mismatch;
+    for (int r = 0; r < ranks && mismatch.empty(); ++r) {
+      const auto got = static_cast<std::int64_t>(c[r].item<double>()), want = plan.rank_samples(r, ranks);
+      if (total < shards)
+        mismatch = "a global batch of " + std::to_string(total) + " samples cannot fill " + std::to_string(shards) +
+                   " virtual shards (DataParallelOptions::deterministic.shards): each needs at least one";
+      else if (got != want)
+        mismatch = "rank " + std::to_string(r) + " was given " + std::to_string(got) + " samples, but its shards of " +
+                   "the global batch of " + std::to_string(total) + " hold " + std::to_string(want) +
+                   " (shards " + std::to_string(r) + ", " + std::to_string(r + ranks) + ", ... of " +
+                   std::to_string(shards) + "); feed the steps from data::DeterministicSampler";
+    }
+    if (!mismatch.empty()) throw error("DataParallel::step", me, mismatch);
+    return plan;
+  }
+
+  template <class Loss>
+  StepResult step_deterministic(const Batch& batch, Loss& loss, bool has_next) {
+    const int ranks = comm_.size(), me = comm_.rank();
+    const auto shards = options_.deterministic.shards;
+    const auto plan = agree_on_shards(batch.size(), detail::batch_problem(batch));
+    begin_step();
+    double loss_sum = 0;
+    std::int64_t offset = 0;
+    for (std::int64_t round = 0; round < shards / ranks; ++round) {
+      const auto k = round * ranks + me;
+      const auto n = plan.size(k);
+      grads_->prepare(/*sync=*/false);
+      {
+        const detail::ShardRandomness rng(device_, deterministic::shard_seed(options_.deterministic.seed, steps_, k));
+        loss_sum += forward_backward(batch.narrow(offset, n), loss) * static_cast<double>(n);
+      }
+      offset += n;
+      if constexpr (sharding_communicator<Comm>)
+        grads_->add_round(/*first=*/round == 0, /*whole=*/options_.max_grad_norm > 0);
+    }
+    grads_->end_rounds();
+    const auto local = batch.size();
+    return end_step(local, local > 0 ? loss_sum / static_cast<double>(local) : 0.0, has_next, /*joined=*/false);
   }
 
   template <class Loss>

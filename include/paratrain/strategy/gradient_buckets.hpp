@@ -236,6 +236,7 @@ class GradientBuckets {
   void prepare(bool sync) {
     sync_ = sync;
     if (sync) sent_bytes_ = 0;
+    ordered_step_ = false;
     next_launch_ = 0;
     for (std::size_t b = 0; b < buckets_.size(); ++b)
       buckets_[b].pending = static_cast<int>(layout_->buckets()[b].params.size());
@@ -288,8 +289,68 @@ class GradientBuckets {
                                " other rank(s) found a parameter without gradient (see their message); enable "
                                "DataParallel::Options::find_unused_parameters if that is expected");
     if (status.samples > 0)
-      for (auto& b : buckets_) reduced(b).div_(status.samples * loss_scale);
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        reduced(buckets_[b]).div_(status.samples * loss_scale);
+        // Deterministic clipping's norm reads the whole sums: Note [Deterministic training].
+        if (shards && ordered_step_ && ordered_whole_) ordered_[b].div_(status.samples * loss_scale);
+      }
     return status;
+  }
+
+  /// Deterministic mode (Note [Deterministic training]), after the backward of this rank's
+  /// shard of a round (prepare(false) before it): gathers every rank's shard of the round,
+  /// bucket by bucket, adds the W gradients to the step's sums in rank order (the shards'
+  /// order), and zeroes the buckets for the next round's backward. `first`: the step's first
+  /// round. `whole`: keep whole sums also when sharded (deterministic clipping reads them).
+  /// Collective over the world (comm).
+  void add_round(bool first, bool whole)
+    requires sharding_communicator<Comm>
+  {
+    const auto ranks = comm_->size();
+    ordered_whole_ = whole || !shards;
+    ordered_.resize(buckets_.size());
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      allocate(b);  // zeros, where no gradient of the bucket arrived
+      auto& bucket = buckets_[b];
+      const auto n = bucket.grad.numel();
+      if (!gathered_.defined() || gathered_.numel() < n * ranks || gathered_.dtype() != bucket.grad.dtype() ||
+          gathered_.device() != bucket.grad.device())
+        gathered_ = at::empty({n * ranks}, bucket.grad.options());
+      auto all = gathered_.narrow(0, 0, n * ranks);
+      comm_->all_gather(bucket.grad, all);
+      sent_bytes_ += n * static_cast<std::int64_t>(bucket.grad.element_size());
+      auto rows = all.view({ranks, n});
+      if (!ordered_whole_) {  // this rank's shard of the sums only (Note [Shard layout])
+        const auto m = layout_->shard_numel(b);
+        rows = rows.narrow(1, group_->rank() * m, m);
+      }
+      auto& sum = ordered_[b];
+      for (int r = 0; r < ranks; ++r) {
+        if (first && r == 0) {
+          if (!sum.defined() || sum.numel() != rows.size(1)) sum = at::empty({rows.size(1)}, rows.options());
+          sum.copy_(rows[0]);
+        } else {
+          sum.add_(rows[r]);
+        }
+      }
+      c10::NoGradGuard no_grad;
+      bucket.grad.zero_();
+    }
+  }
+
+  /// Deterministic mode, after the last round: the ordered sums become the step's
+  /// gradients (the buckets, or this rank's shards), which finish() then averages.
+  void end_rounds() {
+    c10::NoGradGuard no_grad;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      if constexpr (shards) {
+        const auto m = layout_->shard_numel(b);
+        buckets_[b].shard.copy_(ordered_whole_ ? ordered_[b].narrow(0, group_->rank() * m, m) : ordered_[b]);
+      } else {
+        buckets_[b].grad.copy_(ordered_[b]);
+      }
+    }
+    ordered_step_ = true;
   }
 
   /// What Totals adds up over every gradient element.
@@ -305,6 +366,7 @@ class GradientBuckets {
   /// one synchronisation, not one a bucket or a use. Collective when sharded, and over
   /// `also`'s ranks.
   Totals totals(bool squares, bool nonfinite, const std::function<void(at::Tensor&)>& also = {}) {
+    if (ordered_step_ && ordered_whole_ && !also) return ordered_totals(squares, nonfinite);
     std::vector<at::Tensor> parts;
     for (auto& b : buckets_) {
       const auto& g = reduced(b);
@@ -318,6 +380,23 @@ class GradientBuckets {
     if (also) also(total);
     const auto t = total.cpu();
     return {t[0].template item<double>(), t[1].template item<double>()};
+  }
+
+  /// totals() of a deterministic step whose whole sums every rank holds: per parameter, in
+  /// the model's order, in double, from the same bits at every world size and stage (Note
+  /// [Deterministic training]); no collective.
+  Totals ordered_totals(bool squares, bool nonfinite) const {
+    std::vector<at::Tensor> square_sums, counts;
+    for (const auto& p : layout_->params()) {
+      const auto& sum = shards ? ordered_[p.bucket] : buckets_[p.bucket].grad;
+      const auto g = sum.narrow(0, p.offset, p.tensor.numel()).to(at::kDouble);
+      if (squares) square_sums.push_back(g.square().sum());
+      if (nonfinite) counts.push_back(at::isfinite(g).logical_not().sum());
+    }
+    Totals out;
+    if (squares) out.squares = at::stack(square_sums).sum().cpu().template item<double>();
+    if (nonfinite) out.nonfinite = static_cast<double>(at::stack(counts).sum().cpu().template item<std::int64_t>());
+    return out;
   }
 
   /// Scales the reduced gradients so that their global 2-norm, whose square is `squares`
@@ -360,6 +439,7 @@ class GradientBuckets {
   [[nodiscard]] std::size_t bytes() const {
     std::size_t n = 0;
     for (auto& b : buckets_) n += detail::bytes_of(reduced(b));
+    for (const auto& sum : ordered_) n += detail::bytes_of(sum);  // deterministic mode's sums
     return n;
   }
 
@@ -517,6 +597,13 @@ class GradientBuckets {
   std::vector<Bucket> buckets_;
   detail::SlotPool pool_;  // sharded: the whole buffers, Note [Pooled transients]
   std::vector<bool> used_anywhere_;
+  // Deterministic mode (Note [Deterministic training]): the step's sums in shard order, kept
+  // between steps for reuse (whole, or this rank's shards), the round's gathered buffer, and
+  // whether the reduced gradients came from them this step.
+  std::vector<at::Tensor> ordered_;
+  at::Tensor gathered_;
+  bool ordered_whole_ = false;
+  bool ordered_step_ = false;
   std::size_t next_launch_ = 0;
   bool sync_ = true;
   double exposed_seconds_ = 0;
