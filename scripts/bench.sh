@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | zero_progress | transformer_memory | fit_loop | checkpoint | pipeline | transformer | io | memory | fashion_mnist
+# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The benchmarks' own build, at -O3 (the tests' build/ is at -O0: scripts/build.sh).
@@ -38,6 +38,11 @@ case "${1:-}" in
     scripts/build.sh --target transformer_ddp >&2
     shift
     benchmarks/fit_loop.sh "$@" ;;
+  deterministic)
+    scripts/deps.sh
+    scripts/build.sh --target bench_deterministic >&2
+    shift
+    benchmarks/deterministic.sh "$@" ;;
   zero_memory)
     scripts/deps.sh
     scripts/build.sh --target bench_zero >&2
@@ -67,6 +72,6 @@ case "${1:-}" in
     scripts/build.sh --target fashion_mnist_ddp >&2
     benchmarks/fashion_mnist_vs_torch.sh ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | zero_progress | transformer_memory | fit_loop | checkpoint | pipeline | transformer | io | memory | fashion_mnist" >&2
+    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist" >&2
     exit 2 ;;
 esac

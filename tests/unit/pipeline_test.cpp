@@ -116,6 +116,15 @@ TEST_CASE("a pipeline whose stages do not fit the world is an error on every ran
       doctest::Contains("divisor of the stage count"), paratrain::error);
 }
 
+TEST_CASE("a pipeline refuses deterministic mode on every rank") {
+  using P = ChainOf<2>;
+  using Strategy = paratrain::DataParallel<P, comm::Mpi>;
+  CHECK_THROWS_WITH_AS(Strategy(seeded(static_cast<P*>(nullptr)), comm::Mpi(), torch::optim::SGDOptions(0.1),
+                                {.data_parallel = {.deterministic = {.shards = 12}}}),
+                       doctest::Contains("deterministic mode (PipelineOptions::data_parallel.deterministic)"),
+                       paratrain::error);
+}
+
 namespace {
 
 // The model the pipeline of Entry | Head is, whole: its submodules carry the stages'

@@ -360,6 +360,11 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
                   "the interleaved 1F1B schedule sends activations around a ring, which a communicator whose sends "
                   "wait for their receives (comm::Nccl: Note [NCCL point-to-point]) cannot order without deadlock; "
                   "use GPipe, 1F1B or ZB-H1 over it, or comm::Mpi / comm::Gloo");
+    if (options.data_parallel.deterministic.shards != 0)
+      throw error("Pipeline", world.rank(),
+                  "deterministic mode (PipelineOptions::data_parallel.deterministic) is for DataParallel: a pipeline "
+                  "adds each stage's gradients over its micro-batches in its schedule's order, which it does not tie "
+                  "to virtual shards (docs/deterministic.md)");
     if (options.schedule == pipeline::Kind::zero_bubble_h1 && stage == 3)
       throw error("Pipeline", world.rank(),
                   "ZB-H1 computes a stage's weight gradients after ZeRO-3 has freed its gathered parameters; use "

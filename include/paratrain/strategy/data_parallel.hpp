@@ -323,10 +323,7 @@ class DataParallel {
     norm_elsewhere_ = std::move(reduce);
   }
   /// Note [Steps driven from outside]: before the step's first forward.
-  void begin_external_step(PipelineDriver) {
-    if (options_.deterministic.on()) refuse_in_deterministic_mode("Pipeline", "a pipeline's steps");
-    begin_step();
-  }
+  void begin_external_step(PipelineDriver) { begin_step(); }
   /// Note [Steps driven from outside]: before each backward pass over model()'s parameters.
   void before_backward(PipelineDriver, bool last) { grads_->prepare(/*sync=*/last); }
   /// Note [Steps driven from outside]: after the last backward; `samples` were this rank's.
@@ -566,8 +563,6 @@ class DataParallel {
                     " would cut it otherwise: give step() each step's whole batch (Note [Deterministic training])");
   }
 
-  /// Note [Deterministic training]: this rank's shards of the global batch, round by round,
-  /// each gradient gathered and summed in shard order; then the step as always.
   /// Every rank's sample count and whether its batch is usable (`problem`), in one
   /// all-reduce of integers (exact in any order): the global batch's shard plan, known and
   /// checked alike on every rank, which all throw when one rank's samples do not fit it.
@@ -599,6 +594,8 @@ class DataParallel {
     return plan;
   }
 
+  /// Note [Deterministic training]: this rank's shards of the global batch, round by round,
+  /// each gradient gathered and summed in shard order; then the step as always.
   template <class Loss>
   StepResult step_deterministic(const Batch& batch, Loss& loss, bool has_next) {
     const int ranks = comm_.size(), me = comm_.rank();
@@ -617,7 +614,8 @@ class DataParallel {
       }
       offset += n;
       if constexpr (sharding_communicator<Comm>)
-        grads_->add_round(/*first=*/round == 0, /*whole=*/options_.max_grad_norm > 0);
+        grads_->add_round(/*first=*/round == 0, /*last=*/round + 1 == shards / ranks,
+                          /*whole=*/options_.max_grad_norm > 0);
     }
     grads_->end_rounds();
     const auto local = batch.size();

@@ -300,57 +300,63 @@ class GradientBuckets {
   /// Deterministic mode (Note [Deterministic training]), after the backward of this rank's
   /// shard of a round (prepare(false) before it): gathers every rank's shard of the round,
   /// bucket by bucket, adds the W gradients to the step's sums in rank order (the shards'
-  /// order), and zeroes the buckets for the next round's backward. `first`: the step's first
-  /// round. `whole`: keep whole sums also when sharded (deterministic clipping reads them).
-  /// Collective over the world (comm).
-  void add_round(bool first, bool whole)
+  /// order), and zeroes the buckets for the next round's backward. `first`, `last`: the
+  /// step's first and last round; the last writes the step's gradients (the buckets, or this
+  /// rank's shards) instead of the sums. `whole`: keep whole sums also when sharded
+  /// (deterministic clipping reads them). Collective over the world (comm).
+  void add_round(bool first, bool last, bool whole)
     requires sharding_communicator<Comm>
   {
+    c10::NoGradGuard no_grad;
     const auto ranks = comm_->size();
     ordered_whole_ = whole || !shards;
+    // Where the last round's sums go directly: the step's gradients, unless the whole sums
+    // of a sharded step are kept too (then end_rounds() copies this rank's shard).
+    const bool direct = last && !(shards && whole);
     ordered_.resize(buckets_.size());
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       allocate(b);  // zeros, where no gradient of the bucket arrived
       auto& bucket = buckets_[b];
       const auto n = bucket.grad.numel();
-      if (!gathered_.defined() || gathered_.numel() < n * ranks || gathered_.dtype() != bucket.grad.dtype() ||
-          gathered_.device() != bucket.grad.device())
-        gathered_ = at::empty({n * ranks}, bucket.grad.options());
-      auto all = gathered_.narrow(0, 0, n * ranks);
-      comm_->all_gather(bucket.grad, all);
-      sent_bytes_ += n * static_cast<std::int64_t>(bucket.grad.element_size());
-      auto rows = all.view({ranks, n});
+      auto rows = bucket.grad.view({1, n});  // one rank: its own gradient, no copy
+      if (ranks > 1) {
+        if (!gathered_.defined() || gathered_.numel() < n * ranks || gathered_.dtype() != bucket.grad.dtype() ||
+            gathered_.device() != bucket.grad.device())
+          gathered_ = at::empty({n * ranks}, bucket.grad.options());
+        auto all = gathered_.narrow(0, 0, n * ranks);
+        comm_->all_gather(bucket.grad, all);
+        sent_bytes_ += n * static_cast<std::int64_t>(bucket.grad.element_size());
+        rows = all.view({ranks, n});
+      }
       if (!ordered_whole_) {  // this rank's shard of the sums only (Note [Shard layout])
         const auto m = layout_->shard_numel(b);
         rows = rows.narrow(1, group_->rank() * m, m);
       }
       auto& sum = ordered_[b];
-      for (int r = 0; r < ranks; ++r) {
-        if (first && r == 0) {
-          if (!sum.defined() || sum.numel() != rows.size(1)) sum = at::empty({rows.size(1)}, rows.options());
-          sum.copy_(rows[0]);
-        } else {
-          sum.add_(rows[r]);
-        }
+      if (!direct && (!sum.defined() || sum.numel() != rows.size(1))) sum = at::empty({rows.size(1)}, rows.options());
+      auto target = direct ? (shards ? bucket.shard : bucket.grad) : sum;
+      // target = sum + row 0 (or row 0), then + row 1, ...: one addition at a time, in order.
+      if (first) {
+        if (target.data_ptr() != rows[0].data_ptr()) target.copy_(rows[0]);  // one rank, direct: there already
+      } else {
+        at::add_out(target, sum, rows[0]);
       }
-      c10::NoGradGuard no_grad;
-      bucket.grad.zero_();
+      for (int r = 1; r < ranks; ++r) target.add_(rows[r]);
+      if (!last) bucket.grad.zero_();  // for the next round's backward: the views stay
     }
+    ordered_step_ = last;
+    ordered_direct_ = direct;
   }
 
-  /// Deterministic mode, after the last round: the ordered sums become the step's
-  /// gradients (the buckets, or this rank's shards), which finish() then averages.
+  /// Deterministic mode, after the last round where it kept the whole sums of a sharded
+  /// step: this rank's shards of them become the step's gradients, which finish() averages.
   void end_rounds() {
+    if (ordered_direct_) return;
     c10::NoGradGuard no_grad;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
-      if constexpr (shards) {
-        const auto m = layout_->shard_numel(b);
-        buckets_[b].shard.copy_(ordered_whole_ ? ordered_[b].narrow(0, group_->rank() * m, m) : ordered_[b]);
-      } else {
-        buckets_[b].grad.copy_(ordered_[b]);
-      }
+      const auto m = layout_->shard_numel(b);
+      buckets_[b].shard.copy_(ordered_[b].narrow(0, group_->rank() * m, m));
     }
-    ordered_step_ = true;
   }
 
   /// What Totals adds up over every gradient element.
@@ -604,6 +610,7 @@ class GradientBuckets {
   at::Tensor gathered_;
   bool ordered_whole_ = false;
   bool ordered_step_ = false;
+  bool ordered_direct_ = false;  // the last round wrote the step's gradients themselves
   std::size_t next_launch_ = 0;
   bool sync_ = true;
   double exposed_seconds_ = 0;
