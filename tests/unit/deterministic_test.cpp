@@ -263,9 +263,14 @@ TEST_CASE("deterministic mode: what it cannot hold is an error on every rank") {
   // Accumulating would cut the batch another way than the shards.
   CHECK_THROWS_WITH(s.accumulate(paratrain::Batch{d.x.narrow(0, 0, 4), d.y.narrow(0, 0, 4)}, shard_loss),
                     doctest::Contains("one batch per step"));
-  // After the errors, the strategy still trains (nothing was half done).
+  // After the errors, the strategy still trains (nothing was half done), and in each step each
+  // of its K/W rounds hands the model's 8 x 16 + 16 + 16 x 4 + 4 = 212 fp32 gradients to the
+  // all-gather (one rank gathers nothing).
   const auto m = sampler.batch_size();
-  CHECK(s.step(paratrain::Batch{d.x.narrow(0, 0, m), d.y.narrow(0, 0, m)}, shard_loss).global_samples == kGlobal);
+  for (int step = 0; step < 2; ++step) {
+    CHECK(s.step(paratrain::Batch{d.x.narrow(0, 0, m), d.y.narrow(0, 0, m)}, shard_loss).global_samples == kGlobal);
+    CHECK(s.gradient_bytes_sent() == (w == 1 ? 0 : kShards / w * 212 * 4));
+  }
 }
 
 TEST_CASE("DeterministicSampler: the ranks' shards make up each global batch, at any world size") {

@@ -309,6 +309,7 @@ class GradientBuckets {
   {
     c10::NoGradGuard no_grad;
     const auto ranks = comm_->size();
+    if (first) sent_bytes_ = 0;  // the step's: no prepare(true) in a deterministic step
     ordered_whole_ = whole || !shards;
     // Where the last round's sums go directly: the step's gradients, unless the whole sums
     // of a sharded step are kept too (then end_rounds() copies this rank's shard).
@@ -445,7 +446,8 @@ class GradientBuckets {
   [[nodiscard]] std::size_t bytes() const {
     std::size_t n = 0;
     for (auto& b : buckets_) n += detail::bytes_of(reduced(b));
-    for (const auto& sum : ordered_) n += detail::bytes_of(sum);  // deterministic mode's sums
+    for (const auto& sum : ordered_) n += detail::bytes_of(sum);  // deterministic mode's sums,
+    n += detail::bytes_of(gathered_);                               // and its gathered round
     return n;
   }
 
