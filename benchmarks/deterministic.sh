@@ -17,13 +17,9 @@ rounds=${1:-3}
 steps=${2:-9}
 shard_counts=${3:-"2 12"}
 build=${PARATRAIN_BUILD_DIR:-build-bench}
-bench=$build/benchmarks/bench_deterministic
 python=/usr/bin/python3  # for machine_line
-[[ -x $bench ]] || { echo "$bench is missing; build it: cmake --build $build --target bench_deterministic" >&2; exit 1; }
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-. benchmarks/side_by_side.sh  # machine_line
+. benchmarks/side_by_side.sh  # benchmark_setup, machine_line
+benchmark_setup bench_deterministic
 
 models=("--model mlp --layers 4" "--model mlp --layers 12" "--model transformer --layers 2 --d-model 128 --batch 16")
 for ((round = 1; round <= rounds; ++round)); do

@@ -1,4 +1,4 @@
-# Sourced by the *_vs_torch.sh drivers: running a side on a quiet machine, and saying what
+# Sourced by the benchmark drivers (the *_vs_torch.sh scripts and those of one benchmark binary): running a side on a quiet machine, and saying what
 # machine it was. Needs $tmp (a scratch directory) and $python (the peer's interpreter).
 
 # require_built BUILD_DIR TARGET...: stops, naming the build command, unless each example is built.
@@ -11,6 +11,17 @@ require_built() {
       exit 1
     fi
   done
+}
+
+# benchmark_setup TARGET: what a driver of one benchmark binary starts with: $bench, TARGET
+# in $build/benchmarks (stops, naming the build command, unless it is built), one intra-op
+# thread per rank, and a scratch $tmp removed on exit.
+benchmark_setup() {
+  bench=$build/benchmarks/$1
+  [[ -x $bench ]] || { echo "$bench is missing; build it: cmake --build $build --target $1" >&2; exit 1; }
+  export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
 }
 
 # same_environment "$0" ARGS...: both sides' settings (one thread per rank; glibc's

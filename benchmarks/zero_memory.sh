@@ -18,13 +18,9 @@ worlds=${2:-"2 4"}
 steps=${3:-3}
 precision=${4:-fp32}
 build=${PARATRAIN_BUILD_DIR:-build-bench}
-bench=$build/benchmarks/bench_zero
 python=/usr/bin/python3  # for machine_line
-[[ -x $bench ]] || { echo "$bench is missing; build it: cmake --build $build --target bench_zero" >&2; exit 1; }
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-. benchmarks/side_by_side.sh  # machine_line
+. benchmarks/side_by_side.sh  # benchmark_setup, machine_line
+benchmark_setup bench_zero
 
 for layers in $sizes; do
   for ranks in $worlds; do

@@ -20,14 +20,10 @@ sizes=${1:-"4 12"}
 steps=${2:-30}
 rounds=${3:-1}
 build=${PARATRAIN_BUILD_DIR:-build-bench}
-bench=$build/benchmarks/bench_zero
 python=/usr/bin/python3
-[[ -x $bench ]] || { echo "$bench is missing; build it: cmake --build $build --target bench_zero" >&2; exit 1; }
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+. benchmarks/side_by_side.sh  # benchmark_setup, machine_line
+benchmark_setup bench_zero
 tuned=(MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647)
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-. benchmarks/side_by_side.sh  # machine_line
 
 record() {  # record ALLOCATOR COMMAND...: runs it, keeps its JSON line with the allocator named
   local alloc=$1
