@@ -36,9 +36,7 @@ for ((round = 1; round <= rounds; ++round)); do
   done
 done
 
-jq -rs '
-  def f(d): . * pow(10; d) | round / pow(10; d) | tostring;
-  def median: sort | if length % 2 == 1 then .[length / 2 | floor] else (.[length / 2 - 1] + .[length / 2]) / 2 end;
+jq -rs -L benchmarks 'include "table";
   group_by([.model, .parameters, .strategy, .shards])
   | map(.[0] + {ms: (map(.ms_per_step) | median), runs: length})
   | . as $rows
