@@ -18,4 +18,16 @@ void all_reduce_on(Comm& comm, at::Tensor& t, const at::Device& device, reduce_o
   t.copy_(on_device);
 }
 
+/// A group that reduces on `device` (the model's, where `comm` works): what the algorithms
+/// of this folder (agree, all_gather_strings, check_same_model) take, for a communicator
+/// that reduces only tensors of its own device (comm::Nccl) and the CPU tensors they make.
+template <class Comm>
+struct ReducingOn {
+  Comm& comm;
+  at::Device device;
+  [[nodiscard]] int rank() const { return comm.rank(); }
+  [[nodiscard]] int size() const { return comm.size(); }
+  void all_reduce(at::Tensor& t, reduce_op op) { all_reduce_on(comm, t, device, op); }
+};
+
 }  // namespace paratrain::detail

@@ -33,7 +33,10 @@
 #include "paratrain/pipeline/schedule.hpp"
 #include "paratrain/pipeline/split_backward.hpp"
 #include "paratrain/pipeline/stages.hpp"
+#include "paratrain/comm/mesh.hpp"
+#include "paratrain/strategy/buckets/gradient_hook.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/replica_steps.hpp"
 
 namespace paratrain {
 
@@ -70,11 +73,14 @@ struct PipelineStepStats {
 
 // Note [Pipeline layout]
 // A world of W ranks trains a pipeline of S stages with v stages per rank on K = S / v
-// pipeline ranks, replicated R = W / K times: world rank w is pipeline rank w % K of
-// replica w / K. Each replica trains on its own shard of the data (data_shard); each
-// stage's R copies average their gradients as DataParallel does, over a communicator
-// of their own (split), so Sharded (ZeRO 1-3) shards a stage over its replicas. The
-// pipeline ranks of one replica pass activations forward and gradients backward.
+// pipeline ranks, replicated R = W / K times: the mesh {pipeline K, data R} (Note [Process
+// mesh]), the pipeline its outermost dimension, so that a stage's replicas are consecutive
+// ranks (one node) and only activations cross between stages. Each replica trains on its
+// own shard of the data (data_shard); each stage's R copies average their gradients as
+// DataParallel does, over the mesh's data group (ReplicaSteps: Note [Steps of replicas]),
+// so Sharded (ZeRO 1-3) shards a stage over its replicas, and hybrid sharding splits them
+// as shard_group says. The pipeline ranks of one replica pass activations forward and
+// gradients backward.
 
 /// Pipeline parallelism: `DataParallel<Pipeline<Embed, Blocks, Head>, comm::Mpi, Optimizer>`.
 /// Each rank builds and trains only its stages, running the schedule's actions (forward,
@@ -91,7 +97,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
                 "paratrain: a Pipeline passes activations between ranks and needs a communicator with `send`, "
                 "`recv`, `isend` (returning a request) and `Comm split(int color, int key) const`; comm::Mpi and "
                 "comm::Gloo have them");
-  using Inner = DataParallel<detail::StageGroup, Comm, Update>;
+  static_assert(explain_update<Update, Comm>());
+  using Steps = ReplicaSteps<Comm, Update>;  // Note [Steps of replicas]
   static constexpr int S = static_cast<int>(sizeof...(Stage));
 
  public:
@@ -100,49 +107,40 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   using output_type = detail::model_output_t<std::tuple_element_t<sizeof...(Stage) - 1, std::tuple<Stage...>>>;
   using communicator_type = Comm;
   using update_type = Update;
-  using optimizer_type = typename Inner::optimizer_type;
+  using optimizer_type = typename Steps::optimizer_type;
   using Options = PipelineOptions;
-  static constexpr int stage = Inner::stage;
+  /// 0 for DDP, else the ZeRO stage.
+  static constexpr int stage = detail::zero_stage_of<Update>;
 
   /// Collective: every rank of `comm` constructs it together, each building its stages.
   template <class OptimOptions>
     requires optimizer_from<optimizer_type, OptimOptions>
   DataParallel(Pipeline<Stage...> stages, Comm comm, OptimOptions optimizer_options, Options options = {})
-      : world_(std::move(comm)),
+      : mesh_(mesh_of(std::move(comm), options)),
         options_(options),
-        K_(pipeline_ranks(world_, options)),
-        replicas_(world_.size() / K_),
-        p_(world_.rank() % K_),
-        replica_(world_.rank() / K_),
-        pipe_(world_.split(replica_, p_)) {
-    Comm stage_replicas = world_.split(p_, replica_);
+        K_(mesh_.size(Dim::pipeline)),
+        replicas_(mesh_.size(Dims::data())),
+        p_(mesh_.index(Dim::pipeline)),
+        replica_(mesh_.index(Dims::data())),
+        pipe_(mesh_.group(Dim::pipeline)) {
     group_ = std::make_shared<detail::StageGroupImpl>();
-    if (options.sharded_construction && stage == 3) {
-      // Each stage's replicas shard it as it is built: Note [Sharded construction].
-      const auto& b = options.data_parallel.build;
-      const auto device = b.device ? *b.device : paratrain::detail::communicator_device(world_);
-      {
-        // Note [Hybrid sharding]: groups of consecutive replicas.
-        const int group = paratrain::detail::sharding_group_size(stage_replicas.size(),
-                                                                 options.data_parallel.shard_group, world_.rank());
-        const ShardedConstruction scope(stage_replicas.rank() % group, group, options.data_parallel.bucket_cap_bytes,
-                                        device, b.dtype);
-        build(stages, std::index_sequence_for<Stage...>{});
-      }
-      paratrain::detail::move_whole_parameters(*group_, device, b.dtype);
-    } else {
+    const auto build_stages = [&] {
       build(stages, std::index_sequence_for<Stage...>{});
-    }
+      return group_;
+    };
+    // Each stage's replicas shard it as it is built where the store does: Note [Sharded construction].
+    if (options.sharded_construction)
+      Steps::Store::construct(build_stages, mesh_, Steps::store_options_of(options.data_parallel));
+    else
+      build_stages();
     if (const auto params = group_->parameters(); !params.empty()) device_ = params.front().device();
-    detail::check_model_device(world_, device_, "Pipeline");  // every stage's rank, before any link
-    inner_ = std::make_unique<Inner>(group_, std::move(stage_replicas), std::move(optimizer_options),
-                                     options.data_parallel);
+    detail::check_model_device(mesh_.world(), device_, "Pipeline");  // every stage's rank, before any link
+    steps_ = std::make_unique<Steps>(mesh_, *group_, device_,
+                                     ParamGroups{torch::optim::OptimizerParamGroup(group_->parameters())},
+                                     std::move(optimizer_options), options.data_parallel, "DataParallel");
     // Two groups where sends are unbuffered: Note [One group per direction].
     if constexpr (pipeline::detail::unbuffered_sends<Comm>()) pipe_back_ = std::make_unique<Comm>(pipe_.split(0, p_));
     link_ = std::make_unique<pipeline::detail::Link<Comm>>(pipe_, pipe_back_ ? *pipe_back_ : pipe_, device_);
-    // Clipping takes the norm of the whole model's gradients: every stage's.
-    if (K_ > 1)
-      inner_->set_norm_elsewhere(PipelineDriver{}, [this](at::Tensor& squares) { pipe_.all_reduce(squares, reduce_op::sum); });
   }
 
   /// With a default-constructed communicator (comm::Mpi: the world).
@@ -160,12 +158,13 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   StepResult step(std::span<const Batch> micro_batches, Loss&& loss, bool has_next = true) {
     check_same_micro_batches(micro_batches);
     if (micro_batches.empty()) return join_checked(has_next);
-    inner_->begin_external_step(PipelineDriver{});
+    steps_->begin_step();
     Run run{micro_batches};
     run_schedule(schedule_for(static_cast<int>(micro_batches.size())), run, loss);
     std::int64_t samples = 0;
     for (const auto& b : micro_batches) samples += b.size();
-    auto r = inner_->end_external_step(PipelineDriver{}, samples, has_next);
+    if (samples == 0) steps_->before_backward(/*last=*/true);  // no backward ran: nothing is pending
+    auto r = steps_->end_step(samples, 0.0, has_next, /*joined=*/samples == 0);
     r.has_loss = r.has_loss && owns(S - 1);  // the loss is the last stage's
     if (r.has_loss) r.loss = run.loss_sum.template item<double>() / static_cast<double>(samples);
     return r;
@@ -200,14 +199,16 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   }
 
   /// Reduces `t` over every rank of the world (for metrics).
-  void all_reduce(at::Tensor& t, reduce_op op) { detail::all_reduce_on(world_, t, device_, op); }
+  void all_reduce(at::Tensor& t, reduce_op op) { detail::all_reduce_on(mesh_.world(), t, device_, op); }
   /// Makes every replica of each stage evaluate alike (buffers). Collective.
-  void synchronize() { inner_->synchronize(); }
+  void synchronize() { steps_->synchronize(); }
 
-  [[nodiscard]] int rank() const { return world_.rank(); }
-  [[nodiscard]] int world_size() const { return world_.size(); }
+  [[nodiscard]] int rank() const { return mesh_.rank(); }
+  [[nodiscard]] int world_size() const { return mesh_.size(Dims::all()); }
   /// The replica this rank's pipeline is: every stage of it sees the same samples.
-  [[nodiscard]] DataShard data_shard() const { return {.index = replica_, .count = replicas_}; }
+  [[nodiscard]] DataShard data_shard() const { return mesh_.data_shard(); }
+  /// The rank layout: the pipeline dimension and the data dimensions of the stages' replicas.
+  [[nodiscard]] Mesh<Comm>& mesh() noexcept { return mesh_; }
   /// Where this rank's stages live: the first stage's inputs and the last stage's targets
   /// move there (Note [One move per batch]), received activations arrive there.
   [[nodiscard]] at::Device device() const noexcept { return device_; }
@@ -225,13 +226,18 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   [[nodiscard]] auto& stage_at() noexcept {
     return std::get<I>(stages_);
   }
-  [[nodiscard]] optimizer_type& optimizer() noexcept { return inner_->optimizer(); }
+  [[nodiscard]] optimizer_type& optimizer() noexcept { return steps_->optimizer(); }
   /// This rank's stages' parameters, whole, as copies (stages() order). Collective over
   /// the stage's replicas: at ZeRO stage 3 they are gathered for it.
-  [[nodiscard]] std::vector<at::Tensor> full_parameters() { return inner_->full_parameters(); }
+  [[nodiscard]] std::vector<at::Tensor> full_parameters() { return steps_->full_parameters(); }
   /// Dynamic loss scaling's state, the same on every stage (Note [Loss scaling]).
-  [[nodiscard]] LossScaler& loss_scaler() noexcept { return inner_->loss_scaler(); }
-  [[nodiscard]] const LossScaler& loss_scaler() const noexcept { return inner_->loss_scaler(); }
+  [[nodiscard]] LossScaler& loss_scaler() noexcept { return steps_->loss_scaler(); }
+  [[nodiscard]] const LossScaler& loss_scaler() const noexcept { return steps_->loss_scaler(); }
+  /// What each complete bucket of a stage's gradients does (Note [Gradient hooks]).
+  template <gradient_hook<Comm> H>
+  void register_gradient_hook(H hook) {
+    steps_->register_gradient_hook(std::move(hook));
+  }
   [[nodiscard]] const Options& options() const noexcept { return options_; }
   [[nodiscard]] const PipelineStepStats& last_step_stats() const noexcept { return stats_; }
   /// The schedule run for `micro_batches` micro-batches (checked before it is first run).
@@ -253,32 +259,38 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// model's names (Note [Stage names]): a part of the model (CheckpointLayout::whole is
   /// false), each replicated tensor written by one of the stage's replicas.
   [[nodiscard]] CheckpointLayout checkpoint_layout() {
-    auto layout = inner_->checkpoint_layout();
+    auto layout = steps_->checkpoint_layout();
     layout.whole = false;
-    // The stage's replicas are ranks replica * K + p of the world; the inner layout names
-    // them by replica. A tensor every replica holds alike goes to replica i % R, by turns.
+    // A tensor every replica of the stage holds alike goes to one of them, by turns.
     int turn = 0;
-    const auto world_writer = [&](TensorSlice& sl) {
-      if (sl.replicated) sl.writer = (sl.writer >= 0 ? sl.writer : turn++ % replicas_) * K_ + p_;
+    const auto writer = [&](TensorSlice& sl) {
+      if (sl.replicated && sl.writer < 0) sl.writer = mesh_.world_rank(Dims::data(), turn++ % replicas_);
     };
-    for (auto& sl : layout.model) world_writer(sl);
-    for (auto& sl : layout.optimized) world_writer(sl);
+    for (auto& sl : layout.model) writer(sl);
+    for (auto& sl : layout.optimized) writer(sl);
     return layout;
   }
-  /// After a checkpoint was loaded into checkpoint_layout()'s slices. Collective.
-  void loaded() { inner_->loaded(); }
+  /// After a checkpoint was loaded into checkpoint_layout()'s slices: nothing derives from
+  /// them (every rank loaded its own). Collective, by the concept.
+  void loaded() noexcept {}
 
   /// Bytes this rank holds for its stages' parameters, gradients and optimizer state.
-  [[nodiscard]] ModelStateBytes model_state_bytes() const { return inner_->model_state_bytes(); }
+  [[nodiscard]] ModelStateBytes model_state_bytes() const { return steps_->model_state_bytes(); }
   /// Bytes of gradients this rank handed to the last step's collectives among its stages'
   /// replicas (DataParallel::gradient_bytes_sent).
-  [[nodiscard]] std::int64_t gradient_bytes_sent() const noexcept { return inner_->gradient_bytes_sent(); }
+  [[nodiscard]] std::int64_t gradient_bytes_sent() const noexcept { return steps_->gradient_bytes_sent(); }
+  /// Seconds the last step blocked on its stages' gradients and gathers.
+  [[nodiscard]] double exposed_communication_seconds() const noexcept {
+    return steps_->exposed_communication_seconds();
+  }
+  [[nodiscard]] std::int64_t step_count() const noexcept { return steps_->step_count(); }
+  void set_step_count(std::int64_t steps) noexcept { steps_->set_step_count(steps); }
 
   /// fit's trace (Note [Zero-cost timeline]): each stage pass as a forward or backward span,
-  /// the replicas' reductions and the optimizer step through the stages' DataParallel.
+  /// the replicas' reductions and the optimizer step.
   void set_timeline(observe::StepTimeline* timeline) noexcept {
     timeline_ = timeline;
-    inner_->set_timeline(timeline);
+    steps_->set_timeline(timeline);
   }
 
  private:
@@ -311,8 +323,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   // makes every rank throw; replicas may differ from each other (the last, short batch; join).
 
   StepResult join_checked(bool has_next) {
-    inner_->begin_external_step(PipelineDriver{});
-    return inner_->end_external_step(PipelineDriver{}, 0, has_next);
+    steps_->begin_step();
+    steps_->before_backward(/*last=*/true);
+    return steps_->end_step(0, 0.0, has_next, /*joined=*/true);
   }
 
   /// Note [Same micro-batches]: throws on every rank when a replica's ranks were given
@@ -327,22 +340,31 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const auto m = static_cast<std::int64_t>(micro.size()), hash = sizes.value62();
     auto t = at::full({replicas_, 5}, std::numeric_limits<std::int64_t>::min(), at::kLong);
     t[replica_].copy_(at::tensor({m, -m, hash, -hash, problem.empty() ? 0L : 1L}, at::kLong));
-    detail::all_reduce_on(world_, t, device_, reduce_op::max);
+    detail::all_reduce_on(mesh_.world(), t, device_, reduce_op::max);
     const auto* v = t.data_ptr<std::int64_t>();
-    if (!problem.empty()) throw error("Pipeline::step", world_.rank(), problem);
+    if (!problem.empty()) throw error("Pipeline::step", rank(), problem);
     for (int r = 0; r < replicas_; ++r)
       if (v[5 * r + 4] > 0)
-        throw error("Pipeline::step", world_.rank(),
+        throw error("Pipeline::step", rank(),
                     "a rank of pipeline replica " + std::to_string(r) +
                         " was given a micro-batch it cannot use (see its message)");
     for (int r = 0; r < replicas_; ++r, v += 5)
       if (v[0] != -v[1] || v[2] != -v[3])
-        throw error("Pipeline::step", world_.rank(),
+        throw error("Pipeline::step", rank(),
                     "the ranks of pipeline replica " + std::to_string(r) + " were given different micro-batches (" +
                         (v[0] != -v[1] ? "from " + std::to_string(-v[1]) + " to " + std::to_string(v[0]) + " of them"
                                        : std::string("as many, of different sizes")) +
                         "): every stage of one replica runs on the same micro-batches (fit gives them so; Note "
                         "[Same micro-batches])");
+  }
+
+  /// The mesh this pipeline runs on (Note [Pipeline layout]): K pipeline ranks, the stages'
+  /// replicas in the data dimensions as data_parallel.shard_group says. Collective.
+  static Mesh<Comm> mesh_of(Comm comm, const Options& options) {
+    const int K = pipeline_ranks(comm, options);
+    auto shape = data_mesh(options.data_parallel.shard_group, comm.size() / K, comm.rank());
+    shape.pipeline = K;
+    return Mesh<Comm>(std::move(comm), shape);
   }
 
   /// K, the pipeline ranks; or the error, the same on every rank, when the stages do not fit.
@@ -365,7 +387,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
                   "deterministic mode (PipelineOptions::data_parallel.deterministic) is for DataParallel: a pipeline "
                   "adds each stage's gradients over its micro-batches in its schedule's order, which it does not tie "
                   "to virtual shards (docs/deterministic.md)");
-    if (options.schedule == pipeline::Kind::zero_bubble_h1 && stage == 3)
+    if (options.schedule == pipeline::Kind::zero_bubble_h1 && Steps::gathers_in_forward)
       throw error("Pipeline", world.rank(),
                   "ZB-H1 computes a stage's weight gradients after ZeRO-3 has freed its gathered parameters; use "
                   "1F1B or GPipe with zero::stage3, or ZB-H1 with stages 0-2");
@@ -430,7 +452,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     if (owns(from)) {
       auto node = local_.extract({static_cast<int>(kind), at, micro});
       if (node.empty())
-        throw error("Pipeline", world_.rank(), "internal: a message to this rank itself is missing");
+        throw error("Pipeline", rank(), "internal: a message to this rank itself is missing");
       return std::move(node.mapped());
     }
     return link_->recv(from % K_, pipeline::detail::tag_of(kind, at, micro, S), device_);
@@ -466,7 +488,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       const auto n = static_cast<double>(batch.size());
       // Note [Exact averaging]: the gradient of the sum over the samples; times the loss
       // scale, which every stage's buckets divide out again (Note [Loss scaling]).
-      st.roots = {l * (n * inner_->loss_scaler().scale())};
+      st.roots = {l * (n * steps_->loss_scaler().scale())};
       run.loss_sum = run.loss_sum.to(l.device()) + l.detach().to(at::kDouble) * n;
     } else {
       for (const auto& y : outputs) {
@@ -489,7 +511,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     if (st.roots.empty()) return {};
     auto grads = receive_gradients(a.stage, a.micro, st.roots);
     if (grads.size() != st.roots.size())
-      throw error("Pipeline", world_.rank(), "stage " + std::to_string(a.stage + 1) + " sent " +
+      throw error("Pipeline", rank(), "stage " + std::to_string(a.stage + 1) + " sent " +
                                                  std::to_string(grads.size()) + " gradients; stage " +
                                                  std::to_string(a.stage) + " has " + std::to_string(st.roots.size()) +
                                                  " outputs that need one");
@@ -507,7 +529,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const auto grads = root_gradients(a, st);
     const auto begin = clock::now();
     observe::PhaseTimer timer(timeline_, observe::Phase::backward);
-    inner_->before_backward(PipelineDriver{}, last);
+    steps_->before_backward(last);
     if (!st.roots.empty()) torch::autograd::backward(st.roots, grads);
     Tensors in_grads;
     for (auto& x : st.leaves) in_grads.push_back(x.grad().defined() ? x.grad() : at::zeros_like(x));
@@ -532,7 +554,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     auto node = run.stash.extract({a.stage, a.micro});
     const auto begin = clock::now();
     observe::PhaseTimer timer(timeline_, observe::Phase::backward);
-    inner_->before_backward(PipelineDriver{}, last);
+    steps_->before_backward(last);
     node.mapped().split->weight_gradients();
     timer.stop();
     record(a, begin);
@@ -561,7 +583,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     link_->flush();
     stats_.span_seconds = seconds_since(begin);
     if (!run.stash.empty() || !local_.empty())
-      throw error("Pipeline", world_.rank(), "internal: the schedule left activations behind");
+      throw error("Pipeline", rank(), "internal: the schedule left activations behind");
   }
 
   using clock = std::chrono::steady_clock;
@@ -575,15 +597,15 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     ++stats_.count[op];
   }
 
-  Comm world_;
+  Mesh<Comm> mesh_;
   Options options_;
-  int K_ = 1, replicas_ = 1, p_ = 0, replica_ = 0;
+  int K_ = 1, replicas_ = 1, p_ = 0, replica_ = 0;  // the mesh's pipeline and data sizes and this rank's places
   Comm pipe_;  // this replica's pipeline ranks
   std::unique_ptr<Comm> pipe_back_;  // the same, for gradients, where sends are unbuffered: Note [One group per direction]
   std::tuple<Stage...> stages_{Stage(nullptr)...};
   detail::StageGroup group_;
   at::Device device_{at::kCPU};  // where this rank's stages live: received tensors go there
-  std::unique_ptr<Inner> inner_;
+  std::unique_ptr<Steps> steps_;
   std::unique_ptr<pipeline::detail::Link<Comm>> link_;
   std::map<int, pipeline::Schedule> schedules_;
   std::map<std::tuple<int, int, int>, std::pair<Tensors, Flags>> local_;  // messages to this rank itself

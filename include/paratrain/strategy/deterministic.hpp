@@ -3,6 +3,7 @@
 /// paratrain::Deterministic — the same bits at every world size and under every strategy:
 /// the option, how a global batch is cut into virtual shards, and what the mode checks.
 
+#include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Generator.h>
@@ -20,6 +21,9 @@
 #include <string>
 #include <vector>
 
+#include "paratrain/collectives/agree.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
 #include "paratrain/core/shard_plan.hpp"
 
 namespace paratrain {
@@ -153,6 +157,39 @@ std::string deterministic_problem(const Deterministic& d, int world_size, const 
              value + "'";
   }
   return {};
+}
+
+/// Every rank's sample count and whether its batch is usable (`problem`), in one
+/// all-reduce of integers over the data ranks `group` (exact in any order): the global
+/// batch's shard plan, known and checked alike on every rank, which all throw when one
+/// rank's samples do not fit it. Collective.
+template <class Group>
+deterministic::ShardPlan agree_on_shards(Group& group, std::int64_t samples, const std::string& problem,
+                                         std::int64_t shards) {
+  const int ranks = group.size(), me = group.rank();
+  auto counts = at::zeros({ranks + 1}, at::kDouble);
+  counts[me] = static_cast<double>(samples);
+  counts[ranks] = problem.empty() ? 0.0 : 1.0;
+  group.all_reduce(counts, reduce_op::sum);
+  const auto c = counts.cpu();
+  if (c[ranks].item<double>() > 0) raise_everywhere(group, "DataParallel::step", problem);
+  std::int64_t total = 0;
+  for (int r = 0; r < ranks; ++r) total += static_cast<std::int64_t>(c[r].item<double>());
+  const deterministic::ShardPlan plan(total, shards);
+  std::string mismatch;
+  for (int r = 0; r < ranks && mismatch.empty(); ++r) {
+    const auto got = static_cast<std::int64_t>(c[r].item<double>()), want = plan.rank_samples(r, ranks);
+    if (total < shards)
+      mismatch = "a global batch of " + std::to_string(total) + " samples cannot fill " + std::to_string(shards) +
+                 " virtual shards (DataParallelOptions::deterministic.shards): each needs at least one";
+    else if (got != want)
+      mismatch = "rank " + std::to_string(r) + " was given " + std::to_string(got) + " samples, but its shards of " +
+                 "the global batch of " + std::to_string(total) + " hold " + std::to_string(want) + " (shards " +
+                 std::to_string(r) + ", " + std::to_string(r + ranks) + ", ... of " + std::to_string(shards) +
+                 "); feed the steps from data::DeterministicSampler";
+  }
+  if (!mismatch.empty()) throw error("DataParallel::step", me, mismatch);
+  return plan;
 }
 
 }  // namespace detail

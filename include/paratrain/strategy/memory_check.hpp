@@ -24,6 +24,7 @@
 #include <sstream>
 #include <string>
 
+#include "paratrain/strategy/buckets/bucket_layout.hpp"
 #include "paratrain/strategy/plan.hpp"
 #include "paratrain/strategy/unit.hpp"
 
@@ -72,6 +73,13 @@ inline OptimizerBytes optimizer_bytes_of(const torch::optim::RMSpropOptions& o) 
 template <class Options>
 OptimizerBytes optimizer_bytes_of(const Options&) {
   return {};  // an optimizer plan does not know: its state is not counted
+}
+
+/// The elements of a layout's largest bucket (padded): what the plan counts a bucket as.
+inline double largest_bucket(const BucketLayout& layout) {
+  double largest = 0;
+  for (const auto& b : layout.buckets()) largest = std::max(largest, static_cast<double>(b.padded));
+  return largest;
 }
 
 /// The plan of `model` trained on `ranks` ranks: sizes read off its parameters and units;

@@ -3,8 +3,10 @@
 /// paratrain::Sharded — the ZeRO policy: `DataParallel<Net, Comm, Sharded<Optim, Stage>>`
 /// trains like DDP while each rank holds only its share of the model states.
 
+#include <concepts>
 #include <type_traits>
 
+#include "paratrain/concepts/communicator.hpp"
 #include "paratrain/concepts/optimizer.hpp"
 
 namespace paratrain {
@@ -77,5 +79,22 @@ struct optimizer_of<Sharded<O, S>> {
 /// DataParallel's third argument: an optimizer (DDP) or a Sharded<Optimizer, Stage> (ZeRO).
 template <class P>
 concept update_policy = optimizer<P> || (detail::zero_stage_of<P> > 0);
+
+/// Checks `Update` (DataParallel's third argument) and what it asks of `Comm`, one
+/// requirement a message: the update policy is an optimizer or a Sharded one; ZeRO needs a
+/// communicator that overlaps sharding; stage 3 one that splits (its gathers' communicator).
+template <class Update, class Comm>
+consteval bool explain_update() {
+  static_assert(update_policy<Update>,
+                "paratrain: DataParallel's third argument is an optimizer type (torch::optim::Adam, ...) or "
+                "paratrain::Sharded<Optimizer, paratrain::zero::stageN>");
+  static_assert(explain_optimizer<typename detail::optimizer_of<Update>::type>());
+  static_assert(detail::zero_stage_of<Update> == 0 || explain_async_sharding_communicator<Comm>());
+  static_assert(detail::zero_stage_of<Update> < 3 || requires(const Comm& c) {
+    { c.split(0, 0) } -> std::same_as<Comm>;
+  }, "paratrain: ZeRO stage 3 gathers parameters on a communicator of its own and needs `Comm split(int "
+     "color, int key) const`; see docs/communicators.md (or use stage 2)");
+  return true;
+}
 
 }  // namespace paratrain

@@ -7,6 +7,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
+
+#include "paratrain/collectives/all_reduce_on.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
 
 namespace paratrain {
 
@@ -91,5 +97,42 @@ class StepAgreement {
   bool track_use_;
   at::Tensor values_;
 };
+
+/// One rank's facts about a step (Note [Step agreement]).
+struct StepFacts {
+  double samples = 0;     ///< this rank's samples (Note [Exact averaging])
+  bool has_next = false;  ///< this rank has another batch after this step
+  bool joined = false;    ///< this rank ran no backward (join, or a batch it could not use)
+  bool failed = false;    ///< this rank could not take part (Note [Unusable batches])
+  bool find_unused_parameters = false;
+};
+
+/// Sums every rank's facts over `group` (on `device`, where it reduces): Note [Step
+/// agreement]. `used(i)` says whether this rank produced a gradient for parameter i of
+/// `parameters`, `name(i)` its name. Collective. Throws on every rank when a rank found a
+/// parameter without gradient although find_unused_parameters is off (unless some rank
+/// failed: then the failure is what every rank reports).
+template <class Comm, class Used, class Name>
+StepAgreement agree_on_step(Comm& group, const at::Device& device, std::size_t parameters, const StepFacts& facts,
+                            Used&& used, Name&& name) {
+  StepAgreement agreement(parameters, facts.find_unused_parameters);
+  std::optional<std::string> unused;
+  for (std::size_t i = 0; i < parameters; ++i) {
+    if (used(i)) agreement.mark_used(i);
+    else if (!facts.joined && !facts.find_unused_parameters && !unused) unused = name(i);
+  }
+  agreement.set(facts.samples, facts.has_next, unused.has_value(), facts.failed);
+  detail::all_reduce_on(group, agreement.values(), device, reduce_op::sum);
+  if (agreement.ranks_failed() == 0 && agreement.ranks_with_unused() > 0)
+    throw error("DataParallel", group.rank(),
+                unused ? "parameter '" + *unused +
+                             "' received no gradient in this step; enable "
+                             "DataParallel::Options::find_unused_parameters if some parameters are legitimately "
+                             "unused in some steps, or make every parameter take part in the loss"
+                       : std::to_string(agreement.ranks_with_unused()) +
+                             " other rank(s) found a parameter without gradient (see their message); enable "
+                             "DataParallel::Options::find_unused_parameters if that is expected");
+  return agreement;
+}
 
 }  // namespace paratrain

@@ -15,7 +15,7 @@
 #include <utility>
 
 #include "paratrain/concepts/module.hpp"
-#include "paratrain/strategy/sharded_construction.hpp"
+#include "paratrain/strategy/stores/sharded_construction.hpp"
 
 namespace paratrain {
 
