@@ -35,6 +35,8 @@ struct Args {
   std::int64_t max_steps = 0;  // 0: the epochs decide
   double time_limit = 0;       // seconds; 0: none (and SLURM's job end, where Slurm sets it)
   std::uint64_t seed = 0;      // initial weights and sample order
+  int powersgd_rank = 0;       // compress gradients with PowerSGD of this rank; 0: exact sums
+  std::int64_t powersgd_start = 100;  // steps summed exactly before PowerSGD starts
 };
 
 // The options, by CLI11: --help, and values checked (a missing or malformed one is an error
@@ -61,6 +63,11 @@ inline std::optional<int> parse(int argc, char** argv, Args& a) {
                  "SLURM_JOB_END_TIME, where Slurm sets it)")
       ->check(CLI::Range(0.0, 1e9));
   app.add_option("--seed", a.seed, "initial weights and sample order")->capture_default_str();
+  app.add_option("--powersgd-rank", a.powersgd_rank,
+                 "compress the gradients with PowerSGD of this rank (the DDP and ZeRO-1 builds; 0: exact sums)")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--powersgd-start", a.powersgd_start, "steps summed exactly before PowerSGD starts")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40))->capture_default_str();
   try {
     app.parse(argc, argv);
     return std::nullopt;
@@ -173,9 +180,23 @@ int train(const Args& args) {
   const auto device = device_for<Strategy>(args);
   Strategy strategy = make_strategy<Strategy>(args.lr, device);
   const bool root = strategy.rank() == 0;
+  if (args.powersgd_rank > 0) {
+    // PowerSGD compresses whole gradients: the builds whose ranks keep them (DDP, ZeRO-1).
+    if constexpr (requires { Strategy::stage; }) {
+      if constexpr (Strategy::stage < 2)
+        strategy.register_gradient_hook(
+            paratrain::PowerSgd({.rank = args.powersgd_rank, .start_step = args.powersgd_start}));
+      else
+        throw std::runtime_error("--powersgd-rank: ZeRO-2 and ZeRO-3 keep a shard of each gradient, and PowerSGD "
+                                 "compresses whole ones; use the DDP or ZeRO-1 build");
+    } else {
+      throw std::runtime_error("--powersgd-rank: this build has no gradient buckets to compress (use the DDP build)");
+    }
+  }
   if (root)
-    std::printf("Fashion-MNIST, %s, %d process(es) on %s, batch %lld per process, %d epochs\n", name_of<Strategy>(),
-                strategy.world_size(), strategy.device().str().c_str(), static_cast<long long>(args.batch), args.epochs);
+    std::printf("Fashion-MNIST, %s, %d process(es) on %s, batch %lld per process, %d epochs%s\n", name_of<Strategy>(),
+                strategy.world_size(), strategy.device().str().c_str(), static_cast<long long>(args.batch), args.epochs,
+                args.powersgd_rank > 0 ? (", PowerSGD rank " + std::to_string(args.powersgd_rank)).c_str() : "");
 
   std::optional<double> seconds_to_90;
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
