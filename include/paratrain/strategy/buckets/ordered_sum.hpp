@@ -25,6 +25,7 @@ namespace paratrain {
 /// as each bucket of a round's backward completes, every rank's gradient of it is all-gathered
 /// (a collective that moves bytes and adds nothing), and, when the gather completes, added
 /// to the step's sums in rank order, which is the shards' order: acc = g_0; acc += g_1; ...
+/// (a first round of two ranks is one pair, g_0 + g_1, which an all-reduce computes exactly).
 /// The last round writes the step's gradients (the bucket's output) directly, unless the
 /// whole sums of a sharded bucket are to be kept (deterministic clipping reads them), which
 /// are then kept and this rank's shard copied out of them. The gathers overlap backward as
@@ -55,6 +56,13 @@ class OrderedSum {
       return {};
     }
     b.sent_bytes += n * static_cast<std::int64_t>(b.input.element_size());
+    if (ranks == 2 && first_) {
+      // Two rows starting the sum: row 0 + row 1, the same in either order (IEEE addition
+      // commutes; it is their grouping that changes a sum), which is what any all-reduce of
+      // two ranks computes, element by element. So the pair is summed in place by the
+      // communicator's all-reduce, overlapped as DDP's is, and is the round's one row.
+      return detail::Then(data_->iall_reduce(b.input, reduce_op::sum), [this, b, n] { add(b, b.input.view({1, n})); });
+    }
     auto all = at::empty({n * ranks}, b.input.options());
     if constexpr (async_sharding_communicator<Comm>) {
       return detail::Then(data_->iall_gather(b.input, all), [this, b, all, ranks, n] { add(b, all.view({ranks, n})); });
@@ -113,12 +121,16 @@ class OrderedSum {
     if (!direct && (!sum.defined() || sum.numel() != rows.size(1))) sum = at::empty({rows.size(1)}, rows.options());
     auto target = direct ? b.output : sum;
     // target = sum + row 0 (or row 0), then + row 1, ...: one addition at a time, in order.
-    if (first_) {
-      if (target.data_ptr() != rows[0].data_ptr()) target.copy_(rows[0]);  // one rank, direct: there already
-    } else {
+    std::int64_t r = 1;
+    if (!first_) {
       at::add_out(target, sum, rows[0]);
+    } else if (rows.size(0) > 1) {
+      at::add_out(target, rows[0], rows[1]);  // row 0 + row 1 in one pass, not a copy and an addition
+      r = 2;
+    } else if (target.data_ptr() != rows[0].data_ptr()) {
+      target.copy_(rows[0]);  // one row (one rank, or a pair summed already): there already when direct
     }
-    for (std::int64_t r = 1; r < rows.size(0); ++r) target.add_(rows[r]);
+    for (; r < rows.size(0); ++r) target.add_(rows[r]);
     if (!last_) return;
     if (!direct) b.output.copy_(sum.narrow(0, b.output_offset, b.output.numel()));
     if (whole_.size() <= b.index) {
