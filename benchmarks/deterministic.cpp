@@ -37,7 +37,7 @@ double ms_per_step(const Run& run, paratrain::comm::Mpi world, Make make, Inputs
   const auto ranks = paratrain::bench::ranks_of(world.native());
   const int rank = world.rank(), size = world.size();
   const std::int64_t global = run.batch * size;
-  const std::int64_t mine = run.shards > 0 ? paratrain::deterministic::ShardPlan(global, run.shards).rank_samples(rank, size)
+  const std::int64_t mine = run.shards > 0 ? paratrain::ShardPlan(global, run.shards).rank_samples(rank, size)
                                            : run.batch;
   torch::manual_seed(7);
   paratrain::DataParallel<Model, paratrain::comm::Mpi, Update> s(

@@ -17,7 +17,7 @@
 #include <string_view>
 
 #include "paratrain/strategy/data_parallel.hpp"
-#include "paratrain/strategy/plan.hpp"
+#include "paratrain/plan/plan.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"
 #include "cli.hpp"

@@ -7,7 +7,7 @@
 // The reference is plain LibTorch in one process, written from the definition: each step's
 // global batch (the epoch's randperm order, padded from its start) cut into 12 shards by
 // numpy's array_split; each shard's gradient of n_k x its mean loss computed on its own, its
-// dropout drawn from deterministic::shard_seed; the gradients added in shard order in fp32,
+// dropout drawn from paratrain::shard_seed; the gradients added in shard order in fp32,
 // divided by the batch, then the LibTorch optimizer's step. Every world size and strategy is
 // compared with it byte for byte, so that equal bytes at 1-4 ranks follow.
 #include <torch/torch.h>
@@ -89,7 +89,7 @@ std::vector<torch::Tensor> reference(const Opts& opts, std::int64_t steps, doubl
     for (std::int64_t k = 0, begin = 0; k < kShards; ++k) {
       const auto n = kGlobal / kShards + (k < kGlobal % kShards ? 1 : 0);
       for (auto& p : params) p.mutable_grad() = torch::zeros_like(p);
-      torch::manual_seed(paratrain::deterministic::shard_seed(kDropoutSeed, t, k));
+      torch::manual_seed(paratrain::shard_seed(kDropoutSeed, t, k));
       const auto rows = idx.narrow(0, begin, n);
       (shard_loss(model->forward(d.x.index({rows})), d.y.index({rows})) * static_cast<double>(n)).backward();
       begin += n;
@@ -276,7 +276,7 @@ TEST_CASE("deterministic mode: what it cannot hold is an error on every rank") {
 TEST_CASE("DeterministicSampler: the ranks' shards make up each global batch, at any world size") {
   for (const std::int64_t w : {1, 2, 3, 4}) {
     CAPTURE(w);
-    const paratrain::deterministic::ShardPlan plan(kGlobal, kShards);
+    const paratrain::ShardPlan plan(kGlobal, kShards);
     std::vector<std::vector<std::int64_t>> mine;
     std::vector<std::int64_t> sizes;
     for (std::int64_t r = 0; r < w; ++r) {

@@ -1,9 +1,9 @@
 // paratrain::plan against the ZeRO paper's Table 1 (Rajbhandari et al. 2019, arXiv:1910.02054).
-// Its own executable: strategy/plan.hpp needs neither MPI nor LibTorch, and neither does this test.
+// Its own executable: plan/plan.hpp needs neither MPI nor LibTorch, and neither does this test.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
-#include <paratrain/strategy/plan.hpp>
+#include <paratrain/plan/plan.hpp>
 
 #include <cmath>
 #include <cstdint>

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "paratrain/comm/mpi/mpi.hpp"
-#include "paratrain/strategy/plan.hpp"
+#include "paratrain/plan/plan.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/precision.hpp"

@@ -13,7 +13,7 @@
 #include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
 #include "paratrain/fit/fit.hpp"
-#include "paratrain/strategy/plan.hpp"
+#include "paratrain/plan/plan.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "support/counting_allocator.hpp"

@@ -9,7 +9,7 @@
 // value an error naming the option. docs/plan.md.
 
 #include <CLI/CLI.hpp>
-#include <paratrain/strategy/plan.hpp>
+#include <paratrain/plan/plan.hpp>
 
 #include <cctype>
 #include <charconv>

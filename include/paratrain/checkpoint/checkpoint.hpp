@@ -9,5 +9,5 @@
 #include "paratrain/checkpoint/format.hpp"
 #include "paratrain/checkpoint/load.hpp"
 #include "paratrain/checkpoint/model_file.hpp"
-#include "paratrain/strategy/optimizer_state.hpp"
+#include "paratrain/concepts/optimizer_state.hpp"
 #include "paratrain/concepts/checkpointable.hpp"

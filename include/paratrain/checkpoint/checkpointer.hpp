@@ -23,7 +23,7 @@
 #include "paratrain/checkpoint/detail/model_names.hpp"
 #include "paratrain/checkpoint/files.hpp"
 #include "paratrain/checkpoint/format.hpp"
-#include "paratrain/strategy/optimizer_state.hpp"
+#include "paratrain/concepts/optimizer_state.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/util/torch_compat.hpp"
 #include "paratrain/core/error.hpp"
@@ -224,7 +224,7 @@ template <checkpointable S>
 class Checkpointer {
   static_assert(known_optimizer<detail::optimizer_t<S>>,
                 "paratrain: checkpoints know the state of torch::optim::SGD, Adam, AdamW, Adagrad and RMSprop (and "
-                "optimizers derived from them); specialise paratrain::checkpoint::optimizer_schema for another");
+                "optimizers derived from them); specialise paratrain::optimizer_schema for another");
 
  public:
   Checkpointer(S& s, Options options) : s_(&s), options_(std::move(options)) {}

@@ -4,6 +4,7 @@
 /// file, and the reading side's table of every chunk. Note [Checkpoint format].
 
 #include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
 #include <torch/serialize.h>
 
 #include <algorithm>
@@ -19,11 +20,20 @@
 #include <vector>
 
 #include "paratrain/checkpoint/files.hpp"
-#include "paratrain/strategy/optimizer_state.hpp"
+#include "paratrain/concepts/optimizer_state.hpp"
 #include "paratrain/checkpoint/zip_check.hpp"
 #include "paratrain/util/crc32c.hpp"
 
 namespace paratrain::checkpoint {
+
+// The optimizer-state schema is below both strategies and checkpoints (concepts/); its
+// checkpoint spellings, as before.
+using paratrain::Dict;
+using paratrain::known_optimizer;
+using paratrain::make_dict;
+using paratrain::optimizer_schema;
+using paratrain::ParamStateTensors;
+using paratrain::schema_of;
 
 // Note [Checkpoint format]
 // A checkpoint is a directory, <dir>/step-<9 digits>, holding
@@ -48,6 +58,16 @@ inline constexpr std::int64_t alignment = 64;
 namespace fs = std::filesystem;
 
 namespace detail {
+
+/// Each parameter's group index in `optimizer`, by the parameter's storage.
+inline std::map<const void*, int> group_index(torch::optim::Optimizer& optimizer) {
+  std::map<const void*, int> group;
+  const auto& groups = optimizer.param_groups();
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (const auto& p : groups[g].params()) group.emplace(p.unsafeGetTensorImpl(), static_cast<int>(g));
+  return group;
+}
+
 
 inline std::string numbered(const char* prefix, std::int64_t n, int digits, const char* suffix = "") {
   char buf[64];

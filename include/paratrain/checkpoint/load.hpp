@@ -16,7 +16,8 @@
 #include "paratrain/checkpoint/detail/model_names.hpp"
 #include "paratrain/checkpoint/checkpointer.hpp"
 #include "paratrain/checkpoint/format.hpp"
-#include "paratrain/strategy/optimizer_state.hpp"
+#include "paratrain/concepts/optimizer_state.hpp"
+#include "paratrain/concepts/strategy.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 
 namespace paratrain::checkpoint {
@@ -163,7 +164,7 @@ template <checkpointable S>
 Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
   static_assert(known_optimizer<detail::optimizer_t<S>>,
                 "paratrain: checkpoints know the state of torch::optim::SGD, Adam, AdamW, Adagrad and RMSprop (and "
-                "optimizers derived from them); specialise paratrain::checkpoint::optimizer_schema for another");
+                "optimizers derived from them); specialise paratrain::optimizer_schema for another");
   Loaded out;
   detail::Staged staged;
   std::string err;
@@ -212,7 +213,7 @@ Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
   detail::commit(staged, s.optimizer());
   s.loaded();
   // Deterministic mode keys random draws on the steps taken: Note [Deterministic training].
-  if constexpr (requires { s.set_step_count(out.step); }) s.set_step_count(out.step);
+  if constexpr (step_counted_strategy<S>) s.set_step_count(out.step);
   return out;
 }
 

@@ -14,21 +14,9 @@
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/collectives/gather_strings.hpp"
 #include "paratrain/core/error.hpp"
+#include "paratrain/core/message.hpp"
 
 namespace paratrain::detail {
-
-/// An exception's message; LibTorch's without the C++ backtrace it carries.
-inline std::string message_of(const std::exception& e) {
-  if (const auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
-
-/// message_of without the "paratrain: " that paratrain::error's messages begin with: for
-/// a message wrapped into another paratrain::error.
-inline std::string inner_message(const std::exception& e) {
-  auto m = message_of(e);
-  return m.rfind("paratrain: ", 0) == 0 ? m.substr(11) : m;
-}
 
 /// Collective over `group`, for when some rank is known to have failed (`local_error`
 /// is empty on the others): throws paratrain::error on every rank with the first

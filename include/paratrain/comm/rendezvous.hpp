@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "paratrain/collectives/agree.hpp"
+#include "paratrain/core/message.hpp"
 #include "paratrain/comm/launch.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/reliability/watchdog.hpp"

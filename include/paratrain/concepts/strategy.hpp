@@ -13,6 +13,7 @@
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/core/batch.hpp"
 #include "paratrain/core/step_result.hpp"
+#include "paratrain/core/timeline.hpp"
 #include "paratrain/concepts/loss.hpp"
 
 namespace paratrain {
@@ -51,6 +52,43 @@ concept strategy = requires(S& s, const S& cs, std::span<const Batch> micro_batc
   s.synchronize();
   { cs.device() } -> std::same_as<at::Device>;
   requires std::derived_from<std::remove_cvref_t<decltype(s.optimizer())>, torch::optim::Optimizer>;
+};
+
+// What some strategies offer beyond `strategy`, and the parts of paratrain that use it when
+// there (fit, its observers, checkpoints): each a refinement, so that a strategy of one's
+// own opts in by having the members, and a reader finds the whole interface here.
+
+/// A strategy that scales its loss (Note [Loss scaling]): `loss_scaler()` with the scale,
+/// whether it is active, its growth tracker, and restore(scale, tracker). fit keeps the
+/// scale in its checkpoints and resumes it.
+template <class S>
+concept loss_scaled_strategy = strategy<S> && requires(S& s, double scale, std::int64_t tracker) {
+  { s.loss_scaler().scale() } -> std::convertible_to<double>;
+  { s.loss_scaler().active() } -> std::convertible_to<bool>;
+  { s.loss_scaler().growth_tracker() } -> std::convertible_to<std::int64_t>;
+  s.loss_scaler().restore(scale, tracker);
+};
+
+/// A strategy that reports each step's phases into a timeline (Note [Zero-cost timeline]):
+/// fit's trace gives it one for the run and takes it back after.
+template <class S>
+concept traced_strategy = strategy<S> && requires(S& s, StepTimeline* timeline) {
+  s.set_timeline(timeline);
+};
+
+/// A strategy that says how long its last step blocked on communication compute did not
+/// hide: fit's step times and straggler report show it.
+template <class S>
+concept communication_timed_strategy = strategy<S> && requires(const S& s) {
+  { s.exposed_communication_seconds() } -> std::convertible_to<double>;
+};
+
+/// A strategy that counts its optimizer steps (deterministic mode keys its random draws on
+/// them): checkpoint::load sets the count to the checkpoint's step.
+template <class S>
+concept step_counted_strategy = strategy<S> && requires(S& s, const S& cs, std::int64_t steps) {
+  { cs.step_count() } -> std::convertible_to<std::int64_t>;
+  s.set_step_count(steps);
 };
 
 }  // namespace paratrain

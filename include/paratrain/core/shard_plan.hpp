@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// paratrain::deterministic::ShardPlan — how deterministic mode cuts a global batch into
+/// paratrain::ShardPlan — how deterministic mode cuts a global batch into
 /// virtual shards and shares them out (Note [Deterministic training]), and the seed of each
 /// shard's random draws: the vocabulary the strategy and its sampler share.
 
@@ -8,8 +8,6 @@
 #include <cstdint>
 
 namespace paratrain {
-
-namespace deterministic {
 
 /// How a global batch of `samples` is cut into `shards` virtual shards and shared out
 /// among `ranks` (Note [Deterministic training]).
@@ -51,6 +49,10 @@ class ShardPlan {
   return mix(mix(mix(seed) ^ static_cast<std::uint64_t>(step)) ^ static_cast<std::uint64_t>(shard));
 }
 
+/// The old spellings, paratrain::deterministic::ShardPlan and ::shard_seed, for one release.
+namespace deterministic {
+using paratrain::ShardPlan;
+using paratrain::shard_seed;
 }  // namespace deterministic
 
 }  // namespace paratrain

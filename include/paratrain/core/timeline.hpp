@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// paratrain::observe::StepTimeline — where a strategy reports the phases of its steps,
+/// paratrain::StepTimeline — where a strategy reports the phases of its steps,
 /// and the launch and completion of each bucket's communication, while it is watched.
 
 #include <chrono>
@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace paratrain::observe {
+namespace paratrain {
 
 /// The phases of a training step, in the order they happen.
 enum class Phase : std::uint8_t {
@@ -98,4 +98,4 @@ class PhaseTimer {
   StepTimeline::clock::time_point begin_{};
 };
 
-}  // namespace paratrain::observe
+}  // namespace paratrain

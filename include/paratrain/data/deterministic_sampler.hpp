@@ -18,7 +18,7 @@ namespace paratrain::data {
 /// The sampler of deterministic mode (Note [Deterministic training]): the epoch's order
 /// (DistributedSampler's: `randperm(dataset_size)` seeded with `seed + epoch`, or 0, 1, ...)
 /// is cut into global batches of `global_batch` samples, the same at every world size; each
-/// into `shards` virtual shards (deterministic::ShardPlan), and rank r gets, step after step,
+/// into `shards` virtual shards (ShardPlan), and rank r gets, step after step,
 /// the samples of shards r, r + num_replicas, ... in that order: batch_size() of them
 /// (ranks may differ by a few). The order is padded by repeating it from the start to a
 /// whole number of global batches, or with `drop_last` truncated to one.
@@ -78,7 +78,7 @@ class DeterministicSampler {
   }
   /// This rank's samples in each step.
   [[nodiscard]] std::int64_t batch_size() const noexcept {
-    return deterministic::ShardPlan(options_.global_batch, options_.shards)
+    return ShardPlan(options_.global_batch, options_.shards)
         .rank_samples(options_.rank, options_.num_replicas);
   }
   /// This rank's indices this epoch: batch_size() for each of steps().
@@ -86,7 +86,7 @@ class DeterministicSampler {
 
   [[nodiscard]] std::vector<std::int64_t> indices() const {
     const auto order = epoch_order();
-    const deterministic::ShardPlan plan(options_.global_batch, options_.shards);
+    const ShardPlan plan(options_.global_batch, options_.shards);
     std::vector<std::int64_t> mine;
     mine.reserve(static_cast<std::size_t>(size()));
     const auto n = static_cast<std::int64_t>(order.size());

@@ -21,7 +21,7 @@
 
 #include "paratrain/concepts/dataset.hpp"
 #include "paratrain/core/batch.hpp"
-#include "paratrain/collectives/agree.hpp"
+#include "paratrain/core/message.hpp"
 #include "paratrain/core/error.hpp"
 
 namespace paratrain::data {

@@ -229,7 +229,7 @@ class Trainer {
     result_.resumed_from = checkpoints_.resumed_from();
     early_best_ = start_.early_best, early_bad_ = start_.early_bad, best_saved_ = start_.best_saved;
     plateau_factor_ = start_.plateau_factor, plateau_best_ = start_.plateau_best, plateau_bad_ = start_.plateau_bad;
-    if constexpr (requires { s_.loss_scaler(); })  // Note [Loss scaling]: resumed where it was
+    if constexpr (loss_scaled_strategy<S>)  // Note [Loss scaling]: resumed where it was
       if (start_.loss_scale > 0) s_.loss_scaler().restore(start_.loss_scale, start_.loss_scale_tracker);
   }
 
@@ -318,7 +318,7 @@ class Trainer {
     const auto end = clock::now();
     // One interval for both: StepInfo::data_seconds and the trace's data phase.
     data_seconds = std::chrono::duration<double>(end - begin).count();
-    if (auto* timeline = observer_.timeline()) timeline->add(observe::Phase::data, begin, end);
+    if (auto* timeline = observer_.timeline()) timeline->add(Phase::data, begin, end);
     if (!failed.empty()) {
       // The step refuses the unusable batch on every rank (Note [Unusable batches]), so no
       // rank waits for this one; this rank then says why.
@@ -556,7 +556,7 @@ class Trainer {
     p.step = steps_done, p.epoch = epoch, p.epoch_step = epoch_step, p.position = visited, p.base_lrs = base_lrs_;
     p.early_best = early_best_, p.early_bad = early_bad_, p.best_saved = best_saved_;
     p.plateau_factor = plateau_factor_, p.plateau_best = plateau_best_, p.plateau_bad = plateau_bad_;
-    if constexpr (requires { s_.loss_scaler(); })
+    if constexpr (loss_scaled_strategy<S>)
       if (s_.loss_scaler().active())
         p.loss_scale = s_.loss_scaler().scale(), p.loss_scale_tracker = s_.loss_scaler().growth_tracker();
     return p;

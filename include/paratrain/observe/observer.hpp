@@ -17,6 +17,7 @@
 
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/collectives/agree.hpp"
+#include "paratrain/concepts/strategy.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/observe/metrics_log.hpp"
 #include "paratrain/observe/step_times.hpp"
@@ -74,7 +75,7 @@ class Observer {
   Observer(S& s, const ObserveOptions& options) : s_(s), options_(options), start_(clock::now()) {
     if (!options_.trace_file.empty()) {
       trace_.emplace(s_);  // collective: measures the clock offset
-      if constexpr (requires { s_.set_timeline(&timeline_); }) {
+      if constexpr (traced_strategy<S>) {
         s_.set_timeline(&timeline_);
         attached_ = true;
       }
@@ -205,12 +206,12 @@ class Observer {
   }
 
   void detach() noexcept {
-    if constexpr (requires { s_.set_timeline(nullptr); })
+    if constexpr (traced_strategy<S>)
       if (std::exchange(attached_, false)) s_.set_timeline(nullptr);
   }
 
   [[nodiscard]] double exposed_wait() const {
-    if constexpr (requires { s_.exposed_communication_seconds(); }) return s_.exposed_communication_seconds();
+    if constexpr (communication_timed_strategy<S>) return s_.exposed_communication_seconds();
     else return 0.0;
   }
 

@@ -25,6 +25,13 @@
 
 namespace paratrain::observe {
 
+// The step timeline is vocabulary every strategy speaks (core/timeline.hpp); its old
+// spellings, observe::StepTimeline, observe::Phase, ..., for one release.
+using paratrain::Phase;
+using paratrain::phase_name;
+using paratrain::PhaseTimer;
+using paratrain::StepTimeline;
+
 // Note [Clock alignment]
 // Each rank stamps events with its own std::chrono::steady_clock. On one host that is
 // CLOCK_MONOTONIC for every process, but on several hosts the clocks have unrelated

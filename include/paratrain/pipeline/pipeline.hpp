@@ -288,7 +288,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
 
   /// fit's trace (Note [Zero-cost timeline]): each stage pass as a forward or backward span,
   /// the replicas' reductions and the optimizer step.
-  void set_timeline(observe::StepTimeline* timeline) noexcept {
+  void set_timeline(StepTimeline* timeline) noexcept {
     timeline_ = timeline;
     steps_->set_timeline(timeline);
   }
@@ -472,7 +472,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       inputs = std::move(in);
     }
     const auto begin = clock::now();
-    observe::PhaseTimer timer(timeline_, observe::Phase::forward);
+    PhaseTimer timer(timeline_, Phase::forward);
     // Note [Mixed precision]: the stage's forward, and the loss, under autocast.
     std::optional<detail::AutocastScope> autocast(std::in_place, options_.data_parallel.precision.autocast, device_);
     const auto outputs = forward(a.stage, inputs);
@@ -528,7 +528,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     auto& st = node.mapped();
     const auto grads = root_gradients(a, st);
     const auto begin = clock::now();
-    observe::PhaseTimer timer(timeline_, observe::Phase::backward);
+    PhaseTimer timer(timeline_, Phase::backward);
     steps_->before_backward(last);
     if (!st.roots.empty()) torch::autograd::backward(st.roots, grads);
     Tensors in_grads;
@@ -542,7 +542,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     auto& st = run.stash.at({a.stage, a.micro});
     auto grads = root_gradients(a, st);
     const auto begin = clock::now();
-    observe::PhaseTimer timer(timeline_, observe::Phase::backward);
+    PhaseTimer timer(timeline_, Phase::backward);
     st.split.emplace(std::exchange(st.roots, {}), std::move(grads), std::exchange(st.leaves, {}));
     auto in_grads = st.split->input_gradients();
     timer.stop();
@@ -553,7 +553,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   void run_backward_weight(const pipeline::Action& a, Run& run, bool last) {
     auto node = run.stash.extract({a.stage, a.micro});
     const auto begin = clock::now();
-    observe::PhaseTimer timer(timeline_, observe::Phase::backward);
+    PhaseTimer timer(timeline_, Phase::backward);
     steps_->before_backward(last);
     node.mapped().split->weight_gradients();
     timer.stop();
@@ -610,7 +610,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   std::map<int, pipeline::Schedule> schedules_;
   std::map<std::tuple<int, int, int>, std::pair<Tensors, Flags>> local_;  // messages to this rank itself
   PipelineStepStats stats_;
-  observe::StepTimeline* timeline_ = nullptr;  // Note [Zero-cost timeline]
+  StepTimeline* timeline_ = nullptr;  // Note [Zero-cost timeline]
 };
 
 }  // namespace paratrain

@@ -301,14 +301,14 @@ class DataParallel {
   /// from them here (every rank loaded its own). Collective, by the concept.
   void loaded() noexcept {}
   /// The optimizer steps taken (or skipped) so far; deterministic mode keys each shard's
-  /// random draws on it (deterministic::shard_seed). checkpoint::load sets it to the
+  /// random draws on it (shard_seed). checkpoint::load sets it to the
   /// checkpoint's step, so that a resumed run draws what the uninterrupted one drew.
   [[nodiscard]] std::int64_t step_count() const noexcept { return steps_->step_count(); }
   void set_step_count(std::int64_t steps) noexcept { steps_->set_step_count(steps); }
 
   /// Reports each step's phases and each bucket's all-reduce into `timeline` (fit's
   /// trace does this); null, the default, times nothing. Note [Zero-cost timeline].
-  void set_timeline(observe::StepTimeline* timeline) noexcept {
+  void set_timeline(StepTimeline* timeline) noexcept {
     timeline_ = timeline;
     steps_->set_timeline(timeline);
   }
@@ -367,7 +367,7 @@ class DataParallel {
 
   /// Note [Deterministic training]: every rank's sample count, agreed and checked against
   /// the shard plan, or every rank throws.
-  deterministic::ShardPlan agree_on_shards(std::int64_t samples, const std::string& problem) {
+  ShardPlan agree_on_shards(std::int64_t samples, const std::string& problem) {
     auto data = steps_->on_device();
     return detail::agree_on_shards(data, samples, problem, options().deterministic.shards);
   }
@@ -391,7 +391,7 @@ class DataParallel {
                                      /*keep_whole=*/options().max_grad_norm > 0);
       steps_->before_backward(/*last=*/true);
       {
-        const detail::ShardRandomness rng(device_, deterministic::shard_seed(options().deterministic.seed, steps_->step_count(), k));
+        const detail::ShardRandomness rng(device_, shard_seed(options().deterministic.seed, steps_->step_count(), k));
         loss_sum += forward_backward(batch.narrow(offset, n), loss) * static_cast<double>(n);
       }
       offset += n;
@@ -416,7 +416,7 @@ class DataParallel {
   double forward_backward(const Batch& host, Loss& loss) {
     static_assert(explain_model<Model>());
     model_->train();
-    observe::PhaseTimer forward(timeline_, observe::Phase::forward);
+    PhaseTimer forward(timeline_, Phase::forward);
     const Batch batch = host.to(device_);  // Note [One move per batch]
     at::Tensor l;
     {
@@ -424,7 +424,7 @@ class DataParallel {
       l = detail::compute_loss<output_type>(loss, detail::forward(model_, batch.inputs), batch);
     }
     forward.stop();
-    observe::PhaseTimer backward(timeline_, observe::Phase::backward);
+    PhaseTimer backward(timeline_, Phase::backward);
     // Note [Exact averaging]: the gradient of the sum over this rank's samples; times the
     // loss scale (Note [Loss scaling]), which the buckets' division takes out again.
     (l * (static_cast<double>(batch.size()) * steps_->loss_scaler().scale())).backward();
@@ -435,7 +435,7 @@ class DataParallel {
   Model model_;
   at::Device device_;  // the model's, where the communicator reduces (comm::Nccl: CUDA only)
   std::unique_ptr<Steps> steps_;
-  observe::StepTimeline* timeline_ = nullptr;
+  StepTimeline* timeline_ = nullptr;
 };
 
 }  // namespace paratrain

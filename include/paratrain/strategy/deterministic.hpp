@@ -50,7 +50,7 @@ namespace paratrain {
 //   elementwise optimizer (paratrain::elementwise_optimizer: SGD, Adam, AdamW, RMSprop,
 //   Adagrad) computes every element alike wherever the cut is, others are refused;
 // - random draws inside a shard (dropout) come from the default generators reseeded with
-//   deterministic::shard_seed(seed, step, k) for that shard, and restored after it;
+//   shard_seed(seed, step, k) for that shard, and restored after it;
 // - LibTorch's kernels must be deterministic themselves: the mode turns on
 //   at::globalContext().setDeterministicAlgorithms and requires one intra-op thread on a
 //   CPU (a reduction split over threads is cut by their number) and CUBLAS_WORKSPACE_CONFIG
@@ -164,7 +164,7 @@ std::string deterministic_problem(const Deterministic& d, int world_size, const 
 /// batch's shard plan, known and checked alike on every rank, which all throw when one
 /// rank's samples do not fit it. Collective.
 template <class Group>
-deterministic::ShardPlan agree_on_shards(Group& group, std::int64_t samples, const std::string& problem,
+ShardPlan agree_on_shards(Group& group, std::int64_t samples, const std::string& problem,
                                          std::int64_t shards) {
   const int ranks = group.size(), me = group.rank();
   auto counts = at::zeros({ranks + 1}, at::kDouble);
@@ -175,7 +175,7 @@ deterministic::ShardPlan agree_on_shards(Group& group, std::int64_t samples, con
   if (c[ranks].item<double>() > 0) raise_everywhere(group, "DataParallel::step", problem);
   std::int64_t total = 0;
   for (int r = 0; r < ranks; ++r) total += static_cast<std::int64_t>(c[r].item<double>());
-  const deterministic::ShardPlan plan(total, shards);
+  const ShardPlan plan(total, shards);
   std::string mismatch;
   for (int r = 0; r < ranks && mismatch.empty(); ++r) {
     const auto got = static_cast<std::int64_t>(c[r].item<double>()), want = plan.rank_samples(r, ranks);

@@ -25,7 +25,7 @@
 #include <string>
 
 #include "paratrain/strategy/buckets/bucket_layout.hpp"
-#include "paratrain/strategy/plan.hpp"
+#include "paratrain/plan/plan.hpp"
 #include "paratrain/strategy/unit.hpp"
 
 namespace paratrain {

@@ -24,6 +24,7 @@
 
 #include "paratrain/concepts/module.hpp"
 #include "paratrain/util/torch_compat.hpp"
+#include "paratrain/strategy/layer_wrapper.hpp"
 #include "paratrain/strategy/unit.hpp"
 
 namespace paratrain {
@@ -203,8 +204,9 @@ inline constexpr bool hides_tensors_v = !is_tensor_v<T> && (std::is_convertible_
 }  // namespace detail
 
 /// The implementation behind `Recompute<Layer>`: `Layer`'s implementation, whose forward
-/// keeps no activations for backward and recomputes them there. Note [Recomputing activations].
-template <class Impl, class Args = typename detail::member_signature<decltype(&Impl::forward)>::parameters>
+/// keeps no activations for backward and recomputes them there. Note [Recomputing activations],
+/// Note [Layer wrappers].
+template <class Impl, class Args = detail::forward_parameters_t<Impl>>
 class RecomputeImpl;
 
 template <class Impl, class... A>
@@ -285,9 +287,9 @@ class RecomputeImpl<Impl, std::tuple<A...>> : public Impl {
 /// ZeRO-3 `paratrain::Unit<paratrain::Recompute<Layer>>`. Same parameters, names and
 /// results as `Layer`; forward runs once more in backward. Note [Recomputing activations].
 template <class Layer>
-class Recompute : public torch::nn::ModuleHolder<RecomputeImpl<typename Layer::ContainedType>> {
+class Recompute : public LayerHolder<RecomputeImpl, Layer> {
  public:
-  using torch::nn::ModuleHolder<RecomputeImpl<typename Layer::ContainedType>>::ModuleHolder;
+  using LayerHolder<RecomputeImpl, Layer>::LayerHolder;
 };
 
 }  // namespace paratrain

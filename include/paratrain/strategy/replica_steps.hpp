@@ -183,7 +183,7 @@ class ReplicaSteps {
     // A step with no forward on this rank (join(), or step() with an empty batch) still
     // takes part in the others' unit gathers: Note [Joining at stage 3].
     if (local == 0) store_->replay_gathers(rank());
-    observe::PhaseTimer sync(timeline_, observe::Phase::sync);
+    PhaseTimer sync(timeline_, Phase::sync);
     const auto start = std::chrono::steady_clock::now();
     grads_->flush();
     const auto& layout = store_->layout();
@@ -227,7 +227,7 @@ class ReplicaSteps {
         norm = std::sqrt(totals.first);
         grads_->scale(std::min(options_.max_grad_norm / (norm + 1e-6), 1.0));  // as clip_grad_norm_
       }
-      observe::PhaseTimer step(timeline_, observe::Phase::optimizer);
+      PhaseTimer step(timeline_, Phase::optimizer);
       store_->step(*grads_);
     }
     if (!joined) store_->end_step();
@@ -315,7 +315,7 @@ class ReplicaSteps {
 
   /// Reports the step's synchronisation and optimizer phases and each bucket's reduction
   /// into `timeline`; null: nothing. Note [Zero-cost timeline].
-  void set_timeline(observe::StepTimeline* timeline) noexcept {
+  void set_timeline(StepTimeline* timeline) noexcept {
     timeline_ = timeline;
     grads_->set_timeline(timeline);
   }
@@ -421,7 +421,7 @@ class ReplicaSteps {
   std::string pending_problem_;  // a batch accumulate() could not use: Note [Unusable batches]
   std::int64_t steps_ = 0;       // optimizer steps taken or skipped, for messages and shard seeds
   double exposed_seconds_ = 0;
-  observe::StepTimeline* timeline_ = nullptr;
+  StepTimeline* timeline_ = nullptr;
 };
 
 }  // namespace paratrain

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "paratrain/concepts/module.hpp"
+#include "paratrain/strategy/layer_wrapper.hpp"
 #include "paratrain/strategy/stores/sharded_construction.hpp"
 
 namespace paratrain {
@@ -89,10 +90,8 @@ struct BeforeBackward : torch::autograd::Function<BeforeBackward> {
 }  // namespace detail
 
 /// The implementation behind `Unit<Layer>`: `Layer`'s implementation, reporting to a
-/// ZeRO-3 strategy around its forward. Note [Units].
-/// (LibTorch's ModuleHolder needs a non-template forward, so a Unit's repeats its layer's
-/// parameter list, read off the layer's one forward.)
-template <class Impl, class Args = typename detail::member_signature<decltype(&Impl::forward)>::parameters>
+/// ZeRO-3 strategy around its forward. Note [Units], Note [Layer wrappers].
+template <class Impl, class Args = detail::forward_parameters_t<Impl>>
 class UnitImpl;
 
 template <class Impl, class... A>
@@ -124,9 +123,9 @@ class UnitImpl<Impl, std::tuple<A...>> : public Impl, public detail::UnitBase {
 /// `paratrain::Unit<torch::nn::Linear> fc{nullptr};` then
 /// `fc = register_module("fc", paratrain::Unit<torch::nn::Linear>(128, 10));`. Note [Units].
 template <class Layer>
-class Unit : public torch::nn::ModuleHolder<UnitImpl<typename Layer::ContainedType>> {
+class Unit : public LayerHolder<UnitImpl, Layer> {
  public:
-  using torch::nn::ModuleHolder<UnitImpl<typename Layer::ContainedType>>::ModuleHolder;
+  using LayerHolder<UnitImpl, Layer>::LayerHolder;
 };
 
 }  // namespace paratrain

@@ -13,6 +13,7 @@
 
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/collectives/agree.hpp"
+#include "paratrain/core/message.hpp"
 #include "paratrain/collectives/gather_strings.hpp"
 
 namespace paratrain::checkpoint::detail {

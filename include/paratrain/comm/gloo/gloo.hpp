@@ -36,7 +36,7 @@
 #include "paratrain/comm/detail/skeleton.hpp"
 #include "paratrain/comm/detail/tensor_checks.hpp"
 #include "paratrain/reliability/watchdog.hpp"
-#include "paratrain/collectives/agree.hpp"
+#include "paratrain/core/message.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/comm/launch.hpp"
 #include "paratrain/comm/rendezvous.hpp"

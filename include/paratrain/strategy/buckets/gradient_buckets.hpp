@@ -178,7 +178,7 @@ class GradientBuckets {
   [[nodiscard]] std::size_t bucket_count() const noexcept { return buckets_.size(); }
   /// Where each bucket's launch and completion are reported; null (the default): nowhere,
   /// at the cost of one pointer test. Note [Zero-cost timeline].
-  void set_timeline(observe::StepTimeline* timeline) noexcept { timeline_ = timeline; }
+  void set_timeline(StepTimeline* timeline) noexcept { timeline_ = timeline; }
 
   /// Bytes of gradients this rank handed to the step's collectives (what the hooks said
   /// they sent), since zero_grad(): the last step's.
@@ -309,7 +309,7 @@ class GradientBuckets {
   bool sync_ = true;
   double exposed_seconds_ = 0;
   std::int64_t sent_bytes_ = 0;
-  observe::StepTimeline* timeline_ = nullptr;
+  StepTimeline* timeline_ = nullptr;
 };
 
 }  // namespace paratrain

@@ -15,12 +15,12 @@
 
 #include "paratrain/comm/mesh.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
-#include "paratrain/strategy/optimizer_state.hpp"
+#include "paratrain/concepts/optimizer_state.hpp"
 #include "paratrain/strategy/buckets/bucket_layout.hpp"
 #include "paratrain/strategy/buckets/gradient_buckets.hpp"
 #include "paratrain/strategy/buckets/gradient_storage.hpp"
 #include "paratrain/strategy/detail/tensor_bytes.hpp"
-#include "paratrain/strategy/plan.hpp"
+#include "paratrain/plan/plan.hpp"
 #include "paratrain/strategy/stores/sharded_construction.hpp"
 
 namespace paratrain {
@@ -99,12 +99,12 @@ using ParamGroups = std::vector<torch::optim::OptimizerParamGroup>;
 namespace detail {
 
 /// The bytes of an optimizer's state tensors, for the optimizers checkpoints know
-/// (checkpoint::optimizer_schema lists their state); 0 for others.
+/// (optimizer_schema lists their state); 0 for others.
 template <class Optim>
 std::size_t optimizer_state_bytes(const Optim& o) {
   std::size_t n = 0;
-  if constexpr (checkpoint::known_optimizer<Optim>) {
-    using Schema = checkpoint::schema_of<Optim>;
+  if constexpr (known_optimizer<Optim>) {
+    using Schema = schema_of<Optim>;
     for (const auto& [key, state] : o.state())
       for (const auto& [field, t] : Schema::get(static_cast<const typename Schema::state_type&>(*state)).tensors)
         n += bytes_of(t);
