@@ -20,3 +20,18 @@ function(paratrain_add_mpi_test name ranks)
   set_tests_properties(${name}.np${ranks} PROPERTIES
     ENVIRONMENT "${PARATRAIN_MPIRUN_ENV};PARATRAIN_TIMEOUT=120" TIMEOUT 600 PROCESSORS ${ranks} LABELS mpi)
 endfunction()
+
+# paratrain_default_timeouts(): every test of this directory that sets no TIMEOUT gets
+# PARATRAIN_DEFAULT_TEST_TIMEOUT (ctest's own default is 10^7 s: a test that hangs would hang
+# CI). tests/ and examples/ defer a call to it to the end of their directory, after every
+# add_test (and after an early return()).
+set(PARATRAIN_DEFAULT_TEST_TIMEOUT 300 CACHE STRING "TIMEOUT, in seconds, of the tests that set none")
+function(paratrain_default_timeouts)
+  get_property(tests DIRECTORY PROPERTY TESTS)
+  foreach(t IN LISTS tests)
+    get_test_property(${t} TIMEOUT timeout)
+    if(NOT timeout)
+      set_tests_properties(${t} PROPERTIES TIMEOUT ${PARATRAIN_DEFAULT_TEST_TIMEOUT})
+    endif()
+  endforeach()
+endfunction()

@@ -66,12 +66,14 @@ if [[ ${1:-} == --inside ]]; then
   cmake --build "$build" -j "$(nproc)" --target paratrain_tests paratrain_gloo_tests paratrain_nccl_tests \
     "${examples[@]}" bench_zero_rendezvous "${alone[@]}"
   cd "$build"
-  ctest --output-on-failure -j "$(nproc)" -R '^paratrain_(tests|nccl_tests)\.np[12]$' "$@"
-  ctest --output-on-failure -j "$(nproc)" -L '^(compile_fail|example|gloo)$' -E "$not_built" "$@"
+  ctest --output-on-failure --no-tests=error -j "$(nproc)" -R '^paratrain_(tests|nccl_tests)\.np[12]$' "$@"
+  ctest --output-on-failure --no-tests=error -j "$(nproc)" -L '^(compile_fail|example|gloo)$' -E "$not_built" "$@"
   exit 0
 fi
 root=${PARATRAIN_COMPAT_ROOT:-/var/cache/paratrain/trixie-cuda}
-mirror=${PARATRAIN_COMPAT_MIRROR:-http://deb.debian.org/debian}
+# mmdebstrap's default mirror unless PARATRAIN_COMPAT_MIRROR names one (a local mirror, a proxy).
+mirrors=()
+[[ -n ${PARATRAIN_COMPAT_MIRROR:-} ]] && mirrors=("$PARATRAIN_COMPAT_MIRROR")
 packages=(
   libtorch-cuda-dev nvidia-cuda-toolkit libnccl-dev libgloo-cuda-dev libopenblas0-openmp g++ cmake ninja-build
   libopenmpi-dev openmpi-bin libboost-mpi-dev librange-v3-dev doctest-dev nlohmann-json3-dev
@@ -137,7 +139,7 @@ EOF
     --customize-hook="chroot \"\$1\" sh $stand_in/cudnn-stand-in.sh" \
     --customize-hook="rm -rf \"\$1$stand_in\" \"\$1\"/var/cache/apt/archives/*.deb" \
     --include="$stand_in/nvidia-cudnn.deb" --include="$(IFS=,; echo "${packages[*]}")" \
-    trixie "$root.new" "$mirror"
+    trixie "$root.new" "${mirrors[@]}" </dev/null
   echo "${packages[*]}" | "${sudo[@]}" tee "$root.new/.paratrain-packages" >/dev/null
   "${sudo[@]}" rm -rf "$root"
   "${sudo[@]}" mv "$root.new" "$root"

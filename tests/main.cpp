@@ -39,6 +39,9 @@ void end_job() {
 REGISTER_LISTENER("abort_on_failure", 1, paratrain_test::AbortOnFailure);
 
 int main(int argc, char** argv) {
+  // fit's deadline (Note [Ending before the time limit]) must not come from a Slurm job that
+  // happens to run the tests; the tests that want one set SLURM_JOB_END_TIME themselves.
+  ::unsetenv("SLURM_JOB_END_TIME");
   paratrain::comm::Mpi::Environment env(argc, argv);
   torch::set_num_threads(1);  // ranks share 2 cores; intra-op threads would oversubscribe them
   int rank = 0;

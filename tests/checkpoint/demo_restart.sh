@@ -37,3 +37,4 @@ grep 'resumed from' "$dir/second.log"
 got=$(accuracy "$dir/second.log")
 echo "uninterrupted: $want; stopped and resumed: $got"
 [[ "$got" == "$want" ]]
+rm -rf "$dir"  # passed: the checkpoints and logs go (a failure leaves them to look at)

@@ -46,3 +46,4 @@ step=$(basename "$(dirname "$killed")")  # .step-00000000N.partial
 step=${step#.step-}
 export PARATRAIN_CHECKPOINT_KILLED_STEP=$((10#${step%.partial}))
 "$mpirun_sh" 1 "$tests" --no-skip --test-case="Checkpoint after the kill test" --success
+rm -rf "$dir"  # passed: the checkpoints go (a failure leaves them to look at)

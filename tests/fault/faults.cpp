@@ -1,6 +1,7 @@
 // A training program that misbehaves on purpose, for the fault-injection tests
 // (tests/fault/inject.sh): one rank is killed, stopped, skips a collective, or throws, at a
 // chosen step, under DDP, ZeRO-3 or a two-stage pipeline. docs/reliability.md.
+#include <cstdlib>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -112,6 +113,9 @@ void train(Strategy& strategy, std::int64_t steps, int micro_batches = 1) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // fit's deadline (Note [Ending before the time limit]) must not come from a Slurm job that
+  // happens to run the tests; the tests that want one set SLURM_JOB_END_TIME themselves.
+  ::unsetenv("SLURM_JOB_END_TIME");
   Mpi::Environment env(argc, argv);
   torch::set_num_threads(1);
   CLI::App app("paratrain's fault-injection program");

@@ -6,11 +6,13 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <utility>
 
 #include "paratrain/comm/device.hpp"
 #include "paratrain/core/config.hpp"
+#include "support/case_count.hpp"
 #if PARATRAIN_HAS_NCCL
 #include "paratrain/comm/nccl/bootstrap_over_store.hpp"
 #include "paratrain/comm/nccl/nccl.hpp"
@@ -28,10 +30,14 @@ inline torch::Device gpu() {
 }
 
 // A case that cannot run here says so, instead of passing having checked nothing: doctest has
-// no skip at run time, so the case prints "skipped: <why>" (MESSAGE is always printed) and
-// returns; scripts/gpu-check.sh counts these lines beside the passed cases.
+// no skip at run time, so the case prints "skipped: <why>" (MESSAGE is always printed), is
+// counted as skipped (support/case_count.hpp: the driver reports the counts, and fails a run
+// in which every case skipped) and returns.
 inline bool skipped(bool cannot_run, const std::string& why) {
-  if (cannot_run) MESSAGE("skipped: " << why);
+  if (cannot_run) {
+    MESSAGE("skipped: " << why);
+    paratrain_test::case_count().current_skipped = true;
+  }
   return cannot_run;
 }
 
@@ -63,9 +69,15 @@ inline paratrain::comm::Nccl nccl_world(paratrain::comm::Nccl::Options options =
   const auto file = scratch("nccl-store-" + std::to_string(meetings++));
   if (world.rank() == 0) std::filesystem::remove(file);
   world.barrier();
-  comm::Rendezvous meeting(
-      {.rank = world.rank(), .world_size = world.size(), .local_rank = world.rank(), .file = file.string()});
-  return comm::Nccl(meeting, std::move(options));
+  std::optional<comm::Nccl> made;
+  {
+    comm::Rendezvous meeting(
+        {.rank = world.rank(), .world_size = world.size(), .local_rank = world.rank(), .file = file.string()});
+    made.emplace(meeting, std::move(options));
+  }  // the store closed on every rank: its file can go
+  world.barrier();
+  if (world.rank() == 0) std::filesystem::remove(file);
+  return std::move(*made);
 }
 #endif
 

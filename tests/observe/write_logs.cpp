@@ -3,6 +3,7 @@
 // Writes <dir>/tb (rank 0's events, rank<r>/ per rank), <dir>/trace.json,
 // <dir>/metrics.jsonl, <dir>/metrics.csv; tests/observe/check_*.py read them, and
 // scripts/plot.py draws docs/plots from a longer run (docs/observability.md).
+#include <cstdlib>
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -34,6 +35,9 @@ paratrain::data::TensorDataset make_data(std::int64_t n, std::uint64_t seed) {
 }  // namespace
 
 int main(int argc, char** argv) try {
+  // fit's deadline (Note [Ending before the time limit]) must not come from a Slurm job that
+  // happens to run the tests; the tests that want one set SLURM_JOB_END_TIME themselves.
+  ::unsetenv("SLURM_JOB_END_TIME");
   paratrain::comm::Mpi::Environment env(argc, argv);
   if (argc != 2 && argc != 3) {
     std::cerr << "usage: write_logs <dir> [epochs]\n";

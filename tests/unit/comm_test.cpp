@@ -191,14 +191,17 @@ void check_meeting(comm::Rendezvous& meeting, const comm::Mpi& mpi) {
 TEST_CASE("comm::Rendezvous: ranks meet in a file and agree values through it") {
   comm::Mpi mpi;
   const auto dir = paratrain_test::shared_dir(mpi, "rendezvous");
-  comm::Rendezvous meeting({.rank = mpi.rank(),
-                            .world_size = mpi.size(),
-                            .local_rank = 0,
-                            .master_addr = "",
-                            .file = (dir / "store").string()});
-  CHECK(meeting.where() == "file " + (dir / "store").string());
-  CHECK(meeting.port() == 0);
-  check_meeting(meeting, mpi);
+  {
+    comm::Rendezvous meeting({.rank = mpi.rank(),
+                              .world_size = mpi.size(),
+                              .local_rank = 0,
+                              .master_addr = "",
+                              .file = (dir / "store").string()});
+    CHECK(meeting.where() == "file " + (dir / "store").string());
+    CHECK(meeting.port() == 0);
+    check_meeting(meeting, mpi);
+  }  // the store closed: its file goes with the directory
+  paratrain_test::remove_shared_dir(mpi, dir);
 }
 
 TEST_CASE("comm::Rendezvous: ranks meet at MASTER_ADDR:MASTER_PORT through rank 0's TCPStore") {
@@ -244,22 +247,28 @@ TEST_CASE("comm::Rendezvous: a meeting that cannot happen says which variable to
 
 TEST_CASE("comm::Mpi: a pending all-gather completes while its caller makes no MPI call (Note [Progress thread])") {
   // 16 MiB a rank, far above Open MPI's eager limit: its messages move only when some MPI
-  // call of each process runs the progress engine. The caller sleeps without one; the
-  // progress thread's calls must complete the gather meanwhile, so that the first test()
-  // after the sleep finds it done. With progress = 0 (the default) the first test() is not
-  // (seen failing at 2 and 3 ranks: "CHECK( done ) failed, with false").
+  // call of each process runs the progress engine. The caller makes none: it watches the
+  // receive buffer (plain memory reads) until every rank's part has arrived, which only the
+  // progress thread's calls can bring about, or a generous deadline passes. With progress =
+  // 0 (the default) nothing arrives (seen failing at 2 and 3 ranks, at the deadline).
   comm::Mpi::Options options;
   options.progress = std::chrono::microseconds(200);
   comm::Mpi mpi(options);
   if (mpi.size() == 1) return;
   const std::int64_t n = std::int64_t{4} << 20;
   const auto mine = torch::full({n}, static_cast<float>(mpi.rank()));
-  auto all = torch::empty({n * mpi.size()});
+  auto all = torch::full({n * mpi.size()}, -1.0F);
   mpi.barrier();
   auto r = mpi.iall_gather(mine, all);
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  const bool done = r.test();
-  CHECK(done);
+  const volatile float* p = all.data_ptr<float>();
+  const auto arrived = [&] {
+    for (int k = 0; k < mpi.size(); ++k)
+      if (p[k * n] != static_cast<float>(k) || p[k * n + n - 1] != static_cast<float>(k)) return false;
+    return true;
+  };
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!arrived() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK(arrived());  // the bytes moved while this thread made no MPI call
   r.wait();
   for (int k = 0; k < mpi.size(); ++k) CHECK(all.narrow(0, k * n, n).eq(k).all().item<bool>());
 }

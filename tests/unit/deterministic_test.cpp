@@ -178,6 +178,23 @@ void check_every_strategy(const Opts& opts) {
   if (world == 4) CHECK(same_bytes(distributed<Sharded<Optim, zero::stage3>>(opts, deterministic(2)), want));
 }
 
+// shard_seed's answers, computed from its definition (splitmix64 over seed, step, shard) by
+// an independent port in Python: the reference above draws from shard_seed too, so only
+// these pin it. Two shards (and two steps) must draw different dropout masks.
+TEST_CASE("shard_seed: known answers, and two shards' or steps' dropout masks differ") {
+  using paratrain::shard_seed;
+  CHECK(shard_seed(0, 0, 0) == 0x238275bc38fcbe91ULL);
+  CHECK(shard_seed(11, 3, 5) == 0x4fb7cd81421af33dULL);
+  CHECK(shard_seed(~std::uint64_t{0}, 1000000, 11) == 0xd37ec0c1d6ebb56cULL);
+  const auto mask = [](std::uint64_t seed) {
+    torch::manual_seed(seed);
+    return torch::dropout(torch::ones({256}), 0.5, /*train=*/true);
+  };
+  CHECK_FALSE(torch::equal(mask(shard_seed(kDropoutSeed, 0, 0)), mask(shard_seed(kDropoutSeed, 0, 1))));
+  CHECK_FALSE(torch::equal(mask(shard_seed(kDropoutSeed, 0, 0)), mask(shard_seed(kDropoutSeed, 1, 0))));
+  CHECK(torch::equal(mask(shard_seed(kDropoutSeed, 2, 3)), mask(shard_seed(kDropoutSeed, 2, 3))));
+}
+
 TEST_CASE("deterministic mode: the same bytes at every world size and stage, with SGD with momentum") {
   const OneThread one;
   check_every_strategy<torch::optim::SGD>(torch::optim::SGDOptions(0.1).momentum(0.9));

@@ -649,11 +649,26 @@ TEST_CASE("the provided schedules follow their formulas") {
 
 namespace {
 
-// Every step's rate, on every rank, as StepInfo reports it.
+// SGD that keeps the rate its last step applied: what the schedule tests check, not only
+// the rate StepInfo reports.
+struct AppliedSgd : torch::optim::SGD {
+  using torch::optim::SGD::SGD;
+  at::Tensor step(LossClosure closure = nullptr) override {
+    last = param_groups().front().options().get_lr();
+    return torch::optim::SGD::step(std::move(closure));
+  }
+  static inline double last = 0;
+};
+using AppliedDdp = paratrain::DataParallel<Net, comm::Mpi, AppliedSgd>;
+
+// Every step's rate, on every rank, as the optimizer applied it (and StepInfo reports it).
 struct LrLog {
   std::vector<double> lr;
   std::function<void(const paratrain::StepInfo&)> record() {
-    return [this](const paratrain::StepInfo& i) { lr.push_back(i.lr); };
+    return [this](const paratrain::StepInfo& i) {
+      CHECK(i.lr == AppliedSgd::last);
+      lr.push_back(AppliedSgd::last);
+    };
   }
 };
 
@@ -673,7 +688,7 @@ TEST_CASE("fit sets warm-up + cosine per step, with the linear scaling rule, and
                                        .progress = false};
   LrLog whole;
   options.on_step = whole.record();
-  Ddp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.2).momentum(0.9));
+  AppliedDdp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.2).momentum(0.9));
   paratrain::fit(s, train, options);
   REQUIRE(whole.lr.size() == static_cast<std::size_t>(total));
   const double pi = std::acos(-1.0);
@@ -687,13 +702,13 @@ TEST_CASE("fit sets warm-up + cosine per step, with the linear scaling rule, and
   options.checkpoint = {.directory = dir, .async = false};
   LrLog first, second;
   options.on_step = [&](const paratrain::StepInfo& i) {
-    first.lr.push_back(i.lr);
+    first.lr.push_back(AppliedSgd::last);
     if (i.step == 4) i.stop->request("interrupted");
   };
-  Ddp a(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.2).momentum(0.9));
+  AppliedDdp a(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.2).momentum(0.9));
   CHECK(paratrain::fit(a, train, options).stopped == "interrupted");
   options.on_step = second.record();
-  Ddp b(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.2).momentum(0.9));
+  AppliedDdp b(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.2).momentum(0.9));
   paratrain::fit(b, train, options);
   first.lr.insert(first.lr.end(), second.lr.begin(), second.lr.end());
   CHECK(first.lr == whole.lr);
@@ -711,7 +726,7 @@ TEST_CASE("reduce-on-plateau cuts the rate after `patience` epochs without impro
   // improvement cuts. Epochs 1 and 2 do not improve on 1: cut to 0.5 from epoch 3; 3
   // improves; 4 and 5 do not: cut to 0.25 from epoch 6.
   const std::vector<double> want{1, 1, 1, 0.5, 0.5, 0.5, 0.25};
-  const auto run = [&](Ddp& s, int epochs, bool stop_after_4) {
+  const auto run = [&](AppliedDdp& s, int epochs, bool stop_after_4) {
     std::vector<double> lrs;
     auto log = log_per_epoch(table, per_epoch);
     paratrain::fit(s, train,
@@ -722,7 +737,7 @@ TEST_CASE("reduce-on-plateau cuts the rate after `patience` epochs without impro
                     .on_step =
                         [&](const paratrain::StepInfo& i) {
                           log(i);
-                          if (i.step % per_epoch == 0) lrs.push_back(i.lr);
+                          if (i.step % per_epoch == 0) lrs.push_back(AppliedSgd::last);  // as applied
                         },
                     .on_epoch =
                         [&](const paratrain::EpochInfo& e) {
@@ -731,10 +746,10 @@ TEST_CASE("reduce-on-plateau cuts the rate after `patience` epochs without impro
                     .checkpoint = {.directory = dir, .async = false}});
     return lrs;
   };
-  Ddp a(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
+  AppliedDdp a(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
   auto lrs = run(a, 7, true);
   CHECK(lrs.size() == 5);
-  Ddp b(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
+  AppliedDdp b(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
   const auto rest = run(b, 7, false);
   lrs.insert(lrs.end(), rest.begin(), rest.end());
   REQUIRE(lrs.size() == want.size());
@@ -746,14 +761,14 @@ TEST_CASE("LibTorch's own schedulers step the rates from a callback while fit's 
   comm::Mpi c;
   const auto train = make_data(32, 1);
   const std::int64_t per_epoch = (32 / c.size() + 3) / 4;
-  Ddp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
+  AppliedDdp s(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
   torch::optim::StepLR step_lr(s.optimizer(), /*step_size=*/2, /*gamma=*/0.5);
   std::vector<double> lrs;
   paratrain::fit(s, train,
                  {.epochs = 5,
                   .batch_size = 4,
                   .progress = false,
-                  .on_step = [&](const paratrain::StepInfo& i) { if (i.step % per_epoch == 0) lrs.push_back(i.lr); },
+                  .on_step = [&](const paratrain::StepInfo& i) { if (i.step % per_epoch == 0) lrs.push_back(AppliedSgd::last); },
                   .on_epoch = [&](const paratrain::EpochInfo&) { step_lr.step(); }});
   REQUIRE(lrs.size() == 5);
   // LibTorch's StepLR (torch/csrc/api/src/optim/schedulers/step_lr.cpp) cuts at the calls
@@ -847,28 +862,50 @@ TEST_CASE("a scaled step equals the unscaled one bit for bit (DDP, ZeRO-3, a pip
   const int world = c.size(), rank = c.rank();
   const paratrain::Precision scaled{.loss_scale = paratrain::LossScaling{.init_scale = 1024, .growth_interval = 2}};
   constexpr int micro = 2, steps = 5;
+  // The gradient each loss receives in backward, recorded: n x the scale of its step. The
+  // bits alone would not show scaling (scaling by a power of 2 and back is exact).
+  std::vector<double> seen;
+  const auto recorded = [&seen](const Pair& out, const Batch& b) {
+    auto l = weighted_with_aux(out, b);
+    l.register_hook([&seen](const at::Tensor& g) { seen.push_back(g.item<double>()); });
+    return l;
+  };
   const auto train = [&](auto& s, int q) {
     const Samples data;
+    seen.clear();
     for (int t = 0; t < steps; ++t) {
       std::vector<Batch> mine;
       for (int m = 0; m < micro; ++m) mine.push_back(data.of(t, q, m));
-      s.step(std::span<const Batch>(mine), weighted_with_aux);
+      s.step(std::span<const Batch>(mine), recorded);
     }
     return s.full_parameters();
+  };
+  // The scaled run's losses received 1024 x the plain run's in steps 0 and 1, 2048 in 2 and 3,
+  // 4096 in 4 (a growth after every 2 clean steps); the plain run's, n (the micro-batch's samples).
+  const auto scaled_by_the_scale = [&](auto& s, auto& plain, int q) {
+    const auto got = train(s, q);
+    const auto with_scale = seen;
+    const auto want = train(plain, q);
+    const auto without = seen;
+    REQUIRE(with_scale.size() == without.size());
+    for (std::size_t i = 0; i < with_scale.size(); ++i)
+      CHECK(with_scale[i] == without[i] * 1024.0 * std::exp2(static_cast<double>(i / micro / 2)));
+    return max_relative_difference(got, want);
   };
   using Zero3 = paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>;
   {
     paratrain::DataParallel<TwoOutputs, comm::Mpi, Zero3> plain(TwoOutputs(), comm::Mpi(), momentum_sgd());
     paratrain::DataParallel<TwoOutputs, comm::Mpi, Zero3> s(TwoOutputs(), comm::Mpi(), momentum_sgd(),
                                                             {.precision = scaled});
-    CHECK(max_relative_difference(train(s, rank), train(plain, rank)) == 0);
+    CHECK(scaled_by_the_scale(s, plain, rank) == 0);
     CHECK(s.loss_scaler().scale() == 1024 * 4);  // two growths after 2 clean steps each
   }
   {
     paratrain::DataParallel<TwoOutputs, comm::Mpi, torch::optim::SGD> plain(TwoOutputs(), comm::Mpi(), momentum_sgd());
     paratrain::DataParallel<TwoOutputs, comm::Mpi, torch::optim::SGD> s(TwoOutputs(), comm::Mpi(), momentum_sgd(),
                                                                         {.precision = scaled});
-    CHECK(max_relative_difference(train(s, rank), train(plain, rank)) == 0);
+    CHECK(scaled_by_the_scale(s, plain, rank) == 0);
+    CHECK(s.loss_scaler().scale() == 1024 * 4);
   }
   if (world % 2 == 0) {
     using Two = paratrain::Pipeline<Hidden, Heads>;
@@ -876,7 +913,7 @@ TEST_CASE("a scaled step equals the unscaled one bit for bit (DDP, ZeRO-3, a pip
     paratrain::DataParallel<Two, comm::Mpi, torch::optim::SGD> plain(two(), comm::Mpi(), momentum_sgd());
     paratrain::DataParallel<Two, comm::Mpi, torch::optim::SGD> s(two(), comm::Mpi(), momentum_sgd(),
                                                                  {.data_parallel = {.precision = scaled}});
-    CHECK(max_relative_difference(train(s, s.replica()), train(plain, plain.replica())) == 0);
+    CHECK(scaled_by_the_scale(s, plain, s.replica()) == 0);  // the last stage's rank records its losses
     CHECK(s.loss_scaler().scale() == 1024 * 4);
   }
 }

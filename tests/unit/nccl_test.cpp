@@ -73,25 +73,33 @@ TEST_CASE("comm::Nccl::unique_id gives every rank rank 0's 128 bytes, fresh on e
 TEST_CASE("comm::Nccl started from a store: every rank gets rank 0's id, fresh on each call, without MPI") {
   comm::Mpi mpi;  // starts the processes and compares; the ids travel through the file
   const auto dir = paratrain_test::shared_dir(mpi, "nccl-store");
-  comm::Rendezvous meeting({.rank = mpi.rank(), .world_size = mpi.size(), .local_rank = 0, .file = (dir / "store").string()});
-  check_unique_ids(mpi, meeting);
+  {
+    comm::Rendezvous meeting(
+        {.rank = mpi.rank(), .world_size = mpi.size(), .local_rank = 0, .file = (dir / "store").string()});
+    check_unique_ids(mpi, meeting);
+  }
+  paratrain_test::remove_shared_dir(mpi, dir);
 }
 
 TEST_CASE("comm::Nccl started from a store without a GPU throws on every rank, before NCCL" * doctest::skip(!no_gpu)) {
   comm::Mpi mpi;
   const auto dir = paratrain_test::shared_dir(mpi, "nccl-store-nogpu");
-  comm::Rendezvous meeting({.rank = mpi.rank(), .world_size = mpi.size(), .local_rank = 0, .file = (dir / "store").string()});
   int threw = 0;
-  try {
-    comm::Nccl nccl(meeting);
-  } catch (const paratrain::error& e) {
-    threw = 1;
-    CHECK(e.operation() == "comm::Nccl");
-    CHECK(std::string(e.what()).find("no CUDA device is visible") != std::string::npos);
+  {
+    comm::Rendezvous meeting(
+        {.rank = mpi.rank(), .world_size = mpi.size(), .local_rank = 0, .file = (dir / "store").string()});
+    try {
+      comm::Nccl nccl(meeting);
+    } catch (const paratrain::error& e) {
+      threw = 1;
+      CHECK(e.operation() == "comm::Nccl");
+      CHECK(std::string(e.what()).find("no CUDA device is visible") != std::string::npos);
+    }
   }
   int threw_on = 0;  // every rank threw, none is left waiting in ncclCommInitRank
   REQUIRE(MPI_Allreduce(&threw, &threw_on, 1, MPI_INT, MPI_SUM, mpi.native()) == MPI_SUCCESS);
   CHECK(threw_on == mpi.size());
+  paratrain_test::remove_shared_dir(mpi, dir);
 }
 
 TEST_CASE("comm::Nccl::device_count() never throws and counts no more GPUs than /dev has") {
@@ -99,9 +107,8 @@ TEST_CASE("comm::Nccl::device_count() never throws and counts no more GPUs than 
   if (std::filesystem::exists("/dev"))
     for (const auto& entry : std::filesystem::directory_iterator("/dev"))
       nodes += std::regex_match(entry.path().filename().string(), std::regex("nvidia[0-9]+")) ? 1 : 0;
-  int n = -1;
-  CHECK_NOTHROW(n = comm::Nccl::device_count());
-  CHECK(n >= 0);
+  static_assert(noexcept(comm::Nccl::device_count()), "device_count() answers, it never throws");
+  const int n = comm::Nccl::device_count();
   CHECK(n <= nodes);  // so 0 on a machine without a GPU
 }
 
@@ -170,13 +177,14 @@ struct HalfImpl : torch::nn::Module {
 };
 TORCH_MODULE(Half);
 
+// Trains, saves into `dir` and loads back (the step's directory: checkpoint::save's layout).
 template <class Strategy, class Model, class Bootstrap, class OptimOptions>
-void train(Bootstrap& bootstrap, Model model, OptimOptions optimizer) {
+void train(Bootstrap& bootstrap, Model model, OptimOptions optimizer, const std::filesystem::path& dir) {
   Strategy s(std::move(model), comm::Nccl(bootstrap), optimizer);
   const paratrain::data::TensorDataset data(torch::randn({16, 4}), torch::randint(2, {16}));
   paratrain::fit(s, data, {.epochs = 1, .batch_size = 4, .eval = &data, .progress = false});
-  paratrain::checkpoint::save(s, "nccl_checkpoint", /*step=*/1);
-  paratrain::checkpoint::load(s, "nccl_checkpoint");
+  paratrain::checkpoint::save(s, dir, /*step=*/1);
+  paratrain::checkpoint::load(s, dir / "step-000000001");
 }
 
 template <class Update>

@@ -125,6 +125,28 @@ TEST_CASE("a pipeline refuses deterministic mode on every rank") {
                        paratrain::error);
 }
 
+// ZB-H1 computes weight gradients after ZeRO-3 has freed the unit they belong to: refused
+// before any collective, on every rank, naming the schedules and stages that work.
+TEST_CASE("a pipeline refuses ZB-H1 with ZeRO-3 on every rank") {
+  using P = ChainOf<2>;
+  using Strategy = paratrain::DataParallel<P, comm::Mpi, Zero<zero::stage3>::type>;
+  comm::Mpi c;
+  int refused = 0;
+  try {
+    Strategy s(seeded(static_cast<P*>(nullptr)), comm::Mpi(), torch::optim::SGDOptions(0.1),
+               {.schedule = pipeline::Kind::zero_bubble_h1});
+  } catch (const paratrain::error& e) {
+    refused = 1;
+    CHECK(e.operation() == "Pipeline");
+    CHECK(std::string(e.what()).find("ZB-H1 computes a stage's weight gradients after ZeRO-3 has freed its gathered "
+                                     "parameters; use 1F1B or GPipe with zero::stage3, or ZB-H1 with stages 0-2") !=
+          std::string::npos);
+  }
+  auto all = torch::full({1}, refused, torch::kLong);
+  c.all_reduce(all, paratrain::reduce_op::sum);
+  CHECK(all.item<std::int64_t>() == c.size());
+}
+
 namespace {
 
 // The model the pipeline of Entry | Head is, whole: its submodules carry the stages'

@@ -490,7 +490,27 @@ class Mpi {
     MPI_Error_string(rc, text, &len);
     throw error(op, rank, "MPI failed: " + std::string(text, static_cast<std::size_t>(len)));
   }
-  void check(int rc, const char* op) const { check(rc, op, rank()); }
+  // A collective that MPI finds truncated (a rank sent more than this one takes) can only
+  // have met another collective, or the same with another size: the ranks issued different
+  // collectives. Said so, with this rank's side from the ledger (Note [Collective
+  // fingerprint]), rather than as MPI's error code alone.
+  void check(int rc, const char* op) const {
+    if (rc == MPI_SUCCESS) return;
+    int cls = MPI_SUCCESS;
+    MPI_Error_class(rc, &cls);
+    const std::string_view name(op);
+    if (cls == MPI_ERR_TRUNCATE && name != "send" && name != "recv") {
+      const auto history = skeleton().watched().ledger().history();
+      const auto last = std::find_if(history.rbegin(), history.rend(), [](const auto& r) { return r.seq != 0; });
+      throw error(op, rank(),
+                  "the ranks issued different collectives on communicator " + skeleton().watched().ledger().name() +
+                      ": this rank's " +
+                      (last != history.rend() ? detail::describe_operation(*last) : std::string("collective")) +
+                      " met one that sends more (MPI: message truncated); every rank must issue the same "
+                      "collectives in the same order");
+    }
+    check(rc, op, rank());
+  }
 
   [[nodiscard]] const detail::Skeleton& skeleton() const noexcept { return state_->skeleton; }
 
