@@ -246,29 +246,29 @@ TEST_CASE("comm::Rendezvous: a meeting that cannot happen says which variable to
 }
 
 TEST_CASE("comm::Mpi: a pending all-gather completes while its caller makes no MPI call (Note [Progress thread])") {
-  // 16 MiB a rank, far above Open MPI's eager limit: its messages move only when some MPI
-  // call of each process runs the progress engine. The caller makes none: it watches the
-  // receive buffer (plain memory reads) until every rank's part has arrived, which only the
-  // progress thread's calls can bring about, or a generous deadline passes. With progress =
-  // 0 (the default) nothing arrives (seen failing at 2 and 3 ranks, at the deadline).
+  // 16 MiB a rank, far above Open MPI's eager limit: its messages move, and the request is
+  // marked complete, only when some MPI call of each process runs the progress engine. The
+  // caller makes none: it waits until the progress thread has called into MPI 500 times (a
+  // count, not a clock), and then the first test() must find the gather done. With progress
+  // = 0 (the default) there is no thread: the count never grows and the case fails at its
+  // deadline (seen failing so at 2 ranks; with the half-second sleep this replaced, the one
+  // test() found the gather not done).
   comm::Mpi::Options options;
   options.progress = std::chrono::microseconds(200);
   comm::Mpi mpi(options);
   if (mpi.size() == 1) return;
   const std::int64_t n = std::int64_t{4} << 20;
   const auto mine = torch::full({n}, static_cast<float>(mpi.rank()));
-  auto all = torch::full({n * mpi.size()}, -1.0F);
+  auto all = torch::empty({n * mpi.size()});
   mpi.barrier();
+  const auto& progress = paratrain::detail::MpiProgress::instance();
+  const auto before = progress.calls();
   auto r = mpi.iall_gather(mine, all);
-  const volatile float* p = all.data_ptr<float>();
-  const auto arrived = [&] {
-    for (int k = 0; k < mpi.size(); ++k)
-      if (p[k * n] != static_cast<float>(k) || p[k * n + n - 1] != static_cast<float>(k)) return false;
-    return true;
-  };
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (!arrived() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  CHECK(arrived());  // the bytes moved while this thread made no MPI call
+  while (progress.calls() < before + 500 && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the pace of the look, not what it waits for
+  REQUIRE(progress.calls() >= before + 500);  // the thread ran: 500 calls into MPI
+  CHECK(r.test());
   r.wait();
   for (int k = 0; k < mpi.size(); ++k) CHECK(all.narrow(0, k * n, n).eq(k).all().item<bool>());
 }

@@ -4,6 +4,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -93,6 +94,10 @@ class MpiProgress {
     return Lease(true);
   }
 
+  /// How many times the thread has called into MPI so far: what a test of the thread
+  /// waits on (not on the clock).
+  [[nodiscard]] std::uint64_t calls() const noexcept { return calls_.load(std::memory_order_relaxed); }
+
   /// Ends the thread for good; before MPI_Finalize (Mpi::Environment's destructor).
   void stop() {
     {
@@ -122,11 +127,13 @@ class MpiProgress {
       int flag = 0, finalized = 0;
       MPI_Finalized(&finalized);  // a program that finalises without Mpi::Environment
       if (!finalized) MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_SELF, &flag, MPI_STATUS_IGNORE);
+      calls_.fetch_add(1, std::memory_order_relaxed);
       lock.lock();
       wake_.wait_for(lock, every_, [this] { return stopped_; });
     }
   }
 
+  std::atomic<std::uint64_t> calls_{0};
   std::mutex mutex_;
   std::condition_variable wake_;
   std::thread thread_;
