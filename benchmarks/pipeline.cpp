@@ -27,6 +27,7 @@
 #include "driver.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/pipeline/schedule.hpp"
+#include "paratrain/pipeline/schedule_simulation.hpp"
 #include "paratrain/pipeline/pipeline.hpp"
 
 namespace {

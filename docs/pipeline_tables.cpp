@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "paratrain/pipeline/schedule.hpp"
+#include "paratrain/pipeline/schedule_simulation.hpp"
 
 namespace {
 

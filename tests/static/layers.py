@@ -18,6 +18,7 @@ import sys
 LAYERS = [
     ("core", "vocabulary: error, config, reduce_op, Batch, StepResult, the step timeline probe"),
     ("util", "utilities with no paratrain vocabulary of their own: hashes, LibTorch version shims"),
+    ("memory", "the process's memory: the heap's settings, mapped construction, pooled transients, tensor counts, usage"),
     ("plan", "the memory model: per-rank bytes and the peak of a step under DDP and ZeRO, from sizes alone"),
     ("concepts", "what a communicator, module, optimizer, dataset, sampler and strategy must offer; the optimizer-state schema"),
     ("collectives", "algorithms on any communicator: agreement, string gathers, coalescing"),

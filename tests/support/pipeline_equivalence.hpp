@@ -14,6 +14,7 @@
 
 #include "paratrain/fit/fit.hpp"
 #include "paratrain/pipeline/schedule.hpp"
+#include "paratrain/pipeline/schedule_check.hpp"
 #include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/sharded.hpp"

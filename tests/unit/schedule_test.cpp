@@ -5,6 +5,8 @@
 #include <doctest/doctest.h>
 
 #include <paratrain/pipeline/schedule.hpp>
+#include <paratrain/pipeline/schedule_check.hpp>
+#include <paratrain/pipeline/schedule_simulation.hpp>
 
 #include <algorithm>
 #include <array>

@@ -16,7 +16,7 @@
 #include "paratrain/plan/plan.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
-#include "support/counting_allocator.hpp"
+#include "paratrain/memory/counting_allocator.hpp"
 #include "support/doctest.hpp"
 #include "support/equivalence.hpp"
 
@@ -294,7 +294,7 @@ TEST_CASE("ZeRO-3 built sharded: a plain construction's initial values, and neve
   paratrain::ModelStateBytes held;
   std::vector<torch::Tensor> initial;
   {
-    const CountingCpuAllocator::Scope counting;
+    const paratrain::memory::CountingCpuAllocator::Scope counting;
     torch::manual_seed(5);
     Stage3Tower s([&] { return Tower(n, width); }, c, torch::optim::SGDOptions(0.1), options);
     peak = counting.peak();
@@ -310,7 +310,7 @@ TEST_CASE("ZeRO-3 built sharded: a plain construction's initial values, and neve
   // The same, built whole and passed in: the whole model, then its flat copy, at once.
   std::int64_t plain_peak = 0;
   {
-    const CountingCpuAllocator::Scope counting;
+    const paratrain::memory::CountingCpuAllocator::Scope counting;
     torch::manual_seed(5);
     Stage3Tower s(Tower(n, width), c, torch::optim::SGDOptions(0.1), options);
     plain_peak = counting.peak();
@@ -362,7 +362,7 @@ template <class Update>
 std::pair<double, double> tensor_peak_and_plan(comm::Mpi c, paratrain::Precision precision = {}) {
   const paratrain::DataParallelOptions options{
       .bucket_cap_bytes = 2 << 20, .first_bucket_cap_bytes = 2 << 20, .precision = precision};
-  const CountingCpuAllocator::Scope counting;
+  const paratrain::memory::CountingCpuAllocator::Scope counting;
   torch::manual_seed(8);
   paratrain::DataParallel<Tower, comm::Mpi, Update> s([] { return Tower(6, 512); }, std::move(c),
                                                       torch::optim::AdamOptions(1e-3), options);

@@ -30,7 +30,10 @@
 #include "paratrain/core/error.hpp"
 #include "paratrain/core/timeline.hpp"
 #include "paratrain/pipeline/link.hpp"
+#include "paratrain/pipeline/micro_batches.hpp"
+#include "paratrain/pipeline/options.hpp"
 #include "paratrain/pipeline/schedule.hpp"
+#include "paratrain/pipeline/schedule_check.hpp"
 #include "paratrain/pipeline/split_backward.hpp"
 #include "paratrain/pipeline/stages.hpp"
 #include "paratrain/comm/mesh.hpp"
@@ -39,48 +42,6 @@
 #include "paratrain/strategy/replica_steps.hpp"
 
 namespace paratrain {
-
-/// How a pipeline runs: its schedule, and how its stages' replicas synchronise.
-struct PipelineOptions {
-  /// GPipe, 1F1B (the default: at most K micro-batches' activations per rank),
-  /// interleaved 1F1B, or ZB-H1 (docs/pipeline.md).
-  pipeline::Kind schedule = pipeline::Kind::one_f_one_b;
-  /// Stages per rank, v: with v > 1 (interleaved 1F1B) rank r owns stages r, r + K,
-  /// r + 2K, ... where K = stages / v is the number of pipeline ranks.
-  int virtual_stages = 1;
-  /// For the replicas of each stage (bucketing, broadcast_buffers, join).
-  DataParallelOptions data_parallel{};
-  /// At ZeRO stage 3, each stage's replicas keep only their shard of each Unit from the
-  /// moment it is built, so no rank holds its stage whole (Note [Sharded construction]),
-  /// placed as data_parallel.build says; every replica must then draw the same initial
-  /// values (checked), and a stage maker must not touch a unit's parameters after building
-  /// it (ending with `.to(data_parallel.build's dtype or device)` is fine).
-  bool sharded_construction = false;
-};
-
-/// What the last step's schedule did on this rank (for measuring the bubble).
-struct PipelineStepStats {
-  double span_seconds = 0;  ///< from the schedule's start to its last action's end, waits included
-  int peak_stashed = 0;     ///< the most micro-batches whose activations were kept at once
-  /// Seconds spent in each kind of action (pipeline::Op order: forward, backward,
-  /// backward_input, backward_weight) and how many ran: the costs the schedule's
-  /// theory (pipeline::theoretical_bubble, simulate) takes.
-  std::array<double, 4> seconds{};
-  std::array<int, 4> count{};
-  /// Seconds computing forward and backward passes, all kinds together.
-  [[nodiscard]] double busy_seconds() const { return seconds[0] + seconds[1] + seconds[2] + seconds[3]; }
-};
-
-// Note [Pipeline layout]
-// A world of W ranks trains a pipeline of S stages with v stages per rank on K = S / v
-// pipeline ranks, replicated R = W / K times: the mesh {pipeline K, data R} (Note [Process
-// mesh]), the pipeline its outermost dimension, so that a stage's replicas are consecutive
-// ranks (one node) and only activations cross between stages. Each replica trains on its
-// own shard of the data (data_shard); each stage's R copies average their gradients as
-// DataParallel does, over the mesh's data group (ReplicaSteps: Note [Steps of replicas]),
-// so Sharded (ZeRO 1-3) shards a stage over its replicas, and hybrid sharding splits them
-// as shard_group says. The pipeline ranks of one replica pass activations forward and
-// gradients backward.
 
 /// Pipeline parallelism: `DataParallel<Pipeline<Embed, Blocks, Head>, comm::Mpi, Optimizer>`.
 /// Each rank builds and trains only its stages, running the schedule's actions (forward,
@@ -312,16 +273,6 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     std::map<std::pair<int, int>, Stash> stash;     // (stage, micro)
   };
 
-  // Note [Same micro-batches]
-  // The ranks of one replica run one schedule on one set of micro-batches: given different
-  // counts they would run different schedules whose messages never match (a hang until the
-  // watchdog's timeout), and given different sizes the last stage's loss would fail on one
-  // rank only. So each step begins with one MAX all-reduce over the world of 5 numbers per
-  // replica: each rank fills its replica's (count, -count, h, -h, bad), h a hash of the
-  // sizes and bad 1 when a micro-batch is malformed (detail::batch_problem), and the lowest
-  // value elsewhere. A replica whose ranks disagree, or a malformed micro-batch anywhere,
-  // makes every rank throw; replicas may differ from each other (the last, short batch; join).
-
   StepResult join_checked(bool has_next) {
     steps_->begin_step();
     steps_->before_backward(/*last=*/true);
@@ -331,74 +282,16 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// Note [Same micro-batches]: throws on every rank when a replica's ranks were given
   /// different micro-batches, or one a micro-batch it cannot use.
   void check_same_micro_batches(std::span<const Batch> micro) {
-    std::string problem;  // first: Batch::size() itself throws on a scalar input
-    for (std::size_t i = 0; i < micro.size() && problem.empty(); ++i)
-      if (auto p = detail::batch_problem(micro[i]); !p.empty()) problem = "micro-batch " + std::to_string(i) + ": " + p;
-    detail::Fnv1a sizes;
-    if (problem.empty())
-      for (const auto& b : micro) sizes.mix(static_cast<std::uint64_t>(b.size()));
-    const auto m = static_cast<std::int64_t>(micro.size()), hash = sizes.value62();
-    auto t = at::full({replicas_, 5}, std::numeric_limits<std::int64_t>::min(), at::kLong);
-    t[replica_].copy_(at::tensor({m, -m, hash, -hash, problem.empty() ? 0L : 1L}, at::kLong));
-    detail::all_reduce_on(mesh_.world(), t, device_, reduce_op::max);
-    const auto* v = t.data_ptr<std::int64_t>();
-    if (!problem.empty()) throw error("Pipeline::step", rank(), problem);
-    for (int r = 0; r < replicas_; ++r)
-      if (v[5 * r + 4] > 0)
-        throw error("Pipeline::step", rank(),
-                    "a rank of pipeline replica " + std::to_string(r) +
-                        " was given a micro-batch it cannot use (see its message)");
-    for (int r = 0; r < replicas_; ++r, v += 5)
-      if (v[0] != -v[1] || v[2] != -v[3])
-        throw error("Pipeline::step", rank(),
-                    "the ranks of pipeline replica " + std::to_string(r) + " were given different micro-batches (" +
-                        (v[0] != -v[1] ? "from " + std::to_string(-v[1]) + " to " + std::to_string(v[0]) + " of them"
-                                       : std::string("as many, of different sizes")) +
-                        "): every stage of one replica runs on the same micro-batches (fit gives them so; Note "
-                        "[Same micro-batches])");
+    pipeline::detail::check_same_micro_batches(mesh_.world(), micro, replica_, replicas_, device_);
   }
 
   /// The mesh this pipeline runs on (Note [Pipeline layout]): K pipeline ranks, the stages'
   /// replicas in the data dimensions as data_parallel.shard_group says. Collective.
   static Mesh<Comm> mesh_of(Comm comm, const Options& options) {
-    const int K = pipeline_ranks(comm, options);
+    const int K = pipeline::detail::pipeline_ranks<Comm>(S, comm, options, Steps::gathers_in_forward);
     auto shape = data_mesh(options.data_parallel.shard_group, comm.size() / K, comm.rank());
     shape.pipeline = K;
     return Mesh<Comm>(std::move(comm), shape);
-  }
-
-  /// K, the pipeline ranks; or the error, the same on every rank, when the stages do not fit.
-  static int pipeline_ranks(const Comm& world, const Options& options) {
-    const int v = options.virtual_stages, W = world.size();
-    if (v < 1 || S % v != 0)
-      throw error("Pipeline", world.rank(),
-                  std::to_string(S) + " stages cannot be dealt out " + std::to_string(v) +
-                      " to a rank; set PipelineOptions::virtual_stages to a divisor of the stage count");
-    if (v > 1 && options.schedule != pipeline::Kind::interleaved_1f1b)
-      throw error("Pipeline", world.rank(),
-                  "virtual_stages > 1 needs the interleaved 1F1B schedule (PipelineOptions::schedule)");
-    if (v > 1 && pipeline::detail::unbuffered_sends<Comm>())
-      throw error("Pipeline", world.rank(),
-                  "the interleaved 1F1B schedule sends activations around a ring, which a communicator whose sends "
-                  "wait for their receives (comm::Nccl: Note [NCCL point-to-point]) cannot order without deadlock; "
-                  "use GPipe, 1F1B or ZB-H1 over it, or comm::Mpi / comm::Gloo");
-    if (options.data_parallel.deterministic.shards != 0)
-      throw error("Pipeline", world.rank(),
-                  "deterministic mode (PipelineOptions::data_parallel.deterministic) is for DataParallel: a pipeline "
-                  "adds each stage's gradients over its micro-batches in its schedule's order, which it does not tie "
-                  "to virtual shards (docs/deterministic.md)");
-    if (options.schedule == pipeline::Kind::zero_bubble_h1 && Steps::gathers_in_forward)
-      throw error("Pipeline", world.rank(),
-                  "ZB-H1 computes a stage's weight gradients after ZeRO-3 has freed its gathered parameters; use "
-                  "1F1B or GPipe with zero::stage3, or ZB-H1 with stages 0-2");
-    const int K = S / v;
-    if (W % K != 0)
-      throw error("Pipeline", world.rank(),
-                  "a pipeline of " + std::to_string(S) + " stages, " + std::to_string(v) + " per rank, runs on " +
-                      std::to_string(K) + " ranks (or a multiple of it, for replicas); this run has " +
-                      std::to_string(W) + " ranks: launch a multiple of " + std::to_string(K) +
-                      " or change the stage count");
-    return K;
   }
 
   template <std::size_t... I>

@@ -1,7 +1,9 @@
 #pragma once
 /// \file
-/// The collective watchdog and the collective-sequence fingerprint, shared by every
-/// communicator: Note [Watchdog] and Note [Collective fingerprint].
+/// The collective watchdog, shared by every communicator (Note [Watchdog]): the thread that
+/// names an operation stuck past its timeout and ends the job, the channel it asks the
+/// other ranks through, and `Watched`, a communicator's handle to it and to its ledger
+/// (reliability/ledger.hpp).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,13 +28,13 @@
 #include <utility>
 #include <vector>
 
-#include "paratrain/core/reduce_op.hpp"
-#include "paratrain/util/fnv1a.hpp"
 #include "paratrain/core/error.hpp"
+#include "paratrain/reliability/ledger.hpp"
 
 namespace paratrain::detail {
 
 // Note [Watchdog]
+// ~~~~~~~~~~~~~~~~
 // Every operation of comm::Mpi, comm::Gloo and comm::Nccl (collectives, sends and
 // receives, blocking or not) holds a Watch from the moment it starts until it completes.
 // One thread per process looks at the oldest watch a few times per timeout; when one has
@@ -52,195 +54,6 @@ namespace paratrain::detail {
 // Nothing is done on the training threads but two map updates per operation; the
 // watchdog thread sleeps otherwise, waking every tick (a tenth of the shortest timeout,
 // at most 1 s) to answer questions and look at the clock.
-
-// Note [Collective fingerprint]
-// Each communicator keeps a running hash of (operation, dtype, element count, root or
-// reduction) of its collectives and the last `history_length` of them. Every
-// `fingerprint_period` collectives the ranks compare hashes with one 4-element MAX
-// all-reduce (the maximum of x and -x meets only where all agree: Note [Collective
-// validation]); on a mismatch they all-gather their histories, which cover every
-// collective since the last agreeing check, and every rank throws the same error naming
-// the first collective that differs and the ranks on each side. The cost is one tiny
-// all-reduce per 64 collectives (measured in docs/benchmarks.md). The full per-call
-// check (PARATRAIN_VALIDATE=1) stays for finding the culprit of a hang at once.
-
-inline constexpr std::size_t history_length = 64;
-inline constexpr std::uint64_t fingerprint_period = 64;
-/// The exit status of a job ended by the watchdog (as timeout(1)'s).
-inline constexpr int watchdog_exit_code = 124;
-
-/// The operations the ledger names, in a fixed order: their codes travel between ranks.
-inline constexpr std::array<std::string_view, 12> operation_names = {
-    "?",    "all_reduce", "iall_reduce", "broadcast", "reduce_scatter", "all_gather",
-    "send", "recv",       "barrier",     "split",     "validate",       "fingerprint"};
-
-inline std::int64_t operation_code(std::string_view op) noexcept {
-  for (std::size_t i = 1; i < operation_names.size(); ++i)
-    if (operation_names[i] == op) return static_cast<std::int64_t>(i);
-  return 0;
-}
-inline std::string_view operation_name(std::int64_t code) noexcept {
-  return code > 0 && code < static_cast<std::int64_t>(operation_names.size()) ? operation_names[static_cast<std::size_t>(code)]
-                                                                               : operation_names[0];
-}
-
-/// One collective as the fingerprint sees it. seq 0 is "none".
-struct OperationRecord {
-  std::int64_t seq = 0;
-  std::int64_t op = 0;
-  std::int64_t dtype = -1;
-  std::int64_t numel = 0;
-  std::int64_t detail = 0;  // root or reduction
-
-  friend bool operator==(const OperationRecord&, const OperationRecord&) = default;
-};
-
-/// "all_reduce #12 (Float, 676 elements)"; without the number when `numbered` is false.
-inline std::string describe_operation(const OperationRecord& r, bool numbered = true) {
-  std::string s(operation_name(r.op));
-  if (numbered) {
-    s += " #";
-    s += std::to_string(r.seq);
-  }
-  if (r.dtype >= 0) {
-    s += " (";
-    s += c10::toString(static_cast<at::ScalarType>(r.dtype));
-    s += ", ";
-    s += std::to_string(r.numel);
-    s += " elements";
-    if (r.op == operation_code("all_reduce") || r.op == operation_code("reduce_scatter"))
-      s.append(", ").append(to_string(static_cast<reduce_op>(r.detail)));
-    else if (r.op == operation_code("broadcast"))
-      s.append(", root ").append(std::to_string(r.detail));
-    s += ")";
-  }
-  return s;
-}
-
-/// A collective's record, with the seq still to be filled in; dtype -1 for none.
-inline OperationRecord record_of(std::string_view op, std::int64_t dtype, std::int64_t numel, int detail) {
-  // iall_reduce and all_reduce match each other across ranks: one name for both.
-  const auto code = operation_code(op == "iall_reduce" ? std::string_view("all_reduce") : op);
-  return {0, code, dtype, numel, detail};
-}
-inline OperationRecord record_of(std::string_view op, const at::Tensor& t, int detail) {
-  return record_of(op, t.defined() ? static_cast<std::int64_t>(t.scalar_type()) : -1, t.defined() ? t.numel() : 0,
-                   detail);
-}
-
-/// What one communicator has done: its collectives' count, fingerprint and recent history.
-/// `id` is the same on every member rank (a hash of the members' world ranks and how many
-/// communicators over the same members this process made before).
-class Ledger {
- public:
-  Ledger(std::string name, std::vector<int> members, int rank) : name_(std::move(name)), members_(std::move(members)), rank_(rank) {
-    Fnv1a members_hash;
-    for (int m : members_) members_hash.mix(static_cast<std::uint64_t>(m + 1));
-    const auto h = members_hash.value();
-    static std::mutex mutex;
-    static std::map<std::uint64_t, std::uint64_t> made;
-    std::lock_guard lock(mutex);
-    id_ = static_cast<std::int64_t>((h ^ (made[h]++ * 0x9e3779b97f4a7c15ull)) >> 1);
-  }
-
-  [[nodiscard]] std::int64_t id() const noexcept { return id_; }
-  [[nodiscard]] const std::string& name() const noexcept { return name_; }
-  [[nodiscard]] const std::vector<int>& members() const noexcept { return members_; }
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-
-  /// Counts a collective; returns it with its seq, and whether the fingerprint is due.
-  std::pair<OperationRecord, bool> record(OperationRecord r) {
-    std::lock_guard lock(mutex_);
-    r.seq = static_cast<std::int64_t>(++count_);
-    for (std::int64_t v : {r.op, r.dtype, r.numel, r.detail}) fingerprint_.mix(static_cast<std::uint64_t>(v));
-    history_[(count_ - 1) % history_length] = r;
-    return {r, count_ % fingerprint_period == 0};
-  }
-
-  [[nodiscard]] std::uint64_t fingerprint() const {
-    std::lock_guard lock(mutex_);
-    return fingerprint_.value();
-  }
-  [[nodiscard]] std::int64_t count() const {
-    std::lock_guard lock(mutex_);
-    return static_cast<std::int64_t>(count_);
-  }
-
-  /// The recent collectives, oldest first, padded with seq-0 records to history_length.
-  [[nodiscard]] std::array<OperationRecord, history_length> history() const {
-    std::lock_guard lock(mutex_);
-    std::array<OperationRecord, history_length> out{};
-    const auto n = std::min<std::uint64_t>(count_, history_length);
-    for (std::uint64_t i = 0; i < n; ++i) out[i] = history_[(count_ - n + i) % history_length];
-    return out;
-  }
-
- private:
-  std::string name_;
-  std::vector<int> members_;
-  int rank_;
-  std::int64_t id_ = 0;
-  mutable std::mutex mutex_;
-  std::uint64_t count_ = 0;
-  Fnv1a fingerprint_;
-  std::array<OperationRecord, history_length> history_{};
-};
-
-/// The first collective that two histories (oldest first) record differently, as the pair.
-inline std::optional<std::pair<OperationRecord, OperationRecord>> first_divergence(
-    const std::array<OperationRecord, history_length>& a, const std::array<OperationRecord, history_length>& b) {
-  for (const auto& x : a) {
-    if (x.seq == 0) continue;
-    for (const auto& y : b)
-      if (y.seq == x.seq) {
-        if (!(x == y)) return std::pair{x, y};
-        break;
-      }
-  }
-  return std::nullopt;
-}
-
-/// Ranks as "0, 2, 3".
-inline std::string rank_list(const std::vector<int>& ranks) {
-  std::string s;
-  for (int r : ranks) {
-    if (!s.empty()) s += ", ";
-    s += std::to_string(r);
-  }
-  return s.empty() ? "none" : s;
-}
-
-/// After the fingerprints disagreed: every rank's history (oldest first, in member order)
-/// gives the first collective that differs, and the ranks on each side. The same text on
-/// every rank, since every rank sees the same histories.
-inline std::string fingerprint_mismatch(const Ledger& ledger,
-                                        const std::vector<std::array<OperationRecord, history_length>>& histories) {
-  std::int64_t first = INT64_MAX;
-  for (std::size_t i = 1; i < histories.size(); ++i)
-    if (auto d = first_divergence(histories[0], histories[i])) first = std::min(first, d->first.seq);
-  std::string s = "the ranks of communicator " + ledger.name() + " issued different collectives";
-  if (first == INT64_MAX) return s + " before the last " + std::to_string(history_length) + " (their fingerprints differ)";
-  // Group the ranks by what they issued as collective `first`.
-  std::vector<std::pair<OperationRecord, std::vector<int>>> sides;
-  for (std::size_t i = 0; i < histories.size(); ++i) {
-    OperationRecord mine{first, 0, -1, 0, 0};
-    for (const auto& r : histories[i])
-      if (r.seq == first) mine = r;
-    auto it = std::find_if(sides.begin(), sides.end(), [&](const auto& side) { return side.first == mine; });
-    if (it == sides.end()) it = sides.insert(sides.end(), {mine, {}});
-    it->second.push_back(ledger.members()[i]);
-  }
-  // append, not operator+ on temporaries: GCC 12 warns falsely (-Wstringop-overflow) there
-  s.append(": the first that differs is #").append(std::to_string(first)).append(":");
-  for (const auto& [record, ranks] : sides)
-    s.append(" ")
-        .append(record.op == 0 ? std::string("none") : describe_operation(record, false))
-        .append(ranks.size() > 1 ? " on world ranks " : " on world rank ")
-        .append(rank_list(ranks))
-        .append(";");
-  s.pop_back();
-  return s + "; every rank must issue the same collectives in the same order";
-}
 
 /// What a rank says of itself when asked: fixed-size, so that it travels as bytes.
 struct RankStatus {

@@ -30,7 +30,7 @@
 #include "paratrain/core/timeline.hpp"
 #include "paratrain/strategy/data_parallel_options.hpp"
 #include "paratrain/strategy/deterministic.hpp"
-#include "paratrain/strategy/detail/allocator.hpp"
+#include "paratrain/memory/allocator.hpp"
 #include "paratrain/strategy/precision.hpp"
 #include "paratrain/strategy/replica_steps.hpp"
 #include "paratrain/strategy/sharded.hpp"
@@ -352,7 +352,7 @@ class DataParallel {
   template <class Make, class Groups, class OptimOptions>
   DataParallel(Built, Make&& make, Mesh<Comm> mesh, Groups&& groups, OptimOptions defaults, const Options& options)
       : mesh_(std::move(mesh)),
-        model_((static_cast<void>(detail::tune_allocator()), make(mesh_))),
+        model_((static_cast<void>(memory::install()), make(mesh_))),
         device_(detail::device_of(*model_)),
         steps_(std::make_unique<Steps>(mesh_, *model_, device_, groups(model_), std::move(defaults), options,
                                        "DataParallel")) {}

@@ -20,7 +20,7 @@
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/module.hpp"
 #include "paratrain/concepts/optimizer.hpp"
-#include "paratrain/strategy/detail/allocator.hpp"
+#include "paratrain/memory/allocator.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/core/batch.hpp"
 #include "paratrain/core/error.hpp"
@@ -79,7 +79,7 @@ class LocalDataParallel {
   template <class OptimOptions>
     requires optimizer_from<Optim, OptimOptions>
   LocalDataParallel(Model model, OptimOptions optimizer_options, Options options = {}) : model_(std::move(model)) {
-    detail::tune_allocator();  // Note [Allocator]
+    memory::install();  // Note [Allocator]
     if (options.replicas < 0) throw error("LocalDataParallel", 0, "replicas must be >= 0 (0: one per hardware thread)");
     const auto cuda = options.cpu ? 0 : static_cast<int>(torch::cuda::device_count());
     const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

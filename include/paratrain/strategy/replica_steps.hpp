@@ -38,7 +38,6 @@
 #include "paratrain/strategy/buckets/ordered_sum.hpp"
 #include "paratrain/strategy/data_parallel_options.hpp"
 #include "paratrain/strategy/deterministic.hpp"
-#include "paratrain/strategy/detail/allocator.hpp"
 #include "paratrain/strategy/loss_scale.hpp"
 #include "paratrain/strategy/memory_check.hpp"
 #include "paratrain/strategy/precision.hpp"

@@ -20,7 +20,9 @@
 
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/reliability/collective_signature.hpp"
+#include "paratrain/comm/mpi/detail/requests.hpp"
 #include "paratrain/comm/mpi/detail/types.hpp"
+#include "paratrain/comm/mpi/environment.hpp"
 #include "paratrain/comm/mpi/progress.hpp"
 #include "paratrain/comm/mpi/watchdog.hpp"
 #include "paratrain/comm/detail/skeleton.hpp"
@@ -41,45 +43,6 @@ namespace paratrain::comm {
 // Options::segment_bytes (about 2x raw at 64 MiB); smaller ones take exactly the one
 // MPI_Allreduce a raw call would, so they are never slower. docs/benchmarks.md has the
 // sweep that chose both numbers.
-
-// Note [Segmented reduce-scatter and all-gather]
-// ZeRO's collectives are large: a whole gradient buffer reduce-scattered, a parameter
-// buffer all-gathered. Measured on 2 ranks here (docs/benchmarks.md), OpenMPI 4.1's
-// MPI_Reduce_scatter_block and MPI_Ireduce_scatter_block run at ~3 GB/s bus bandwidth
-// from 128 KiB to 2 MiB, 0.9 GB/s at 8 MiB, and 0.13 GB/s from 16 MiB on (a reduction
-// through scratch of the whole size).
-// Reduce-scatters of more than Options::reduce_scatter_segment_above_bytes (of `in`)
-// are therefore done as column segments: segment k is elements [k*s, (k+1)*s) of EVERY
-// rank's part, a complete reduce-scatter of its own of Options::sharding_segment_bytes.
-// Its size() pieces are strided in `in`, and MPI's predefined reductions refuse
-// derived datatypes (OpenMPI: "MPI_SUM is not defined for non-intrinsic datatypes";
-// our 16-bit reductions could not read them either), so each segment is packed into a
-// contiguous scratch buffer and reduced with one MPI_Ireduce_scatter_block straight
-// into its place in `out`. The copy costs far less than the cliff: 9-17x raw above it.
-// Issuing every segment at once loses the gain (libnbc then works on all of them
-// together: 0.07 GB/s, raw's rate, as iall_reduce does above 32 MiB), so a segmented
-// Request keeps at most Options::sharding_window segments in flight and starts the
-// next as one completes, inside wait() and test(): Note [Segment order]. The blocking
-// form waits on the same pipeline (faster than blocking segments one by one).
-// All-gather needs no scratch, and segmenting it did not pay: MPI_Iallgatherv segments
-// (displacements i*part + k*s, no copies) ran at 0.3-0.5x one MPI_Allgather from
-// 16 MiB to 256 MiB (an exploratory sweep on a busy machine), and one MPI_Allgather has
-// no cliff here (5-15 GB/s up to 256 MiB). It is one call at every size unless
-// Options::all_gather_segment_above_bytes says otherwise (the same pipeline, for MPI
-// libraries where it pays). An all-gather whose `in` is part rank() of `out` passes
-// MPI_IN_PLACE. Up to the thresholds both collectives make exactly the one MPI call a
-// raw user would (the blocking forms the blocking call: libnbc's non-blocking ones
-// cost 5-8 us more per call on small buffers).
-
-// Note [Segment order]
-// MPI matches collectives on a communicator by the order in which each rank starts
-// them. Segments started lazily by test() would start at different points on different
-// ranks relative to the caller's next collective; so every collective of this
-// communicator first starts all segments not yet started of the one pending segmented
-// operation (at most one can be partly started: its predecessors were completed by the
-// same rule). The order of starts is then the program order on every rank. Code that
-// calls MPI itself on native() while a segmented request is pending must wait for it
-// first.
 
 /// A group of MPI processes: `MPI_COMM_WORLD`, or a part of it made with `split`.
 ///
@@ -129,127 +92,9 @@ class Mpi {
     std::chrono::microseconds progress = detail::default_progress();
   };
 
-  /// Initialises MPI for the lifetime of this object, asking for MPI_THREAD_MULTIPLE
-  /// (strategies that communicate from a second thread need it, and so does the
-  /// watchdog's channel: Note [Watchdog]), tunes Open MPI's non-blocking all-reduce
-  /// (Note [Non-blocking all-reduce algorithm]), and makes an exception that escapes main
-  /// end the job with one line instead of a backtrace on every rank (Note [Failing cleanly]).
-  class Environment {
-   public:
-    Environment() : env_(boost::mpi::threading::multiple) { set_up(); }
-    Environment(int& argc, char**& argv) : env_(argc, argv, boost::mpi::threading::multiple) { set_up(); }
-    Environment(const Environment&) = delete;
-    Environment& operator=(const Environment&) = delete;
-    ~Environment() {  // before MPI_Finalize
-      detail::MpiProgress::instance().stop();
-      detail::Watchdog::instance().retire_channel();
-    }
-    [[nodiscard]] bool thread_multiple() const { return env_.thread_level() >= boost::mpi::threading::multiple; }
-
-   private:
-    static void set_up() {
-      detail::prefer_reduce_scatter_iallreduce();
-      std::set_terminate(detail::terminate_cleanly);
-      check_launch();
-    }
-    // Collective over the world: throws on every rank when some rank's launcher variables
-    // contradict the MPI world (paratrain::contradiction_with_mpi).
-    static void check_launch() {
-      int rank = 0, size = 1;
-      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-      MPI_Comm_size(MPI_COMM_WORLD, &size);
-      std::string mine;
-      try {
-        mine = contradiction_with_mpi(detect_placement(), rank, size);
-      } catch (const error&) {
-        // Malformed launcher variables: detect_placement reports them where it is called.
-      }
-      int first = mine.empty() ? size : rank;
-      MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-      if (first == size) return;
-      throw error("Mpi::Environment", rank,
-                  first == rank ? mine
-                                : "rank " + std::to_string(first) +
-                                      "'s launcher variables contradict the MPI world (its message says how)");
-    }
-    boost::mpi::environment env_;
-  };
-
-  // A segmented operation: Note [Segmented reduce-scatter and all-gather]. Shared with
-  // the communicator, which may start the rest: Note [Segment order].
-  struct Segments {
-    std::int64_t count = 0;    // segments in all
-    std::int64_t started = 0;  // segments [0, started) have been started
-    std::size_t window = 2;
-    std::vector<MPI_Request> in_flight;  // oldest first
-    /// Starts segment k and returns MPI's error code. `reuse` says that segment
-    /// k - window is complete, so that its scratch may be reused; it is false when the
-    /// rest are started at once.
-    std::function<int(std::int64_t k, MPI_Request*, bool reuse)> start;
-
-    void start_some(const char* op, int rank) { start_up_to(window, op, rank); }
-    void start_all(const char* op, int rank) { start_up_to(static_cast<std::size_t>(count), op, rank); }
-    void start_up_to(std::size_t limit, const char* op, int rank) {
-      while (started < count && in_flight.size() < limit) {
-        const bool reuse = in_flight.size() < window;
-        auto& r = in_flight.emplace_back(MPI_REQUEST_NULL);
-        check(start(started++, &r, reuse), op, rank);
-      }
-    }
-  };
-
-  // MPI's handles on one operation, for detail::BasicRequest (comm/detail/request.hpp):
-  // its requests, or its segments.
-  struct Handles {
-    using owner = Mpi;
-    std::vector<MPI_Request> requests;
-    std::shared_ptr<Segments> segments;
-    detail::MpiProgress::Lease progress;  // Note [Progress thread]
-
-    [[nodiscard]] bool pending() const noexcept { return !requests.empty() || segments; }
-    void wait(const char* op, int rank) {
-      if (segments) {
-        while (!segments->in_flight.empty()) {
-          check(MPI_Wait(&segments->in_flight.front(), MPI_STATUS_IGNORE), op, rank);
-          segments->in_flight.erase(segments->in_flight.begin());
-          segments->start_some(op, rank);
-        }
-        segments.reset();
-        progress.reset();
-        return;
-      }
-      check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), op, rank);
-      requests.clear();
-      progress.reset();
-    }
-    // MPI progresses only inside its calls: this is one.
-    [[nodiscard]] bool test(const char* op, int rank) {
-      if (segments) {
-        while (!segments->in_flight.empty()) {
-          int done = 0;
-          check(MPI_Test(&segments->in_flight.front(), &done, MPI_STATUS_IGNORE), op, rank);
-          if (!done) return false;
-          segments->in_flight.erase(segments->in_flight.begin());
-          segments->start_some(op, rank);
-        }
-        segments.reset();
-        progress.reset();
-        return true;
-      }
-      int done = 0;
-      check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), op, rank);
-      if (done) {
-        requests.clear();
-        progress.reset();
-      }
-      return done != 0;
-    }
-    void abandon() noexcept {
-      if (segments) new std::shared_ptr<Segments>(std::move(segments));
-      requests.clear();
-      progress.reset();
-    }
-  };
+  using Environment = MpiEnvironment;  // comm/mpi/environment.hpp
+  using Segments = detail::MpiSegments;  // comm/mpi/detail/requests.hpp
+  using Handles = detail::MpiHandles;
 
   /// A pending non-blocking operation: wait() blocks until it is complete, test() makes
   /// progress (MPI progresses only inside its calls) and says whether it is. Dropping one
@@ -483,13 +328,7 @@ class Mpi {
                                   " (use comm::Nccl for GPU tensors, or comm::Gloo, which copies them through the host)");
   }
 
-  static void check(int rc, const char* op, int rank) {
-    if (rc == MPI_SUCCESS) return;
-    char text[MPI_MAX_ERROR_STRING];
-    int len = 0;
-    MPI_Error_string(rc, text, &len);
-    throw error(op, rank, "MPI failed: " + std::string(text, static_cast<std::size_t>(len)));
-  }
+  static void check(int rc, const char* op, int rank) { detail::mpi_check(rc, op, rank); }
   // A collective that MPI finds truncated (a rank sent more than this one takes) can only
   // have met another collective, or the same with another size: the ranks issued different
   // collectives. Said so, with this rank's side from the ledger (Note [Collective

@@ -20,6 +20,8 @@
 
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/comm/detail/skeleton.hpp"
+#include "paratrain/comm/nccl/detail/state.hpp"
+#include "paratrain/comm/nccl/options.hpp"
 #include "paratrain/comm/detail/tensor_checks.hpp"
 #include "paratrain/reliability/collective_signature.hpp"
 #include "paratrain/reliability/watchdog.hpp"
@@ -60,20 +62,11 @@ namespace paratrain::comm {
 ///
 /// Choose it for: CUDA tensors. Choose comm::Mpi for CPU tensors.
 class Nccl {
-  struct State;  // the communicator, its stream and its watch: shared by copies and requests
+  using State = detail::NcclState;  // the communicator, its stream and its watch: shared by copies and requests
 
  public:
-  struct Options {
-    /// The CUDA device of this rank; -1 picks the rank within its node.
-    int device = -1;
-    /// How long an operation may stay pending (from its start to the end of its wait()
-    /// or test()) before the watchdog reports it and ends the job: Note [Watchdog].
-    std::chrono::milliseconds timeout = detail::default_timeout();
-    /// As comm::Mpi::Options::validate: check that every rank calls the same collective with
-    /// the same dtype, element count and root, and throw on every rank if not. Costs one
-    /// small all-reduce (and two host-device copies) per collective.
-    bool validate = detail::env_flag("PARATRAIN_VALIDATE");
-  };
+  using Options = NcclOptions;  // comm/nccl/options.hpp
+  using Handles = detail::NcclHandles;  // comm/nccl/detail/state.hpp
 
   /// Every operation takes CUDA buffers only: a strategy moves what it reduces to the model's
   /// device (collectives/all_reduce_on.hpp), a pipeline sends its headers from there.
@@ -90,39 +83,6 @@ class Nccl {
     /// The members' ranks in the job's world, in this group's rank order, for the watchdog's
     /// reports; empty: 0 .. size-1.
     std::vector<int> world_ranks;
-  };
-
-  // CUDA's handle on one operation, for detail::BasicRequest (comm/detail/request.hpp): its
-  // event, and the communicator, whose asynchronous errors end a wait (Note [NCCL errors]).
-  struct Handles {
-    using owner = Nccl;
-    Handles() noexcept : event(nullptr) {}  // not a member initialiser: see comm::Gloo's Handles
-    cudaEvent_t event;
-    std::shared_ptr<State> state;
-
-    [[nodiscard]] bool pending() const noexcept { return event != nullptr; }
-    void wait(const char* op, int rank) {
-      for (int polls = 0; !test(op, rank); ++polls)
-        if (polls > 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));
-        else std::this_thread::yield();
-    }
-    [[nodiscard]] bool test(const char* op, int rank) {
-      const auto rc = cudaEventQuery(event);
-      if (rc == cudaErrorNotReady) {
-        state->check_async_error(op, rank);
-        return false;
-      }
-      // Complete or failed, the request is done with: the event and the state go either way, so
-      // that a failure is thrown once, not by every later wait() (the destructor's included).
-      cudaEventDestroy(std::exchange(event, nullptr));
-      state.reset();
-      cuda_check(rc, op, rank);
-      return true;
-    }
-    void abandon() noexcept {  // leaked: Note [Dropped requests]
-      event = nullptr;
-      new std::shared_ptr<State>(std::exchange(state, {}));
-    }
   };
 
   /// Completion of operations enqueued so far, through a CUDA event: wait() returns once
@@ -418,52 +378,8 @@ class Nccl {
  private:
   explicit Nccl(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
-  struct State {
-    ~State() {
-      if (scratch != nullptr) cudaFree(scratch);
-      if (barrier_word != nullptr) cudaFree(barrier_word);
-      if (comm != nullptr && aborted.empty()) ncclCommDestroy(comm);
-      if (ready != nullptr) cudaEventDestroy(ready);
-      if (stream != nullptr) cudaStreamDestroy(stream);
-    }
-    ncclComm_t comm = nullptr;
-    cudaStream_t stream = nullptr;
-    cudaEvent_t ready = nullptr;  // Note [Stream order]
-    void* scratch = nullptr;      // the word collectives' device buffer
-    void* barrier_word = nullptr;  // barrier()'s float
-    std::size_t scratch_bytes = 0;
-    int device = 0;
-    Options options;
-    detail::Skeleton skeleton;  // rank, size; Note [Watchdog], Note [Collective fingerprint]
-    std::string aborted;        // why ncclCommAbort ended the communicator: Note [NCCL errors]
-
-    // Note [NCCL errors]
-    // NCCL reports some failures only asynchronously: a peer that died, a network error, an
-    // operation that cannot complete (ncclCommGetAsyncError). A wait() polls its event and the
-    // communicator's error alternately, so that instead of waiting on a GPU that will never
-    // finish, it aborts the communicator (ncclCommAbort: NCCL's kernels then return) and
-    // throws paratrain::error naming NCCL's error, on this rank; every later operation on the
-    // communicator throws the same. The other ranks see their own errors, or their watchdog
-    // names the operation that does not complete (Note [Watchdog]). A hang that NCCL does not
-    // report is the watchdog's too: every operation is watched from its start to the end of
-    // its wait() or test().
-    void check_async_error(const char* op, int rank) {
-      if (!aborted.empty()) throw error(op, rank, aborted);
-      ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(comm, &async) != ncclSuccess || async == ncclSuccess || async == ncclInProgress) return;
-      aborted = std::string("NCCL reported an asynchronous error (") + ncclGetErrorString(async) +
-                "); the communicator was aborted (ncclCommAbort) and cannot be used again";
-      ncclCommAbort(comm);
-      throw error(op, rank, aborted);
-    }
-  };
-
-  static void nccl_check(ncclResult_t rc, const char* op, int rank) {
-    if (rc != ncclSuccess) throw error(op, rank, std::string("NCCL failed: ") + ncclGetErrorString(rc));
-  }
-  static void cuda_check(cudaError_t rc, const char* op, int rank) {
-    if (rc != cudaSuccess) throw error(op, rank, std::string("CUDA failed: ") + cudaGetErrorString(rc));
-  }
+  static void nccl_check(ncclResult_t rc, const char* op, int rank) { detail::nccl_check(rc, op, rank); }
+  static void cuda_check(cudaError_t rc, const char* op, int rank) { detail::cuda_check(rc, op, rank); }
 
   [[nodiscard]] const detail::Skeleton& skeleton() const noexcept { return state_->skeleton; }
 

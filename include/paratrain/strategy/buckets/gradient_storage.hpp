@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "paratrain/strategy/buckets/bucket_layout.hpp"
-#include "paratrain/strategy/detail/slot_pool.hpp"
+#include "paratrain/memory/slot_pool.hpp"
 #include "paratrain/strategy/detail/tensor_bytes.hpp"
 
 namespace paratrain {
@@ -89,7 +89,7 @@ class ShardedGradients {
     inputs_.resize(shards_.size());
     slots_.assign(shards_.size(), -1);
     // Note [Pooled transients]: the one filling, the one ahead of it, the one in flight.
-    pool_ = detail::SlotPool(largest, 3, layout.buckets().front().options.device());
+    pool_ = memory::SlotPool(largest, 3, layout.buckets().front().options.device());
   }
   [[nodiscard]] bool holds(std::size_t b) const { return inputs_[b].defined(); }
   bool acquire(std::size_t b, bool overflow) {
@@ -127,7 +127,7 @@ class ShardedGradients {
   int index_;
   std::vector<at::Tensor> shards_, inputs_;
   std::vector<int> slots_;  // the pool's slot each input is in; -1: the allocator's
-  detail::SlotPool pool_;
+  memory::SlotPool pool_;
 };
 
 static_assert(gradient_storage<WholeGradients>);

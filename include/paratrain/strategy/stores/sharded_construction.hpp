@@ -17,7 +17,7 @@
 
 #include "paratrain/core/error.hpp"
 #include "paratrain/strategy/buckets/bucket_layout.hpp"
-#include "paratrain/strategy/detail/allocator.hpp"
+#include "paratrain/memory/allocator.hpp"
 #include "paratrain/strategy/detail/tensor_bytes.hpp"
 #include "paratrain/util/fnv1a.hpp"
 
@@ -197,7 +197,7 @@ class ShardedConstruction {
   std::size_t cap_bytes_;
   at::Device device_;
   std::optional<at::ScalarType> dtype_;
-  detail::MappedLargeBlocks mapped_;  // Note [Mapped construction]
+  memory::MappedLargeBlocks mapped_;  // Note [Mapped construction]
   ShardedConstruction* outer_;
   std::set<const void*> sharded_;  // parameters a unit built earlier (an inner one) holds
   static inline thread_local ShardedConstruction* current_ = nullptr;

@@ -38,7 +38,6 @@
 #include "paratrain/strategy/stores/parameter_store.hpp"
 #include "paratrain/strategy/precision.hpp"
 #include "paratrain/util/torch_compat.hpp"
-#include "paratrain/strategy/detail/slot_pool.hpp"
 #include "paratrain/strategy/detail/state_slices.hpp"
 #include "paratrain/strategy/stores/detail/flat_shard.hpp"
 #include "paratrain/strategy/stores/sharded_construction.hpp"
@@ -66,9 +65,11 @@ namespace paratrain {
 // over groups of G consecutive ranks and replicates across the W/G groups, as FSDP2's
 // 2-D mesh (HSDP), ZeRO++'s hpZ and Megatron's distributed-optimizer instances do: the
 // sharding traffic (every all-gather, and the reduce-scatter) stays inside a group, a
-// node's ranks say, and only each shard's sum crosses groups. Two communicators are split
-// once at construction: `group` (the G ranks of this rank's group, rank r at index r % G)
-// and `replicas` (the W/G ranks holding the same shard, one per group). A bucket is padded
+// node's ranks say, and only each shard's sum crosses groups. The groups are the mesh's
+// (Note [Process mesh]): G is its data-shard dimension and W/G its data-replicate one, so
+// `group` is the mesh's group(Dim::shard) (the G ranks of this rank's group) and
+// `replicas` its group(Dim::replicate) (the W/G ranks holding the same shard, one
+// per group); the store computes no rank layout itself. A bucket is padded
 // to a multiple of G and cut into G shards; its gradients are reduce-scattered in the
 // group, then the shard all-reduced across the replicas (one request, started in bucket
 // order when the reduce-scatter completes: Note [Bucket order] keeps both streams in

@@ -19,7 +19,7 @@
 
 #include "paratrain/core/error.hpp"
 #include "paratrain/strategy/buckets/bucket_layout.hpp"
-#include "paratrain/strategy/detail/slot_pool.hpp"
+#include "paratrain/memory/slot_pool.hpp"
 #include "paratrain/strategy/detail/tensor_bytes.hpp"
 #include "paratrain/strategy/stores/compute_type_gathers.hpp"
 #include "paratrain/strategy/stores/detail/flat_shard.hpp"
@@ -228,7 +228,7 @@ class UnitGathers final : public detail::UnitObserver {
       slot_bytes = std::max(slot_bytes, at);
     }
     if (!state_.empty())
-      pool_ = detail::SlotPool(slot_bytes, static_cast<int>(1 + prefetch_), layout_->buckets().front().options.device());
+      pool_ = memory::SlotPool(slot_bytes, static_cast<int>(1 + prefetch_), layout_->buckets().front().options.device());
   }
 
   // Gathers unit u in `type` into a pool slot, or (`pooled_only` false) into the
@@ -313,7 +313,7 @@ class UnitGathers final : public detail::UnitObserver {
   Comm gather_comm_;  // Note [Two communicators]
   std::size_t prefetch_;
   detail::ComputeTypeGathers types_;  // Note [Gathers in the compute type]
-  detail::SlotPool pool_;             // Note [Pooled transients]
+  memory::SlotPool pool_;             // Note [Pooled transients]
   std::vector<std::pair<std::size_t, at::ScalarType>> sequence_, replay_;  // Note [Joining at stage 3]
   double exposed_ = 0;  // seconds blocked on gathers since begin_step
 };

@@ -1,7 +1,8 @@
 #pragma once
 /// \file
-/// A fixed set of equal buffers reused every step for what a step allocates and frees
-/// again (ZeRO's gathered units, whole gradient buckets): Note [Pooled transients].
+/// paratrain::memory::SlotPool — a fixed set of equal buffers reused every step for what a
+/// step allocates and frees again (ZeRO's gathered units, whole gradient buckets): Note
+/// [Pooled transients].
 
 #include <ATen/ATen.h>
 
@@ -9,7 +10,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace paratrain::detail {
+namespace paratrain::memory {
 
 // Note [Pooled transients]
 // A ZeRO step allocates and frees the same large buffers every time: each unit's
@@ -71,4 +72,4 @@ class SlotPool {
   std::vector<Slot> slots_;
 };
 
-}  // namespace paratrain::detail
+}  // namespace paratrain::memory

@@ -1,30 +1,33 @@
 #pragma once
-// The bytes LibTorch's CPU tensors hold, counted at the allocator: while a
-// CountingCpuAllocator::Scope lives, every CPU tensor's storage comes from LibTorch's
-// default allocator through this one, which tracks the live bytes and their peak. A test
-// measures with it what a piece of code holds at most, exactly and whatever the heap
-// (glibc keeps freed memory resident, so the process's RSS cannot say).
+/// \file
+/// paratrain::memory::CountingCpuAllocator — the bytes LibTorch's CPU tensors hold, counted
+/// at the allocator: while a CountingCpuAllocator::Scope lives, every CPU tensor's storage
+/// comes from LibTorch's default allocator through this one, which tracks the live bytes
+/// and their peak. What a piece of code holds at most, exactly and whatever the heap (glibc
+/// keeps freed memory resident, so the process's RSS cannot say): the tests' measure of
+/// ZeRO's memory, and the tensors' share in a breakdown of the peak (memory/usage.hpp).
+
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <torch/version.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 
-namespace paratrain_test {
+namespace paratrain::memory {
 
+/// Counts the bytes of CPU tensors allocated while a Scope lives (one for the process).
 class CountingCpuAllocator final : public c10::Allocator {
  public:
-  // One for the process: storages made while counting keep pointing at it.
+  /// One for the process: storages made while counting keep pointing at it.
   static CountingCpuAllocator& instance() {
     static CountingCpuAllocator a;
     return a;
   }
 
-  // Counts from construction to destruction; peak() is relative to the bytes live then.
+  /// Counts from construction to destruction; peak() is relative to the bytes live then.
   class Scope {
    public:
     Scope() : previous_(c10::GetCPUAllocator()) {
@@ -36,10 +39,10 @@ class CountingCpuAllocator final : public c10::Allocator {
     ~Scope() { c10::SetCPUAllocator(previous_, /*priority=*/255); }
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;
-    // Bytes live now and at most, above those live when the scope began.
+    /// Bytes live now and at most, above those live when the scope began.
     [[nodiscard]] std::int64_t live() const { return instance().live_.load() - instance().base_; }
     [[nodiscard]] std::int64_t peak() const { return instance().peak_.load() - instance().base_; }
-    // Forgets the peak so far: peak() is then the most live since now (above the same base).
+    /// Forgets the peak so far: peak() is then the most live since now (above the same base).
     void reset_peak() const { instance().peak_ = instance().live_.load(); }
 
    private:
@@ -77,4 +80,4 @@ class CountingCpuAllocator final : public c10::Allocator {
   std::int64_t base_ = 0;
 };
 
-}  // namespace paratrain_test
+}  // namespace paratrain::memory

@@ -1,6 +1,8 @@
 #pragma once
 /// \file
-/// The process's heap settings for multi-MiB tensors: Note [Allocator].
+/// paratrain::memory::install — the process's heap settings for multi-MiB tensors (Note
+/// [Allocator]), made once, by comm::Mpi::Environment or the first strategy — and
+/// MappedLargeBlocks, the settings of a sharded construction (Note [Mapped construction]).
 
 #include <climits>
 #include <cstdlib>
@@ -10,7 +12,7 @@
 #include <malloc.h>
 #endif
 
-namespace paratrain::detail {
+namespace paratrain::memory {
 
 // Note [Allocator]
 // glibc serves every allocation above M_MMAP_THRESHOLD (128 KiB, raised dynamically up
@@ -28,8 +30,11 @@ namespace paratrain::detail {
 // So: M_MMAP_THRESHOLD = 64 MiB (smaller blocks stay on the heap for reuse; larger ones
 // are still mapped and returned when freed) and M_TRIM_THRESHOLD = 2 GiB (the heap keeps
 // its high-water mark, as a caching allocator does; peak RSS is unchanged, only memory
-// that was already in use stays resident). We set them when the first strategy is built,
-// so that every paratrain program is fast by default without a launcher's help, unless:
+// that was already in use stays resident). memory::install() sets them, once per process:
+// comm::Mpi::Environment calls it before anything is allocated, and so does every
+// strategy's constructor (for programs without that environment: comm::Single, Gloo over
+// a store), so that every paratrain program is fast by default without a launcher's help,
+// unless:
 //   - the environment already sets MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_
 //     (the user has chosen; glibc applies those at start-up), or
 //   - PARATRAIN_MALLOC=default asks for glibc's own behaviour (the opt-out), or
@@ -51,7 +56,7 @@ namespace paratrain::detail {
 
 /// Applies Note [Allocator] once per process; later calls do nothing. Whether it did
 /// (false where the user chose, or another allocator is in charge).
-inline bool tune_allocator() noexcept {
+inline bool install() noexcept {
 #if defined(__GLIBC__)
   static const bool applied = [] {
     const char* choice = std::getenv("PARATRAIN_MALLOC");
@@ -81,7 +86,7 @@ inline bool tune_allocator() noexcept {
 /// While it lives, glibc maps every block of 1 MiB or more on its own: Note [Mapped construction].
 class MappedLargeBlocks {
  public:
-  MappedLargeBlocks() noexcept : tuned_(tune_allocator()) {
+  MappedLargeBlocks() noexcept : tuned_(install()) {
 #if defined(__GLIBC__)
     if (tuned_) mallopt(M_MMAP_THRESHOLD, 1 << 20);
 #endif
@@ -98,4 +103,4 @@ class MappedLargeBlocks {
   bool tuned_;
 };
 
-}  // namespace paratrain::detail
+}  // namespace paratrain::memory
