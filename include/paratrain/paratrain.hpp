@@ -11,6 +11,10 @@
 #include "paratrain/core/step_result.hpp"
 #include "paratrain/core/timeline.hpp"
 
+#include "paratrain/memory/allocator.hpp"
+#include "paratrain/memory/counting_allocator.hpp"
+#include "paratrain/memory/usage.hpp"
+
 #include "paratrain/concepts/checkpointable.hpp"
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/concepts/dataset.hpp"
@@ -58,14 +62,19 @@
 #include "paratrain/strategy/stores/sharded_parameters.hpp"
 #include "paratrain/strategy/unit.hpp"
 
+#include "paratrain/pipeline/options.hpp"
 #include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/pipeline/schedule.hpp"
+#include "paratrain/pipeline/schedule_check.hpp"
+#include "paratrain/pipeline/schedule_simulation.hpp"
 #include "paratrain/pipeline/stages.hpp"
 
 #include "paratrain/checkpoint/checkpoint.hpp"
 
 #include "paratrain/observe/observer.hpp"
 
+#include "paratrain/fit/callback.hpp"
+#include "paratrain/fit/callbacks.hpp"
 #include "paratrain/fit/fit.hpp"
 #include "paratrain/fit/metrics.hpp"
 

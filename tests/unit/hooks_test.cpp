@@ -173,7 +173,7 @@ TEST_CASE("PowerSGD equals the algorithm's single-process reference at every ran
     // elements), then each weight's P and Q ((n + m) r) where that is less than half of n m,
     // else the weight's own n m, and the biases.
     std::int64_t compressed = 45;
-    for (const auto [n, m] : {std::pair{24, 12}, std::pair{16, 24}, std::pair{5, 16}})
+    for (const auto& [n, m] : {std::pair{24, 12}, std::pair{16, 24}, std::pair{5, 16}})
       compressed += (n + m) * o.rank * 2 < n * m ? (n + m) * o.rank : n * m;
     const std::int64_t exact = (288 + 384 + 80 + 45) * 4;
     compressed *= 4;

@@ -12,6 +12,7 @@
 #include <ctime>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <span>
 #include <string>
 #include <tuple>
@@ -755,6 +756,102 @@ TEST_CASE("reduce-on-plateau cuts the rate after `patience` epochs without impro
   REQUIRE(lrs.size() == want.size());
   for (std::size_t e = 0; e < want.size(); ++e) CHECK(lrs[e] == doctest::Approx(0.1 * want[e]));
   paratrain_test::remove_shared_dir(c, dir);
+}
+
+namespace {
+
+// A callback as a user writes one (Note [Loop callbacks]): halves the rate after a complete
+// epoch whose "score" does not beat the lowest so far, keeps the epochs that do as the best,
+// and, where `asks`, stops after step `stop_at`.
+struct Halving {
+  bool asks = false;
+  std::int64_t stop_at = -1;
+  double best = std::numeric_limits<double>::infinity();
+  double factor = 1;
+  void after_step(const paratrain::StepInfo& s, paratrain::LoopControl& loop) const {
+    if (asks && s.step == stop_at) loop.stop("cut short");
+  }
+  void after_epoch(const paratrain::EpochInfo& e, paratrain::LoopControl& loop) {
+    if (!e.complete) return;
+    if (const double v = e.metrics.at("score"); v < best) best = v, loop.keep_as_best();
+    else factor *= 0.5;
+  }
+  [[nodiscard]] double learning_rate_factor() const { return factor; }
+  void save(paratrain::CallbackState& s) const { s["halving.best"] = best, s["halving.factor"] = factor; }
+  void load(const paratrain::CallbackState& s) { best = s.at("halving.best"), factor = s.at("halving.factor"); }
+};
+static_assert(paratrain::fit_callback<Halving>);
+static_assert(!paratrain::fit_callback<int>);
+
+}  // namespace
+
+TEST_CASE("a callback of one's own cuts the rate, keeps the best, stops every rank, and resumes with its state") {
+  comm::Mpi c;
+  const int world = c.size();
+  const auto dir = paratrain_test::shared_dir(c, "callback");
+  const auto train = make_data(32, 1);
+  const std::int64_t per_epoch = ((32 + world - 1) / world + 3) / 4;  // DistributedSampler pads; batch 4
+  const std::vector<double> table{3, 2, 2.5, 1, 1.5, 0.5};
+  // Epochs 2 and 4 do not beat the lowest before them: the rate halves from epochs 3 and 5.
+  const std::vector<double> want{1, 1, 1, 0.5, 0.5, 0.25};
+  const auto run = [&](AppliedDdp& s, Halving h) {
+    std::vector<double> lrs;
+    auto log = log_per_epoch(table, per_epoch);
+    const auto result = paratrain::fit(s, train,
+                                       {.epochs = 6,
+                                        .batch_size = 4,
+                                        .progress = false,
+                                        .on_step =
+                                            [&](const paratrain::StepInfo& i) {
+                                              log(i);
+                                              if (i.step % per_epoch == 0) lrs.push_back(AppliedSgd::last);
+                                            },
+                                        .callbacks = {h},
+                                        .checkpoint = {.directory = dir, .async = false}});
+    return std::pair(result, lrs);
+  };
+  // Stopped by the last rank alone, at the first step of epoch 4: every rank stops there.
+  AppliedDdp a(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
+  auto [first, lrs] = run(a, Halving{.asks = c.rank() == world - 1, .stop_at = 4 * per_epoch});
+  CHECK(first.stopped == "cut short");
+  CHECK(first.steps == 4 * per_epoch + 1);
+  const auto best_then = paratrain::checkpoint::latest(dir / "best");
+  REQUIRE(best_then.has_value());
+  CHECK(*paratrain::checkpoint::step_of(*best_then) == 4 * per_epoch);  // after epoch 3, the lowest
+  // Resumed by a fresh callback: it loads its state (best 1, factor 0.5) from the checkpoint.
+  AppliedDdp b(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
+  const auto [second, rest] = run(b, Halving{});
+  CHECK(second.stopped.empty());
+  CHECK(second.resumed_from.has_value());
+  lrs.insert(lrs.end(), rest.begin(), rest.end());
+  REQUIRE(lrs.size() == want.size());
+  for (std::size_t e = 0; e < want.size(); ++e) CHECK(lrs[e] == doctest::Approx(0.1 * want[e]));
+  const auto best = paratrain::checkpoint::latest(dir / "best");
+  REQUIRE(best.has_value());
+  CHECK(*paratrain::checkpoint::step_of(*best) == 6 * per_epoch);  // after epoch 5
+  paratrain_test::remove_shared_dir(c, dir);
+}
+
+TEST_CASE("a checkpoint saved before the loop's callbacks resumes their state under the callbacks' names") {
+  paratrain::detail::FitPosition p{.base_lrs = {0.1}};
+  auto fit = paratrain::detail::to_dict(p);
+  REQUIRE(fit.erase("callbacks") == 1);
+  fit.insert("early_best", 0.25);
+  fit.insert("early_bad", std::int64_t{2});
+  fit.insert("best_saved", 0.5);
+  fit.insert("plateau_factor", 0.125);
+  fit.insert("plateau_best", 0.75);
+  fit.insert("plateau_bad", std::int64_t{1});
+  auto extra = paratrain::checkpoint::make_dict();
+  extra.insert("fit", fit);
+  const auto q = paratrain::detail::position_from("old", extra);
+  CHECK(q.callbacks == paratrain::CallbackState{{"early_stopping.best", 0.25}, {"early_stopping.bad", 2},
+                                                {"best.value", 0.5}, {"plateau.factor", 0.125},
+                                                {"plateau.best", 0.75}, {"plateau.bad", 1}});
+  // And the names the callbacks save now, through a checkpoint's dictionary and back.
+  p.callbacks = {{"halving.best", 1.5}, {"halving.factor", 0.5}};
+  extra.insert_or_assign("fit", paratrain::detail::to_dict(p));
+  CHECK(paratrain::detail::position_from("new", extra).callbacks == p.callbacks);
 }
 
 TEST_CASE("LibTorch's own schedulers step the rates from a callback while fit's are off") {

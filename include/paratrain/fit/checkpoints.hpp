@@ -6,7 +6,6 @@
 
 #include <cstdint>
 #include <filesystem>
-#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,6 +17,7 @@
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/collectives/agree.hpp"
 #include "paratrain/core/error.hpp"
+#include "paratrain/fit/callback.hpp"
 #include "paratrain/fit/metrics.hpp"
 #include "paratrain/fit/monitor.hpp"
 
@@ -64,14 +64,10 @@ struct FitPosition {
   /// The data-parallel replicas that visited `position` (0 in checkpoints from before it
   /// was recorded): a sampler without set_epoch(epoch, start) resumes only at as many.
   std::int64_t replicas = 0;
-  // What the monitors have seen (none: NaN), so that a resumed run stops and keeps the best
-  // as the uninterrupted one would.
-  double early_best = std::numeric_limits<double>::quiet_NaN();  ///< EarlyStopping's best value
-  std::int64_t early_bad = 0;  ///< epochs since it improved
-  double best_saved = std::numeric_limits<double>::quiet_NaN();  ///< CheckpointOptions::best's
-  double plateau_factor = 1;  ///< lr::ReduceOnPlateau's cut so far
-  double plateau_best = std::numeric_limits<double>::quiet_NaN();
-  std::int64_t plateau_bad = 0;
+  /// What the loop's callbacks keep (Note [Loop callbacks]): early stopping's and the best
+  /// checkpoint's values seen, reduce-on-plateau's cut, ..., so that a resumed run stops,
+  /// keeps the best and schedules as the uninterrupted one would.
+  CallbackState callbacks;
   double loss_scale = 0;  ///< the strategy's loss scale (Note [Loss scaling]); 0: none
   std::int64_t loss_scale_tracker = 0;
 };
@@ -88,12 +84,9 @@ inline checkpoint::Dict to_dict(const FitPosition& p) {
   d.insert("shuffle", p.shuffle);
   d.insert("drop_last", p.drop_last);
   d.insert("replicas", p.replicas);
-  d.insert("early_best", p.early_best);
-  d.insert("early_bad", p.early_bad);
-  d.insert("best_saved", p.best_saved);
-  d.insert("plateau_factor", p.plateau_factor);
-  d.insert("plateau_best", p.plateau_best);
-  d.insert("plateau_bad", p.plateau_bad);
+  auto callbacks = checkpoint::make_dict();
+  for (const auto& [key, value] : p.callbacks) callbacks.insert(key, value);
+  d.insert("callbacks", callbacks);
   d.insert("loss_scale", p.loss_scale);
   d.insert("loss_scale_tracker", p.loss_scale_tracker);
   return d;
@@ -129,12 +122,25 @@ inline FitPosition position_from(const std::filesystem::path& path, const checkp
     typed(key, d.at(key).isDouble());
     out = d.at(key).toDouble();
   };
-  number("early_best", p.early_best);
-  number("best_saved", p.best_saved);
-  number("plateau_factor", p.plateau_factor);
-  number("plateau_best", p.plateau_best);
-  if (d.contains("early_bad")) p.early_bad = field<std::int64_t>(index, d, "early_bad");
-  if (d.contains("plateau_bad")) p.plateau_bad = field<std::int64_t>(index, d, "plateau_bad");
+  if (d.contains("callbacks")) {
+    typed("callbacks", d.at("callbacks").isGenericDict());
+    for (const auto& entry : d.at("callbacks").toGenericDict()) {
+      typed("callbacks", entry.key().isString() && entry.value().isDouble());
+      p.callbacks[entry.key().toStringRef()] = entry.value().toDouble();
+    }
+  } else {
+    // Saved before the loop's callbacks (Note [Loop callbacks]): the same values, by their
+    // old names.
+    const std::pair<const char*, const char*> renamed[] = {
+        {"early_best", "early_stopping.best"}, {"early_bad", "early_stopping.bad"}, {"best_saved", "best.value"},
+        {"plateau_factor", "plateau.factor"},  {"plateau_best", "plateau.best"},   {"plateau_bad", "plateau.bad"}};
+    for (const auto& [old_key, key] : renamed)
+      if (d.contains(old_key)) {
+        const auto& v = d.at(old_key);
+        typed(old_key, v.isDouble() || v.isInt());
+        p.callbacks[key] = v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+      }
+  }
   number("loss_scale", p.loss_scale);
   if (d.contains("loss_scale_tracker")) p.loss_scale_tracker = field<std::int64_t>(index, d, "loss_scale_tracker");
   return p;
@@ -175,7 +181,9 @@ class FitCheckpoints {
       if (!options.directory.empty())
         saver_ = std::make_unique<Saver>(
             s, checkpoint::Options{.directory = options.directory, .keep = options.keep, .async = options.async});
-      if (!options.directory.empty() && !options.best.name.empty())
+      // Where fit saves checkpoints, any callback may keep an epoch as the best
+      // (LoopControl::keep_as_best), not only CheckpointOptions::best's monitor.
+      if (!options.directory.empty())
         best_ = std::make_unique<Saver>(
             s, checkpoint::Options{.directory = best_directory(), .keep = 1, .async = options.async});
     } else {

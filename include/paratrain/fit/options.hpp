@@ -18,6 +18,7 @@
 #include "paratrain/core/batch.hpp"
 #include "paratrain/data/dataset_ref.hpp"
 #include "paratrain/data/loader.hpp"
+#include "paratrain/fit/callback.hpp"
 #include "paratrain/fit/checkpoints.hpp"
 #include "paratrain/fit/eval_metrics.hpp"
 #include "paratrain/fit/lr_schedule.hpp"
@@ -127,6 +128,9 @@ struct EpochInfo {
   std::int64_t skipped_steps = 0;
   /// false for an epoch that training left part-way (max_steps, a time limit, a request).
   bool complete = true;
+  /// true where an evaluation set was given but not evaluated (stopping for time skips it):
+  /// the eval_ values are then not this epoch's.
+  bool evaluation_skipped = false;
   /// In on_epoch: stop->request(why) ends training after this epoch. Null in FitResult.
   Stop* stop = nullptr;
 };
@@ -182,6 +186,10 @@ struct FitOptions {
   bool progress = true;          ///< rank 0 reports progress on stdout
   std::function<void(const StepInfo&)> on_step{};
   std::function<void(const EpochInfo&)> on_epoch{};
+  /// One's own loop callbacks, after fit's own (Note [Loop callbacks]): any value with
+  /// after_step(const StepInfo&, LoopControl&), after_epoch(const EpochInfo&, LoopControl&),
+  /// learning_rate_factor() and save / load (fit/callback.hpp).
+  std::vector<AnyCallback> callbacks{};
   /// TensorBoard, trace, metrics files, straggler report: all off by default (observe/observer.hpp).
   observe::ObserveOptions observe{};
   /// Save checkpoints while training and resume from them: off by default (fit/checkpoints.hpp).

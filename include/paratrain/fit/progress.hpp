@@ -1,16 +1,43 @@
 #pragma once
 /// \file
-/// Progress output of fit(): a bar on a terminal, plain lines otherwise; rank 0 only.
+/// Progress output of fit(): a bar on a terminal, plain lines otherwise; rank 0 only; and
+/// the text and log values of its rates.
 
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <string_view>
 
+#include "paratrain/fit/options.hpp"
+
 namespace paratrain::detail {
+
+/// printf's formatting, into a string.
+inline std::string format(const char* fmt, auto... args) {
+  std::string out(static_cast<std::size_t>(std::max(std::snprintf(nullptr, 0, fmt, args...), 0)), '\0');
+  std::snprintf(out.data(), out.size() + 1, fmt, args...);
+  return out;
+}
+
+/// "12345 samples/s", with tokens/s, TFLOP/s and MFU where `t` gives them.
+inline std::string rates_text(const Throughput& t, const Rates& r) {
+  auto text = format("%.0f samples/s", r.samples_per_second);
+  if (t.tokens_per_sample > 0) text += format(", %.0f tokens/s", r.tokens_per_second);
+  if (t.sample_flops() > 0) text += format(", %.3g TFLOP/s", r.tflops);
+  if (t.sample_flops() > 0 && t.peak_flops_per_rank > 0) text += format(", MFU %.1f%%", 100 * r.mfu);
+  return text;
+}
+
+/// The rates `t` gives, as values of the logs (train/tokens_per_second, ...).
+inline void add_rates(std::map<std::string, double>& m, const Throughput& t, const Rates& r) {
+  if (t.tokens_per_sample > 0) m["tokens_per_second"] = r.tokens_per_second;
+  if (t.sample_flops() > 0) m["tflops"] = r.tflops;
+  if (t.sample_flops() > 0 && t.peak_flops_per_rank > 0) m["mfu"] = r.mfu;
+}
 
 class Progress {
  public:

@@ -10,10 +10,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <limits>
-#include <map>
-#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -28,21 +24,18 @@
 #include "paratrain/data/batches.hpp"
 #include "paratrain/data/loader.hpp"
 #include "paratrain/data/sampler_options.hpp"
+#include "paratrain/fit/callback.hpp"
+#include "paratrain/fit/callbacks.hpp"
 #include "paratrain/fit/checkpoints.hpp"
 #include "paratrain/fit/evaluate.hpp"
 #include "paratrain/fit/lr_schedule.hpp"
 #include "paratrain/fit/metrics.hpp"
 #include "paratrain/fit/options.hpp"
 #include "paratrain/fit/progress.hpp"
+#include "paratrain/fit/sampling.hpp"
 #include "paratrain/observe/observer.hpp"
 
 namespace paratrain::detail {
-
-inline std::string format(const char* fmt, auto... args) {
-  std::string out(static_cast<std::size_t>(std::max(std::snprintf(nullptr, 0, fmt, args...), 0)), '\0');
-  std::snprintf(out.data(), out.size() + 1, fmt, args...);
-  return out;
-}
 
 // Note [One loop for every strategy]
 // fit knows three things of a strategy: which replica's samples a rank trains on
@@ -51,76 +44,6 @@ inline std::string format(const char* fmt, auto... args) {
 // rank may have no loss (a pipeline's earlier stages) or no output (evaluation). Losses
 // are logged only where there is one, weighted by their samples, so the reduced mean is
 // over real samples; nothing is averaged in as 0.
-
-// Note [Ending before the time limit]
-// A job killed by its scheduler loses everything since its last checkpoint, and a
-// checkpoint cut off mid-write is no checkpoint. So fit ends itself first: after each step
-// each rank asks whether the time left (to TimeLimit::seconds from fit's start, or to
-// SLURM_JOB_END_TIME, whichever is sooner) still holds one more step (the longest so far),
-// the evaluation if that step ends an epoch, a save (the longest save so far) and
-// TimeLimit::reserve_seconds. If any rank says no, all stop after this step (one scalar
-// all-reduce per step while a limit is set), save a checkpoint where they are (mid-epoch,
-// with the epoch's running metrics) and return normally: the program exits 0 and the next
-// job, run with the same options, resumes there. Evaluation is skipped when stopping for
-// time. Clocks are read per rank; the decision is agreed, so no rank trains a step alone.
-
-/// The steady-clock time at which `limit` runs out for a run starting at `start`: the
-/// sooner of its own seconds and the SLURM job's end; none without either.
-inline std::optional<std::chrono::steady_clock::time_point> deadline_of(const TimeLimit& limit,
-                                                                        std::chrono::steady_clock::time_point start,
-                                                                        int rank) {
-  if (limit.seconds < 0 || limit.reserve_seconds < 0)
-    throw error("fit", rank, "time_limit.seconds and time_limit.reserve_seconds must be >= 0");
-  std::optional<std::chrono::steady_clock::time_point> deadline;
-  const auto sooner = [&](std::chrono::steady_clock::time_point t) { deadline = deadline ? std::min(*deadline, t) : t; };
-  if (limit.seconds > 0)
-    sooner(start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(limit.seconds)));
-  if (const char* end = std::getenv("SLURM_JOB_END_TIME"); limit.slurm && end != nullptr && *end != '\0') {
-    char* stop = nullptr;
-    const double unix_end = std::strtod(end, &stop);
-    if (stop == end || *stop != '\0' || !std::isfinite(unix_end))
-      throw error("fit", rank, std::string("SLURM_JOB_END_TIME is '") + end + "', not a number of seconds");
-    const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-    sooner(std::chrono::steady_clock::now() +
-           std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(unix_end - now)));
-  }
-  return deadline;
-}
-
-/// The options fit builds a sampler type with: the strategy's replicas, FitOptions' order.
-template <strategy S>
-data::SamplerOptions sampler_options(S& s, const FitOptions& o) {
-  const auto shard = s.data_shard();
-  return {.num_replicas = shard.count, .rank = shard.index, .shuffle = o.shuffle, .seed = o.seed,
-          .drop_last = o.drop_last};
-}
-
-/// Why a sampler built by the caller does not fit this rank's replica or the training set,
-/// as far as it says (options() with num_replicas and rank, dataset_size()); "" when it does.
-template <strategy S, class D, class Sampler>
-std::string sampler_mismatch(S& s, const D& train, const Sampler& order) {
-  const auto shard = s.data_shard();
-  if constexpr (requires { order.options().num_replicas; order.options().rank; }) {
-    if (order.options().num_replicas != shard.count || order.options().rank != shard.index)
-      return "the sampler was built for replica " + std::to_string(order.options().rank) + " of " +
-             std::to_string(order.options().num_replicas) + ", but this rank trains replica " +
-             std::to_string(shard.index) + " of " + std::to_string(shard.count) +
-             "; build it with {.num_replicas = s.data_shard().count, .rank = s.data_shard().index}";
-  }
-  if constexpr (requires { order.dataset_size(); }) {
-    if (static_cast<std::int64_t>(order.dataset_size()) != static_cast<std::int64_t>(train.size()))
-      return "the sampler deals out indices of " + std::to_string(order.dataset_size()) +
-             " samples, but the training set holds " + std::to_string(train.size());
-  }
-  return {};
-}
-
-/// A sampler whose epoch can begin part-way through its order (DistributedSampler,
-/// WeightedSampler): a resumed run then starts where the whole job stopped, at any world
-/// size. Other samplers resume by skipping what this replica visited, at the same number
-/// of replicas (Note [Resuming mid-epoch]).
-template <class T>
-concept resumable_sampler = requires(T& t, std::int64_t n) { t.set_epoch(n, n); };
 
 /// fit, in named steps: the loop over epochs, an epoch's steps, a step, what follows a step.
 template <strategy S, dataset D, sampler Sampler, class Loss>
@@ -141,16 +64,13 @@ class Trainer {
         checkpoints_(s, options.checkpoint),
         lr_(options.lr_scaling, options.lr_schedule,
             double(options.batch_size) * options.accumulation * shard_.count),
-        deadline_(deadline_of(options.time_limit, clock::now(), s.rank())) {
-    for (const auto* m : {&options.early_stopping.monitor, &options.checkpoint.best, &options.reduce_on_plateau.monitor})
-      if (m->name.starts_with("eval_") && !options.eval)
-        throw error("fit", s.rank(), "the monitored value '" + m->name + "' needs an evaluation set (FitOptions::eval)");
-    if (options.early_stopping.patience < 1 || options.early_stopping.min_delta < 0)
-      throw error("fit", s.rank(), "early_stopping.patience must be >= 1 and min_delta >= 0");
-    if (const auto& p = options.reduce_on_plateau; p.patience < 0 || p.min_delta < 0 || p.factor <= 0 || p.factor >= 1 ||
-                                                   p.min_factor < 0)
-      throw error("fit", s.rank(),
-                  "reduce_on_plateau needs patience >= 0, min_delta >= 0, 0 < factor < 1 and min_factor >= 0");
+        callbacks_(loop_callbacks(options, checkpoints_.saving(), s.rank())) {
+    // Whether to agree after every step, agreed itself: a rank given on_step where another
+    // is not must still take part.
+    at::Tensor watches = at::full({1}, std::ranges::any_of(callbacks_, [](const AnyCallback& c) { return c.watches_steps(); })
+                                     ? 1.0 : 0.0, at::kDouble);
+    s.all_reduce(watches, reduce_op::max);
+    watches_steps_ = watches.item<double>() != 0;
     start_ = {.dataset_size = static_cast<std::int64_t>(train.size()),
               .seed = static_cast<std::int64_t>(options.seed),
               .shuffle = options.shuffle,
@@ -175,7 +95,7 @@ class Trainer {
     result_.step_times = observer_.finish();
     result_.samples_per_second = result_.train_seconds > 0 ? total_samples_ / result_.train_seconds : 0;
     result_.rates = Rates::of(options_.throughput, result_.samples_per_second, s_.world_size());
-    if (lr_.active() || plateau_factor_ != 1.0)
+    if (lr_.active() || learning_rate_factor() != 1.0)
       LrSchedule::apply(s_.optimizer(), base_lrs_, 1.0);  // as found: a second fit starts alike
     return std::move(result_);
   }
@@ -186,6 +106,34 @@ class Trainer {
       throw error("fit", rank, "epochs must be >= 0 and batch_size, accumulation, log_every and eval_batch_size >= 1");
     if (o.max_steps < 0) throw error("fit", rank, "max_steps must be >= 0 (0: no limit)");
     return o;
+  }
+
+  /// The callbacks fit's options make, in the order they run (Note [Loop callbacks]):
+  /// on_step, early stopping, reduce-on-plateau, the best checkpoint, the time limit,
+  /// on_epoch, then FitOptions::callbacks.
+  static std::vector<AnyCallback> loop_callbacks(const FitOptions& o, bool saving, int rank) {
+    std::vector<AnyCallback> out;
+    const bool has_eval = static_cast<bool>(o.eval);
+    if (o.on_step) out.emplace_back(callbacks::OnStep(o.on_step));
+    if (!o.early_stopping.monitor.name.empty()) out.emplace_back(callbacks::EarlyStopping(o.early_stopping, has_eval, rank));
+    if (!o.reduce_on_plateau.monitor.name.empty())
+      out.emplace_back(callbacks::ReduceOnPlateau(o.reduce_on_plateau, has_eval, rank));
+    if (!o.checkpoint.best.name.empty()) {
+      if (saving) out.emplace_back(callbacks::KeepBest(o.checkpoint.best, has_eval, rank));
+      else check_monitor(o.checkpoint.best, has_eval, rank);
+    }
+    if (const auto deadline = deadline_of(o.time_limit, clock::now(), rank))
+      out.emplace_back(callbacks::TimeLimit(*deadline, o.time_limit.reserve_seconds));
+    if (o.on_epoch) out.emplace_back(callbacks::OnEpoch(o.on_epoch));
+    out.insert(out.end(), o.callbacks.begin(), o.callbacks.end());
+    return out;
+  }
+
+  /// What the callbacks multiply the learning rate by (reduce-on-plateau's cut).
+  double learning_rate_factor() const {
+    double factor = 1;
+    for (const auto& c : callbacks_) factor *= c.learning_rate_factor();
+    return factor;
   }
 
   /// What one epoch's loop keeps.
@@ -227,8 +175,7 @@ class Trainer {
     base_lrs_ = start_.base_lrs;  // the loaded optimizer holds the scheduled rates of its step
     step_ = start_.step;
     result_.resumed_from = checkpoints_.resumed_from();
-    early_best_ = start_.early_best, early_bad_ = start_.early_bad, best_saved_ = start_.best_saved;
-    plateau_factor_ = start_.plateau_factor, plateau_best_ = start_.plateau_best, plateau_bad_ = start_.plateau_bad;
+    for (auto& c : callbacks_) c.load(start_.callbacks);
     if constexpr (loss_scaled_strategy<S>)  // Note [Loss scaling]: resumed where it was
       if (start_.loss_scale > 0) s_.loss_scaler().restore(start_.loss_scale, start_.loss_scale_tracker);
   }
@@ -353,11 +300,10 @@ class Trainer {
                         .has_loss = has_loss,
                         .stop = &stop_request_};
     observer_.step(step_, begin, end, info.loss, has_loss ? r.samples : 0);
-    if (options_.on_step) options_.on_step(info);
     const bool last = r.ranks_with_next == 0;
     longest_step_ = std::max(longest_step_, info.seconds);
     checkpoints_.poll();
-    stopped_ = stop_after_step(e, k, last);
+    stopped_ = stop_after_step(info, e, k, last);
     const bool due = !stopped_.empty() ||
                      (options_.checkpoint.every_steps > 0 && (step_ + 1) % options_.checkpoint.every_steps == 0);
     if (due && last) {
@@ -379,10 +325,10 @@ class Trainer {
       const double seconds = std::chrono::duration<double>(clock::now() - e.start).count();
       const auto rates = Rates::of(options_.throughput, e.samples / seconds, s_.world_size());
       const double loss = m.count("loss") ? m.at("loss") : 0.0;
-      add_rates(m, rates);
+      add_rates(m, options_.throughput, rates);
       observer_.log(step_ + 1, e.index, m, info.lr, rates.samples_per_second);
       progress_.step(e.index + 1, options_.epochs, k + 1, e.longest,
-                     format("loss %.4f lr %.3g ", loss, info.lr) + rates_text(rates), true);
+                     format("loss %.4f lr %.3g ", loss, info.lr) + rates_text(options_.throughput, rates), true);
     } else {
       progress_.step(e.index + 1, options_.epochs, k + 1, e.longest, loss_text(r.loss), false);
     }
@@ -400,6 +346,7 @@ class Trainer {
     metrics_ = Metrics{};
     info.train_loss = info.metrics.count("loss") ? info.metrics.at("loss") : 0.0;
     const bool evaluated = options_.eval && stopped_ != time_limit_reason;  // Note [Ending before the time limit]
+    info.evaluation_skipped = options_.eval && !evaluated;
     if (evaluated) {
       const auto begin = clock::now();
       auto result = detail::evaluate(s_, options_.eval, {options_.eval_batch_size, options_.loader, options_.metrics},
@@ -416,14 +363,16 @@ class Trainer {
     }
     progress_.line(format("epoch %d/%d: train loss %.4f, %s", e.index + 1, options_.epochs, info.train_loss,
                           tested.c_str()) +
-                   rates_text(info.rates) + format(", %.1f s", info.seconds));
-    if (e.complete && (evaluated || !options_.eval)) watch(info);
-    if (options_.on_epoch) {
-      info.stop = &stop_request_;
-      options_.on_epoch(info);
-      info.stop = nullptr;
-      if (stopped_.empty()) stopped_ = agreed_stop(stop_request_.why());
-    }
+                   rates_text(options_.throughput, info.rates) + format(", %.1f s", info.seconds));
+    LoopControl control;
+    info.stop = &stop_request_;
+    for (auto& c : callbacks_) c.after_epoch(info, control);
+    info.stop = nullptr;
+    if (stop_request_.requested()) control.stop(stop_request_.why());
+    const auto [why, best] = agreed(control);  // on every rank, whatever callbacks each has
+    if (stopped_.empty()) stopped_ = why;
+    // As the next epoch's start, with what the callbacks now keep.
+    if (best && checkpoints_.saving()) checkpoints_.save_best(position(step_, e.index + 1, 0, 0));
     // As the next epoch's start; step_ counts the epoch's last step.
     if (e.complete && (e.save_at_end || !stopped_.empty()) && checkpoints_.saving())
       save(position(step_, e.index + 1, 0, 0), Metrics{});
@@ -435,10 +384,11 @@ class Trainer {
   /// The linear scaling rule's warm-up, the user's schedule and ReduceOnPlateau's cut, at
   /// step k of the epoch.
   void schedule_learning_rate(const Epoch& e, std::int64_t k) {
-    if (!lr_.active() && plateau_factor_ == 1.0) return;
+    const double cut = learning_rate_factor();
+    if (!lr_.active() && cut == 1.0) return;
     const double steps = double(std::max<std::int64_t>(e.longest, 1));
     const lr::Clock clock{.step = step_, .total_steps = total_steps_, .epoch = e.index + double(k) / steps};
-    LrSchedule::apply(s_.optimizer(), base_lrs_, lr_.factor(clock, steps) * plateau_factor_);
+    LrSchedule::apply(s_.optimizer(), base_lrs_, lr_.factor(clock, steps) * cut);
   }
 
   /// The run's optimizer steps for lr::Clock: max_steps, or epochs of the longest epoch's
@@ -452,94 +402,35 @@ class Trainer {
     return options_.max_steps > 0 ? std::min(all, options_.max_steps) : all;
   }
 
-  static constexpr const char* time_limit_reason = "time limit";
+  static constexpr const char* time_limit_reason = detail::time_limit_reason;
 
-  /// "12345 samples/s", with tokens/s, TFLOP/s and MFU where FitOptions::throughput gives them.
-  std::string rates_text(const Rates& r) const {
-    const auto& t = options_.throughput;
-    auto text = format("%.0f samples/s", r.samples_per_second);
-    if (t.tokens_per_sample > 0) text += format(", %.0f tokens/s", r.tokens_per_second);
-    if (t.sample_flops() > 0) text += format(", %.3g TFLOP/s", r.tflops);
-    if (t.sample_flops() > 0 && t.peak_flops_per_rank > 0) text += format(", MFU %.1f%%", 100 * r.mfu);
-    return text;
-  }
-
-  /// The rates Throughput gives, as values of the logs (train/tokens_per_second, ...).
-  void add_rates(std::map<std::string, double>& m, const Rates& r) const {
-    const auto& t = options_.throughput;
-    if (t.tokens_per_sample > 0) m["tokens_per_second"] = r.tokens_per_second;
-    if (t.sample_flops() > 0) m["tflops"] = r.tflops;
-    if (t.sample_flops() > 0 && t.peak_flops_per_rank > 0) m["mfu"] = r.mfu;
-  }
-
-  /// Why training stops after step k of `e` (the same on every rank), or "": max_steps, a
-  /// callback's request on any rank, or the time limit on any rank.
-  std::string stop_after_step(const Epoch& e, std::int64_t k, bool last) {
-    std::string why = stop_request_.why();
-    if (why.empty() && deadline_) {  // Note [Ending before the time limit]
-      const bool next_ends_epoch = k + 2 >= e.longest;
-      const double need = (last ? 0.0 : longest_step_) + (last || next_ends_epoch ? last_eval_ : 0.0) +
-                          longest_save_ + options_.time_limit.reserve_seconds;
-      if (clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(need)) >= *deadline_)
-        why = time_limit_reason;
-    }
-    if (deadline_ || options_.on_step) why = agreed_stop(why);
+  /// Why training stops after step k of `e` (the same on every rank), or "": a callback's
+  /// request on any rank (the time limit's among them), or max_steps.
+  std::string stop_after_step(const StepInfo& info, const Epoch& e, std::int64_t k, bool last) {
+    LoopControl control(LoopControl::Times{.longest_step = longest_step_,
+                                           .longest_save = longest_save_,
+                                           .last_eval = last_eval_,
+                                           .epoch_ends = last,
+                                           .next_ends_epoch = k + 2 >= e.longest});
+    for (auto& c : callbacks_) c.after_step(info, control);
+    if (stop_request_.requested()) control.stop(stop_request_.why());
+    std::string why = watches_steps_ ? agreed(control).first : std::string();
     if (why.empty() && options_.max_steps > 0 && step_ + 1 >= options_.max_steps) why = "max_steps";
     return why;
   }
 
-  /// The first rank's reason to stop where any rank has one; "" where none has. Collective.
-  std::string agreed_stop(const std::string& why) {
-    auto any = at::full({1}, why.empty() ? 0.0 : 1.0, at::kDouble);
+  /// The ranks' joint answer to their callbacks: the first rank's reason to stop where any
+  /// rank has one ("" where none has), and whether any keeps this epoch as the best.
+  /// Collective: one all-reduce of two scalars, and a gather of the reasons when one stops.
+  std::pair<std::string, bool> agreed(const LoopControl& control) {
+    const auto& why = control.stop_reason();
+    auto any = at::tensor({why.empty() ? 0.0 : 1.0, control.best() ? 1.0 : 0.0}, at::kDouble);
     s_.all_reduce(any, reduce_op::max);
-    if (any.item<double>() == 0) return {};
+    const bool best = any[1].item<double>() != 0;
+    if (any[0].item<double>() == 0) return {std::string(), best};
     for (auto& of_rank : all_gather_strings(s_, why.empty() ? std::vector<std::string>{} : std::vector<std::string>{why}))
-      if (!of_rank.empty()) return of_rank.front();
-    return "another rank asked";
-  }
-
-  /// After a complete epoch: early stopping's and the best checkpoint's monitors.
-  void watch(const EpochInfo& info) {
-    const auto& early = options_.early_stopping;
-    if (!early.monitor.name.empty()) {
-      const double v = monitored(info, early.monitor.name);
-      if (improves(early.monitor.goal, v, early_best_, early.min_delta)) early_best_ = v, early_bad_ = 0;
-      else ++early_bad_;
-      if (early_bad_ >= early.patience && stopped_.empty())
-        stopped_ = format("early stopping: %s has not improved by more than %g for %d epochs (best %.6g)",
-                          early.monitor.name.c_str(), early.min_delta, early.patience, early_best_);
-    }
-    const auto& plateau = options_.reduce_on_plateau;
-    if (!plateau.monitor.name.empty()) {
-      const double v = monitored(info, plateau.monitor.name);
-      if (improves(plateau.monitor.goal, v, plateau_best_, plateau.min_delta)) plateau_best_ = v, plateau_bad_ = 0;
-      else if (++plateau_bad_ > plateau.patience) {  // as PyTorch: more bad epochs than patience cut, then count afresh
-        plateau_factor_ = std::max(plateau_factor_ * plateau.factor, plateau.min_factor);
-        plateau_bad_ = 0;
-      }
-    }
-    const auto& best = options_.checkpoint.best;
-    if (!best.name.empty() && checkpoints_.saving()) {
-      const double v = monitored(info, best.name);
-      if (improves(best.goal, v, best_saved_)) {
-        best_saved_ = v;
-        checkpoints_.save_best(position(step_, info.epoch + 1, 0, 0));
-      }
-    }
-  }
-
-  /// The value of a Monitor's name after an epoch: the same on every rank.
-  double monitored(const EpochInfo& info, const std::string& name) const {
-    if (name == "train_loss") return info.train_loss;
-    if (name == "eval_loss") return info.eval_loss;
-    if (name == "eval_accuracy") return info.eval_accuracy;
-    if (name.starts_with("eval_"))
-      if (const auto it = info.eval_metrics.find(name.substr(5)); it != info.eval_metrics.end()) return it->second;
-    if (const auto it = info.metrics.find(name); it != info.metrics.end()) return it->second;
-    std::string known = "train_loss, eval_loss, eval_accuracy";
-    for (const auto& [m, v] : info.eval_metrics) known += ", eval_" + m;
-    for (const auto& [m, v] : info.metrics) known += ", " + m;
-    throw error("fit", s_.rank(), "the monitored value '" + name + "' is not one this epoch has (" + known + ")");
+      if (!of_rank.empty()) return {of_rank.front(), best};
+    return {"another rank asked", best};
   }
 
   /// Saves a checkpoint of the loop at `p`, timing it for the time limit.
@@ -554,8 +445,7 @@ class Trainer {
   FitPosition position(std::int64_t steps_done, int epoch, std::int64_t epoch_step, std::int64_t visited) const {
     FitPosition p = start_;
     p.step = steps_done, p.epoch = epoch, p.epoch_step = epoch_step, p.position = visited, p.base_lrs = base_lrs_;
-    p.early_best = early_best_, p.early_bad = early_bad_, p.best_saved = best_saved_;
-    p.plateau_factor = plateau_factor_, p.plateau_best = plateau_best_, p.plateau_bad = plateau_bad_;
+    for (const auto& c : callbacks_) c.save(p.callbacks);
     if constexpr (loss_scaled_strategy<S>)
       if (s_.loss_scaler().active())
         p.loss_scale = s_.loss_scaler().scale(), p.loss_scale_tracker = s_.loss_scaler().growth_tracker();
@@ -579,17 +469,12 @@ class Trainer {
   Metrics window_;   // fit's loss since the last progress line
   std::int64_t step_ = 0;
   double total_samples_ = 0;
-  std::optional<clock::time_point> deadline_;  // Note [Ending before the time limit]
-  double longest_step_ = 0, longest_save_ = 0, last_eval_ = 0;  // seconds
-  Stop stop_request_;    // what callbacks asked on this rank
+  std::vector<AnyCallback> callbacks_;  // Note [Loop callbacks]
+  bool watches_steps_ = false;          // some callback has after_step: agree after each step
+  double longest_step_ = 0, longest_save_ = 0, last_eval_ = 0;  // seconds, for LoopControl::Times
+  Stop stop_request_;    // what on_step / on_epoch asked on this rank
   std::string stopped_;  // why training stops, agreed: "" while it goes on
-  double early_best_ = std::numeric_limits<double>::quiet_NaN();
-  std::int64_t early_bad_ = 0;
-  double best_saved_ = std::numeric_limits<double>::quiet_NaN();
   std::int64_t total_steps_ = 0;  // for lr::Clock
-  double plateau_factor_ = 1;     // lr::ReduceOnPlateau's
-  double plateau_best_ = std::numeric_limits<double>::quiet_NaN();
-  std::int64_t plateau_bad_ = 0;
 };
 
 }  // namespace paratrain::detail
