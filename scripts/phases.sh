@@ -24,13 +24,13 @@ phases_report() {
   if [[ -f $build/.ninja_log ]]; then
     echo "== the ten slowest build targets ($build/.ninja_log) =="
     awk -F'\t' 'NR > 1 { t[$4] = ($2 - $1) / 1000 }
-      END { for (k in t) printf "%8.1f s  %s\n", t[k], k }' "$build/.ninja_log" | sort -rn | head -10
+      END { for (k in t) printf "%8.1f s  %s\n", t[k], k }' "$build/.ninja_log" | sort -rn | awk 'NR <= 10'
     awk -F'\t' 'NR > 1 { t[$4] = ($2 - $1) / 1000 } END { for (k in t) { s += t[k]; n++ }
       printf "%8.1f s  all %d targets, summed\n", s, n }' "$build/.ninja_log"
   fi
   local cost=$build/Testing/Temporary/CTestCostData.txt
   if [[ -f $cost ]]; then
     echo "== the ten slowest tests ($cost) =="
-    awk '/^---/ { exit } NF == 3 { printf "%8.1f s  %s\n", $3, $1 }' "$cost" | sort -rn | head -10
+    awk '/^---/ { exit } NF == 3 { printf "%8.1f s  %s\n", $3, $1 }' "$cost" | sort -rn | awk 'NR <= 10'
   fi
 }

@@ -10,12 +10,10 @@ cd "$(dirname "$0")/.."
 build=${PARATRAIN_BUILD_DIR:-build}
 compat=${PARATRAIN_COMPAT_STAGE:-1}
 source scripts/phases.sh
-prepare="" sanitize_build=""
+prepare=""
 # A root still being made when the run ends (a failed build) is stopped, with its mmdebstrap
-# (its own session: ended by process group); its next run starts it afresh. So is the
-# sanitizer's build, where it runs beside the tests (below).
-trap '[[ -n $prepare ]] && kill -- -"$prepare" 2>/dev/null
-      [[ -n $sanitize_build ]] && kill -- -"$sanitize_build" 2>/dev/null; phases_report "$build"' EXIT
+# (its own session: ended by process group); its next run starts it afresh.
+trap '[[ -n $prepare ]] && kill -- -"$prepare" 2>/dev/null; phases_report "$build"' EXIT
 
 phase deps scripts/deps.sh
 if [[ $compat != 0 ]]; then
@@ -41,29 +39,9 @@ phase configure scripts/build.sh --configure-only
 phase build scripts/build.sh
 # Two at a time: a test of N processes (PROCESSORS N) runs alone on 2 cores, and
 # the timing-sensitive ones say so (tests/CMakeLists.txt).
-sanitize=${PARATRAIN_SANITIZE_STAGE:-1}
-if [[ $sanitize != 0 ]]; then
-  # The tests leave about a third of the cores idle (ranks waiting on each other, on a
-  # watchdog's deadline, cmake configuring a consumer: 600 CPU-s in 440 s of ctest on 2
-  # cores), so the sanitizer's build runs beside them, at the lowest CPU and I/O priority,
-  # where it takes those idle moments and little else; its phase then builds what is left
-  # and runs its tests.
-  sanitize_log=$(mktemp)
-  setsid -w nice -n 19 ionice -c 3 scripts/sanitize.sh --build-only >"$sanitize_log" 2>&1 &
-  sanitize_build=$!
-fi
-sanitizer_stage() {
-  local status=0
-  wait "$sanitize_build" || status=$?
-  sanitize_build=""
-  cat "$sanitize_log"
-  rm -f "$sanitize_log"
-  ((status == 0)) || { echo "paratrain: the sanitizer's build failed (status $status)" >&2; return "$status"; }
-  scripts/sanitize.sh
-}
 phase ctest bash -c 'cd "$1" && shift && ctest --output-on-failure --no-tests=error -j "$(nproc)" "$@"' ctest "$build" "$@"
-if [[ $sanitize != 0 ]]; then
-  phase sanitizer sanitizer_stage
+if [[ ${PARATRAIN_SANITIZE_STAGE:-1} != 0 ]]; then
+  phase sanitizer scripts/sanitize.sh
 fi
 if [[ $compat != 0 ]]; then
   phase "libtorch 2.6" compat_stage
