@@ -8,17 +8,23 @@
 //   - no_comm:  the same step in plain LibTorch on a second replica, no communication:
 //               the rate DDP would reach if communication were free.
 // Trials alternate the two so that drift hits both alike (benchmarks/driver.hpp).
-// Prints one JSON line on rank 0. benchmarks/ddp_vs_torch.sh runs it beside PyTorch:
-//   scripts/mpirun.sh 2 build/benchmarks/bench_ddp_vs_torch [steps] [trials]
+// --hook fp16, bf16 or powersgd sums the gradients through that gradient hook (Note
+// [Gradient hooks]; PyTorch's comm hooks on the Python side); the JSON line then has the
+// bytes each rank sent per step. Prints one JSON line on rank 0.
+// benchmarks/ddp_vs_torch.sh and benchmarks/hooks_vs_torch.sh run it beside PyTorch:
+//   scripts/mpirun.sh 2 build/benchmarks/bench_ddp_vs_torch [--steps N] [--hook powersgd]
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cli.hpp"
 #include "driver.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/strategy/buckets/hooks.hpp"
+#include "paratrain/strategy/buckets/powersgd.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 
 namespace {
@@ -70,6 +76,12 @@ int main(int argc, char** argv) {
                  "DataParallelOptions::first_bucket_cap_bytes")
       ->check(CLI::Range(std::size_t{0}, std::size_t{1} << 40))
       ->capture_default_str();
+  std::string hook = "none";
+  paratrain::PowerSgdOptions powersgd{.start_step = 0};
+  app.add_option("--hook", hook, "the gradients' hook: none (the exact sum), fp16, bf16 or powersgd")
+      ->check(CLI::IsMember({"none", "fp16", "bf16", "powersgd"}))
+      ->capture_default_str();
+  app.add_option("--powersgd-rank", powersgd.rank, "PowerSgdOptions::rank")->check(CLI::Range(1, 1024))->capture_default_str();
   if (const auto status = paratrain::bench::parse(app, argc, argv)) return *status;
 
   paratrain::comm::Mpi world;
@@ -77,6 +89,9 @@ int main(int argc, char** argv) {
   Data data;
   paratrain::DataParallel<Mlp, paratrain::comm::Mpi, torch::optim::Adam> ddp(
       Mlp(), world, torch::optim::AdamOptions(1e-3), options);
+  if (hook == "fp16") ddp.register_gradient_hook(paratrain::NarrowGradients(at::kHalf));
+  if (hook == "bf16") ddp.register_gradient_hook(paratrain::NarrowGradients(at::kBFloat16));
+  if (hook == "powersgd") ddp.register_gradient_hook(paratrain::PowerSgd(powersgd));  // from the first step, as timed
   Mlp local;
   torch::optim::Adam local_optim(local->parameters(), torch::optim::AdamOptions(1e-3));
 
@@ -108,7 +123,9 @@ int main(int argc, char** argv) {
     std::printf(
         "{\"implementation\": \"paratrain\", \"ranks\": %d, \"batch_per_rank\": %lld, \"steps\": %d, \"trials\": %d, "
         "\"threads\": %d, \"buckets\": %zu, \"steps_per_s\": %.3f, \"no_comm_steps_per_s\": %.3f, "
-        "\"exposed_comm_s_per_step\": %.6f, \"exposed_comm_share\": %.4f}\n",
+        "\"exposed_comm_s_per_step\": %.6f, \"exposed_comm_share\": %.4f, \"hook\": \"%s\", \"powersgd_rank\": %d, "
+        "\"bytes_sent_per_step\": %lld}\n",
         world.size(), static_cast<long long>(Data::batch), steps / trials * trials, trials, torch::get_num_threads(),
-        ddp.bucket_count(), 1 / seconds[0], 1 / seconds[1], exposed_per_step, exposed_per_step / seconds[0]);
+        ddp.bucket_count(), 1 / seconds[0], 1 / seconds[1], exposed_per_step, exposed_per_step / seconds[0],
+        hook.c_str(), hook == "powersgd" ? powersgd.rank : 0, static_cast<long long>(ddp.gradient_bytes_sent()));
 }

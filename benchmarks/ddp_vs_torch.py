@@ -7,6 +7,9 @@ trial as benchmarks/driver.hpp does, median trial reported:
   - ddp:     DistributedDataParallel with its defaults (bucket_cap_mb=25), gloo;
   - no_comm: the same step on a plain model (no DDP wrapper), no communication. At one
              rank this is plain single-process PyTorch.
+--hook fp16 or powersgd registers PyTorch's fp16_compress_hook or powerSGD_hook (rank
+--powersgd-rank, from the first step, error feedback and warm start on: its defaults) on the
+DDP model, for benchmarks/hooks_vs_torch.sh.
 Ranks are processes started with torch.multiprocessing.spawn, rendezvous by env://
 on 127.0.0.1 and a free port. Prints one JSON line.
 
@@ -44,6 +47,14 @@ def run(rank, args):
         return x[start:start + batch], y[start:start + batch]
 
     ddp = DistributedDataParallel(mlp(nn))  # defaults: bucket_cap_mb=25, broadcast_buffers=True
+    if args.hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif args.hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                            start_powerSGD_iter=2)  # its least (1.13 asserts >= 2 with error feedback)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     ddp_optim = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     local = mlp(nn)
     local_optim = torch.optim.Adam(local.parameters(), lr=1e-3)
@@ -79,7 +90,8 @@ def run(rank, args):
             "implementation": "pytorch", "version": torch.__version__, "ranks": args.ranks,
             "batch_per_rank": batch, "steps": per_trial * args.trials, "trials": args.trials,
             "threads": torch.get_num_threads(), "bind": args.bind,
-            "steps_per_s": round(1 / median[0], 3), "no_comm_steps_per_s": round(1 / median[1], 3)}), flush=True)
+            "steps_per_s": round(1 / median[0], 3), "no_comm_steps_per_s": round(1 / median[1], 3),
+            "hook": args.hook, "powersgd_rank": args.powersgd_rank if args.hook == "powersgd" else 0}), flush=True)
     dist.destroy_process_group()
 
 
@@ -90,6 +102,8 @@ def main():
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--bind", action="store_true", help="pin rank r to core r")
+    p.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none", help="DDP's comm hook")
+    p.add_argument("--powersgd-rank", type=int, default=1, help="powerSGD_hook's matrix_approximation_rank")
     args = p.parse_args()
     peer.spawn(run, args, args.ranks)
 

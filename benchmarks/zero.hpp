@@ -13,9 +13,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <string_view>
 
+#include "paratrain/memory/counting_allocator.hpp"
+#include "paratrain/memory/usage.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/plan/plan.hpp"
 #include "paratrain/strategy/sharded.hpp"
@@ -30,6 +33,9 @@ struct ZeroRun {
   std::string strategy = "ddp";  // ddp, zero1, zero2 or zero3
   int layers = 4, steps = 30, warmup = 3;
   bool bf16 = false;  // forward under bf16 autocast (and ZeRO-3's gathers: Note [Gathers in the compute type])
+  /// Where rank 0's peak goes: its tensors' peak, counted at LibTorch's allocator, and its
+  /// resident memory after the steps by kind (memory::usage), each above the baseline.
+  bool breakdown = false;
 
   /// Its options (bench_zero's and bench_zero_rendezvous's).
   void add_to(CLI::App& app) {
@@ -40,6 +46,8 @@ struct ZeroRun {
     app.add_option("--steps", steps, "timed steps")->check(CLI::Range(1, 1 << 20))->capture_default_str();
     app.add_option("--warmup", warmup, "steps before the timed ones")->check(CLI::Range(0, 1 << 20))->capture_default_str();
     app.add_flag("--bf16", bf16, "forward under bf16 autocast (and ZeRO-3's units gathered in bf16)");
+    app.add_flag("--breakdown", breakdown,
+                 "rank 0's peak by kind: tensors (counted at the allocator), heap in use and free, shared memory, ...");
   }
 };
 
@@ -88,6 +96,9 @@ void run_zero(Comm world, const torch::Device& device, const Ranks& ranks, const
   (void)torch::mm(x.narrow(0, 0, batch), x.narrow(0, 0, batch).t()).sum().item<float>();
   const double base = rss_mib();
   const double baseline = ranks.max(base);
+  const auto usage_before = paratrain::memory::usage();
+  std::optional<paratrain::memory::CountingCpuAllocator::Scope> counting;
+  if (run.breakdown) counting.emplace();
   // Built by the strategy: at stage 3 sharded as it is built (Note [Sharded construction]).
   torch::manual_seed(7);
   DataParallel<WideMlp, Comm, Update> s([&] { return WideMlp(run.layers); }, std::move(world),
@@ -123,7 +134,28 @@ void run_zero(Comm world, const torch::Device& device, const Ranks& ranks, const
   const double rss = ranks.max(peak_rss_mib());  // the largest over the ranks
   const double above = ranks.max(peak_rss_mib() - base);
   const double plan_peak = s.planned_peak().total() / double(1 << 20);
-  const std::string more = extra();
+  std::string more = extra();
+  if (run.breakdown) {
+    // Rank 0's own: its peak, its tensors' peak, and where its resident memory is now (the
+    // heap keeps its high-water mark: Note [Allocator]), all above its baseline.
+    const auto now = paratrain::memory::usage();
+    const auto above_mib = [](std::int64_t a, std::int64_t b) { return double(a - b) / double(1 << 20); };
+    char text[640];
+    std::snprintf(text, sizeof text,
+                  ", \"r0_peak_above_baseline_mib\": %.1f, \"r0_tensors_peak_mib\": %.1f, \"r0_resident_above_mib\": %.1f, "
+                  "\"r0_heap_resident_mib\": %.1f, \"r0_anonymous_resident_mib\": %.1f, \"r0_shared_resident_mib\": %.1f, "
+                  "\"r0_file_resident_mib\": %.1f, \"r0_heap_in_use_mib\": %.1f, \"r0_heap_free_mib\": %.1f, "
+                  "\"r0_heap_mapped_mib\": %.1f",
+                  above_mib(now.peak_resident, usage_before.resident), double(counting->peak()) / double(1 << 20),
+                  above_mib(now.resident, usage_before.resident),
+                  above_mib(now.heap_resident, usage_before.heap_resident),
+                  above_mib(now.anonymous_resident, usage_before.anonymous_resident),
+                  above_mib(now.shared_resident, usage_before.shared_resident),
+                  above_mib(now.file_resident, usage_before.file_resident),
+                  above_mib(now.heap_in_use, usage_before.heap_in_use), above_mib(now.heap_free, usage_before.heap_free),
+                  above_mib(now.heap_mapped, usage_before.heap_mapped));
+    more += text;
+  }
   const double mib = 1 << 20;
   if (rank == 0)
     std::printf(

@@ -7,7 +7,7 @@
 #
 # Usage: benchmarks/zero_vs_torch.sh [layers, "4 12"] [timed steps, 30] [rounds, 1]
 #
-# Allocator (Note [Allocator] in include/paratrain/strategy/detail/allocator.hpp), stated per row:
+# Allocator (Note [Allocator] in include/paratrain/memory/allocator.hpp), stated per row:
 #   - "defaults":  nothing in the environment. paratrain then sets glibc's mmap threshold
 #                  to 64 MiB and trim threshold to 2 GiB itself; PyTorch keeps glibc's.
 #   - "tuned":     MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647 for

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist
+# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The benchmarks' own build, at -O3 (the tests' build/ is at -O0: scripts/build.sh).
@@ -48,6 +48,16 @@ case "${1:-}" in
     scripts/build.sh --target bench_zero >&2
     shift
     benchmarks/zero_memory.sh "$@" ;;
+  memory_breakdown)
+    PARATRAIN_WITH_PEER=1 scripts/deps.sh  # jq, libjemalloc2
+    scripts/build.sh --target bench_zero >&2
+    shift
+    benchmarks/memory_breakdown.sh "$@" ;;
+  hooks)
+    PARATRAIN_WITH_PEER=1 scripts/deps.sh
+    scripts/build.sh --target bench_ddp_vs_torch >&2
+    shift
+    benchmarks/hooks_vs_torch.sh "$@" ;;
   checkpoint)
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target bench_checkpoint >&2
@@ -72,6 +82,6 @@ case "${1:-}" in
     scripts/build.sh --target fashion_mnist_ddp >&2
     benchmarks/fashion_mnist_vs_torch.sh ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist" >&2
+    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist" >&2
     exit 2 ;;
 esac

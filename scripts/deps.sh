@@ -15,6 +15,8 @@ packages=(
 [[ "${PARATRAIN_WITH_PEER:-0}" == 1 ]] && packages+=(jq time)  # jq, time: benchmarks/ddp_vs_torch.sh
 # h5py writes the HDF5 test files (tests/data/make_hdf5.py); they are committed.
 [[ "${PARATRAIN_WITH_PEER:-0}" == 1 ]] && packages+=(python3-h5py)
+# jemalloc: the allocator benchmarks/memory_breakdown.sh measures beside glibc.
+[[ "${PARATRAIN_WITH_PEER:-0}" == 1 ]] && packages+=(libjemalloc2)
 # matplotlib and doxygen only for docs: scripts/plot.py, scripts/docs.sh.
 [[ "${PARATRAIN_WITH_DOCS:-0}" == 1 ]] && packages+=(python3-matplotlib doxygen)
 
