@@ -7,6 +7,7 @@
 #include "paratrain/core/batch.hpp"
 #include "paratrain/core/config.hpp"
 #include "paratrain/core/error.hpp"
+#include "paratrain/core/process.hpp"
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/core/step_result.hpp"
 #include "paratrain/core/timeline.hpp"
@@ -42,6 +43,7 @@
 #include "paratrain/data/sequential_sampler.hpp"
 #include "paratrain/data/subset.hpp"
 #include "paratrain/data/tensor_dataset.hpp"
+#include "paratrain/data/torch_dataset.hpp"
 #include "paratrain/data/weighted_sampler.hpp"
 
 #include "paratrain/comm/mesh.hpp"
@@ -62,6 +64,7 @@
 #include "paratrain/strategy/stores/sharded_parameters.hpp"
 #include "paratrain/strategy/unit.hpp"
 
+#include "paratrain/pipeline/chain.hpp"
 #include "paratrain/pipeline/options.hpp"
 #include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/pipeline/schedule.hpp"
@@ -77,6 +80,8 @@
 #include "paratrain/fit/callbacks.hpp"
 #include "paratrain/fit/fit.hpp"
 #include "paratrain/fit/metrics.hpp"
+
+#include "paratrain/program/main.hpp"
 
 #if PARATRAIN_HAS_MPI
 #include "paratrain/comm/mpi/mpi.hpp"

@@ -9,4 +9,4 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-paratrain::DataParallel<Net, int> strategy(Net(), 0, torch::optim::SGDOptions(0.1));
+paratrain::DataParallel<Net, int, torch::optim::SGD> strategy(Net(), 0, torch::optim::SGDOptions(0.1));

@@ -10,6 +10,6 @@ struct ScaledImpl : torch::nn::Module {
 };
 TORCH_MODULE(Scaled);
 
-void train(paratrain::DataParallel<Scaled>& strategy, const paratrain::Batch& batch) {
+void train(paratrain::DataParallel<Scaled, paratrain::comm::SingleDevice, torch::optim::SGD>& strategy, const paratrain::Batch& batch) {
   strategy.step(batch, [](const torch::Tensor& out, const torch::Tensor& y) { return (out - y).square().mean(); });
 }

@@ -9,4 +9,4 @@ struct Rows {
   std::int64_t size() const { return 3; }
 };
 
-void train(paratrain::DataParallel<torch::nn::Linear>& s) { paratrain::fit(s, Rows{}, {}); }
+void train(paratrain::DataParallel<torch::nn::Linear, paratrain::comm::SingleDevice, torch::optim::SGD>& s) { paratrain::fit(s, Rows{}, {}); }

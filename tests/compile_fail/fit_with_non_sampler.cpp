@@ -9,6 +9,6 @@ struct NotASampler {
   NotASampler(std::int64_t, paratrain::data::SamplerOptions) {}
 };
 
-void train(paratrain::DataParallel<torch::nn::Linear>& s, const paratrain::data::TensorDataset& data) {
+void train(paratrain::DataParallel<torch::nn::Linear, paratrain::comm::SingleDevice, torch::optim::SGD>& s, const paratrain::data::TensorDataset& data) {
   paratrain::fit<NotASampler>(s, data, {});
 }

@@ -9,4 +9,4 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-paratrain::LocalDataParallel<Net> strategy(Net(), torch::optim::SGDOptions(0.1));
+paratrain::LocalDataParallel<Net, torch::optim::SGD> strategy(Net(), torch::optim::SGDOptions(0.1));

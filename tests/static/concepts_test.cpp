@@ -137,7 +137,7 @@ static_assert(!paratrain::detail::reads_batch<paratrain::CrossEntropy, at::Tenso
 static_assert(paratrain::model_output<at::Tensor> && paratrain::model_output<Pair>);
 static_assert(!paratrain::model_output<int> && !paratrain::model_output<std::tuple<at::Tensor, int>>);
 
-static_assert(paratrain::strategy<paratrain::DataParallel<Plain>>);
+static_assert(paratrain::strategy<paratrain::DataParallel<Plain, comm::SingleDevice, torch::optim::SGD>>);
 static_assert(paratrain::strategy<paratrain::DataParallel<Plain, comm::Mpi, torch::optim::Adam>>);
 static_assert(paratrain::strategy<paratrain::LocalDataParallel<Copyable, torch::optim::Adam>>);
 static_assert(!paratrain::strategy<Plain>);
@@ -152,14 +152,14 @@ TORCH_MODULE(Split);
 static_assert(paratrain::model<TwoInputs>);
 static_assert(paratrain::detail::forward_arity<TwoInputs>() == 2);
 static_assert(paratrain::model<Split>);  // two outputs, for a batch_loss
-static_assert(std::same_as<paratrain::DataParallel<Split>::output_type, Pair>);
-static_assert(paratrain::strategy<paratrain::DataParallel<Split>>);
-static_assert(paratrain::strategy<paratrain::DataParallel<TwoInputs, comm::Mpi>>);
+static_assert(std::same_as<paratrain::DataParallel<Split, comm::SingleDevice, torch::optim::SGD>::output_type, Pair>);
+static_assert(paratrain::strategy<paratrain::DataParallel<Split, comm::SingleDevice, torch::optim::SGD>>);
+static_assert(paratrain::strategy<paratrain::DataParallel<TwoInputs, comm::Mpi, torch::optim::SGD>>);
 using TwoStages = paratrain::Pipeline<Split, TwoInputs>;
 static_assert(paratrain::strategy<paratrain::DataParallel<TwoStages, comm::Mpi, torch::optim::Adam>>);
 static_assert(paratrain::checkpointable<paratrain::DataParallel<TwoStages, comm::Mpi, torch::optim::Adam>>);
-static_assert(std::same_as<paratrain::DataParallel<TwoStages, comm::Mpi>::output_type, at::Tensor>);
-static_assert(std::same_as<paratrain::DataParallel<paratrain::Pipeline<TwoInputs, Split>, comm::Mpi>::output_type, Pair>);
+static_assert(std::same_as<paratrain::DataParallel<TwoStages, comm::Mpi, torch::optim::SGD>::output_type, at::Tensor>);
+static_assert(std::same_as<paratrain::DataParallel<paratrain::Pipeline<TwoInputs, Split>, comm::Mpi, torch::optim::SGD>::output_type, Pair>);
 static_assert(paratrain::strategy<
               paratrain::DataParallel<TwoStages, comm::Mpi, paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage3>>>);
 

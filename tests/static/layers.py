@@ -30,6 +30,7 @@ LAYERS = [
     ("checkpoint", "checkpoint files: format, writing, loading, resharding"),
     ("observe", "observers: metrics logs, traces, TensorBoard, step times"),
     ("fit", "the training loop: options, evaluation, metrics, checkpoints, progress"),
+    ("program", "a training program's main: paratrain::main, its set-up and what ends with it"),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}
 TOP = len(LAYERS)  # paratrain.hpp and forwarding headers

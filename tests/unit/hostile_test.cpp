@@ -152,7 +152,7 @@ TEST_CASE_TEMPLATE("a batch one rank cannot use is an error on every rank, and t
 }
 
 TEST_CASE("LocalDataParallel names a batch it cannot split over its replicas") {
-  paratrain::LocalDataParallel<torch::nn::Linear> s(torch::nn::Linear(8, 4), torch::optim::SGDOptions(0.1),
+  paratrain::LocalDataParallel<torch::nn::Linear, torch::optim::SGD> s(torch::nn::Linear(8, 4), torch::optim::SGDOptions(0.1),
                                                     {.replicas = 2});
   const paratrain::Batch b{torch::randn({4, 8}), torch::zeros({3}, torch::kLong)};
   CHECK_THROWS_WITH_AS(s.step(std::span<const paratrain::Batch>(&b, 1), loss_fn),

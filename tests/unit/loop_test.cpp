@@ -1055,7 +1055,7 @@ TEST_CASE("an overflow on one pipeline stage skips the step on every stage; fit 
 // ---- a loop of your own: two models, two optimizers (GAN-style) ---------------------
 
 TEST_CASE("a GAN-style loop of two strategies trains as the same loop on one device") {
-  // Docs: docs/fit.md, "A loop of your own". Generator 4 -> 8, discriminator 8 -> 1, each
+  // Docs: docs/fit-reference.md, "A loop of your own". Generator 4 -> 8, discriminator 8 -> 1, each
   // a DataParallel with its own optimizer. A discriminator step on real and generated
   // samples (the generator's output detached), then a generator step through the
   // discriminator with its parameters frozen (requires_grad off: no gradient, so its

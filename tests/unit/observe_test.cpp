@@ -263,7 +263,7 @@ TEST_CASE("clock alignment recovers an offset injected into each rank's clock") 
 TEST_CASE("DataParallel reports phases and each bucket's all-reduce into a timeline") {
   comm::Mpi c;
   torch::manual_seed(7);
-  paratrain::DataParallel<Net, comm::Mpi> s(Net(), std::move(c), torch::optim::SGDOptions(0.1), small_buckets);
+  paratrain::DataParallel<Net, comm::Mpi, torch::optim::SGD> s(Net(), std::move(c), torch::optim::SGDOptions(0.1), small_buckets);
   REQUIRE(s.bucket_count() > 1);
   const auto data = make_data(16, 1);
   observe::StepTimeline timeline;
@@ -299,7 +299,7 @@ TEST_CASE("DataParallel reports phases and each bucket's all-reduce into a timel
 namespace {
 
 // DataParallel that counts how fit touches its observability hooks.
-struct Watched : paratrain::DataParallel<Net, comm::Mpi> {
+struct Watched : paratrain::DataParallel<Net, comm::Mpi, torch::optim::SGD> {
   using DataParallel::DataParallel;
   void set_timeline(observe::StepTimeline* t) {
     ++timeline_calls;
@@ -482,7 +482,7 @@ TEST_CASE("the step-time report names the rank that is slow") {
 TEST_CASE("an output rank 0 cannot create fails fit on every rank, before training") {
   comm::Mpi c;
   torch::manual_seed(7);
-  paratrain::DataParallel<Net, comm::Mpi> s(Net(), std::move(c), torch::optim::SGDOptions(0.1));
+  paratrain::DataParallel<Net, comm::Mpi, torch::optim::SGD> s(Net(), std::move(c), torch::optim::SGDOptions(0.1));
   int steps = 0;
   for (auto observe : {observe::ObserveOptions{.metrics_jsonl = "/proc/paratrain/metrics.jsonl"},
                        observe::ObserveOptions{.trace_file = "/proc/paratrain/trace.json"}}) {

@@ -108,7 +108,7 @@ TEST_CASE("a pipeline whose stages do not fit the world is an error on every ran
   const int world = comm::Mpi().size();
   using P = ChainOf<3>;
   if (world % 3 == 0) return;
-  using Strategy = paratrain::DataParallel<P, comm::Mpi>;
+  using Strategy = paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD>;
   CHECK_THROWS_WITH_AS(Strategy(seeded(static_cast<P*>(nullptr)), comm::Mpi(), torch::optim::SGDOptions(0.1)),
                        doctest::Contains("launch a multiple of 3"), paratrain::error);
   CHECK_THROWS_WITH_AS(
@@ -118,7 +118,7 @@ TEST_CASE("a pipeline whose stages do not fit the world is an error on every ran
 
 TEST_CASE("a pipeline refuses deterministic mode on every rank") {
   using P = ChainOf<2>;
-  using Strategy = paratrain::DataParallel<P, comm::Mpi>;
+  using Strategy = paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD>;
   CHECK_THROWS_WITH_AS(Strategy(seeded(static_cast<P*>(nullptr)), comm::Mpi(), torch::optim::SGDOptions(0.1),
                                 {.data_parallel = {.deterministic = {.shards = 12}}}),
                        doctest::Contains("deterministic mode (PipelineOptions::data_parallel.deterministic)"),
@@ -271,7 +271,7 @@ TEST_CASE("fit's trace shows each stage pass of a pipeline") {
   comm::Mpi c;
   if (c.size() % 2 != 0) return;
   using P = ChainOf<2>;
-  paratrain::DataParallel<P, comm::Mpi> s(seeded(static_cast<P*>(nullptr)), c, sgd_options());
+  paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD> s(seeded(static_cast<P*>(nullptr)), c, sgd_options());
   const auto dir = paratrain_test::shared_dir(c, "pipeline_trace");
   torch::manual_seed(5);
   const std::int64_t n = 24L * s.replicas();  // 2 steps of 4 micro-batches of 3 per replica
@@ -301,7 +301,7 @@ TEST_CASE("fit trains a pipeline (2-D where the world allows) as one device trai
   comm::Mpi c;
   if (c.size() % 2 != 0) return;
   using P = ChainOf<2>;
-  paratrain::DataParallel<P, comm::Mpi> s(seeded(static_cast<P*>(nullptr)), c, sgd_options(),
+  paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD> s(seeded(static_cast<P*>(nullptr)), c, sgd_options(),
                                           {.schedule = pipeline::Kind::zero_bubble_h1});
   // 60 samples: per replica, micro-batches of 3, 4 per step, so the last step is short.
   torch::manual_seed(5);
@@ -368,7 +368,7 @@ TORCH_MODULE(Masked);
 }  // namespace
 
 TEST_CASE("a model whose forward has defaulted tensors takes batches of fewer inputs") {
-  paratrain::DataParallel<Masked> s(Masked(), torch::optim::SGDOptions(0.1));
+  paratrain::DataParallel<Masked, comm::SingleDevice, torch::optim::SGD> s(Masked(), torch::optim::SGDOptions(0.1));
   const auto x = torch::randn({5, features}), mask = torch::rand({5, features});
   CHECK(torch::equal(s.predict(paratrain::Batch{x, torch::zeros({5}, torch::kLong)}), s.model()->forward(x)));
   CHECK(torch::equal(s.predict(paratrain::Batch{{x, mask}, torch::zeros({5}, torch::kLong)}),
@@ -395,7 +395,7 @@ TEST_CASE("a pipeline's ranks given different or unusable micro-batches fail ali
   comm::Mpi c;
   if (c.size() % 2 != 0) return;
   using P = ChainOf<2>;
-  paratrain::DataParallel<P, comm::Mpi> s(seeded(static_cast<P*>(nullptr)), c, sgd_options());
+  paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD> s(seeded(static_cast<P*>(nullptr)), c, sgd_options());
   torch::manual_seed(11);
   // The rank given other micro-batches: replica 0's last stage.
   const bool bad = s.replica() == 0 && s.pipeline_rank() == s.pipeline_size() - 1;
@@ -435,7 +435,7 @@ TEST_CASE("NaN in one stage's gradients skips the step on every stage and replic
   comm::Mpi c;
   if (c.size() % 2 != 0) return;
   using P = ChainOf<2>;
-  paratrain::DataParallel<P, comm::Mpi> s(seeded(static_cast<P*>(nullptr)), c, sgd_options(),
+  paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD> s(seeded(static_cast<P*>(nullptr)), c, sgd_options(),
                                           {.data_parallel = {.nonfinite_gradients = paratrain::NonFinite::skip}});
   torch::manual_seed(12 + c.rank());
   for (int k = 0; k < 3; ++k) {

@@ -8,6 +8,7 @@
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -30,6 +31,15 @@
 #include "paratrain/util/torch_compat.hpp"
 
 namespace paratrain::comm {
+
+// Note [torchrun's store]
+// torchrun's elastic agent (its default, static rendezvous) serves a c10d TCPStore at
+// MASTER_ADDR:MASTER_PORT itself and tells its workers so (TORCHELASTIC_USE_AGENT_STORE=True):
+// a rank 0 that listened there would find the port taken. As PyTorch's own env:// rendezvous
+// does, every rank then connects as a client and keys go under "/worker/attempt_<restart
+// count>/", so that a restarted group never reads an earlier attempt's keys (NCCL's unique id,
+// the barrier's counts). Without the agent (a script, srun, the c10d rendezvous backend), rank
+// 0 serves the store.
 
 /// The meeting point of a group of processes, and each one's place in it.
 ///
@@ -107,13 +117,23 @@ class Rendezvous {
         host_ = std::move(at->first);
         port_ = at->second;
         where_ = host_ + ":" + std::to_string(port_);
+        // Note [torchrun's store]: under torchrun's agent, which already serves a store at
+        // MASTER_ADDR:MASTER_PORT, every rank is its client, under the attempt's prefix.
+        const bool agent = env_string("TORCHELASTIC_USE_AGENT_STORE") == "True";
         c10d::TCPStoreOptions store_options;
         store_options.port = static_cast<std::uint16_t>(port_);
-        store_options.isServer = rank_ == 0;
+        store_options.isServer = rank_ == 0 && !agent;
         store_options.numWorkers = size_;
-        store_options.waitWorkers = true;
+        store_options.waitWorkers = !agent;
         store_options.timeout = o.timeout;
         store_ = c10::make_intrusive<c10d::TCPStore>(host_, detail::plain_socket_store(store_options));
+        if (agent) {
+          const auto attempt = env_string("TORCHELASTIC_RESTART_COUNT");
+          store_ = c10::make_intrusive<c10d::PrefixStore>(
+              "/worker/attempt_" + (attempt.empty() ? std::string("0") : attempt) + "/paratrain", store_);
+          where_ += " (torchrun's store)";
+          arrive_and_wait("paratrain/rendezvous/");  // the agent's store counts no workers: a barrier does
+        }
       }
     } catch (const error&) {
       throw;

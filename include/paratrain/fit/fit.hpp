@@ -14,6 +14,7 @@
 #include "paratrain/data/tensor_dataset.hpp"
 #include "paratrain/fit/evaluate.hpp"
 #include "paratrain/fit/options.hpp"
+#include "paratrain/fit/preflight.hpp"
 #include "paratrain/fit/trainer.hpp"
 
 namespace paratrain {
@@ -51,10 +52,14 @@ FitResult fit(S& s, const D& train, const FitOptions& options, Loss loss = {}) {
                 "paratrain::fit<Sampler>: fit builds the sampler as Sampler(dataset_size, data::SamplerOptions); give "
                 "it that constructor, or build the sampler yourself and pass it: fit(strategy, train, sampler, options)");
   if constexpr (dataset<D> && sampler<Sampler> && detail::loss_of_strategy<Loss, S> && std::constructible_from<Sampler, std::int64_t, data::SamplerOptions>)
+  {
+    const FitOptions resolved = detail::resolved(s, options);  // Note [fit's defaults]
+    detail::check_same_data(s, train);
     return detail::Trainer<S, D, Sampler, Loss>(s, train, Sampler(static_cast<std::int64_t>(train.size()),
-                                                                  detail::sampler_options(s, options)),
-                                                options, loss)
+                                                                  detail::sampler_options(s, resolved)),
+                                                resolved, loss)
         .run();
+  }
   else
     return {};  // unreachable: the assertions above failed
 }
@@ -79,8 +84,10 @@ FitResult fit(S& s, const D& train, Sampler order, const FitOptions& options, Lo
                 "paratrain::fit: the third argument is not a paratrain::sampler; give it `indices() const` (a range "
                 "of integers), `size() const` and `set_epoch(std::int64_t)`");
   if constexpr (dataset<D> && sampler<Sampler> && detail::loss_of_strategy<Loss, S>) {
+    const FitOptions resolved = detail::resolved(s, options);  // Note [fit's defaults]
+    detail::check_same_data(s, train);
     detail::agree(s, "fit", detail::sampler_mismatch(s, train, order));
-    return detail::Trainer<S, D, Sampler, Loss>(s, train, std::move(order), options, loss).run();
+    return detail::Trainer<S, D, Sampler, Loss>(s, train, std::move(order), resolved, loss).run();
   } else {
     return {};  // unreachable: the assertions above failed
   }

@@ -154,9 +154,12 @@ struct FitResult {
 struct FitOptions {
   int epochs = 1;
   std::int64_t batch_size = 32;  ///< per data-parallel replica, per micro-batch
-  int accumulation = 1;          ///< micro-batches per optimizer step (a pipeline's M)
-  bool shuffle = true;           ///< the sampler's shuffle, seed and drop_last (data::SamplerOptions)
-  std::uint64_t seed = 0;
+  /// Micro-batches per optimizer step (a pipeline's M); 0: 1, but 2K for a pipeline of K
+  /// ranks, enough to fill it (Note [fit's defaults]).
+  int accumulation = 0;
+  bool shuffle = true;  ///< the sampler's shuffle, seed and drop_last (data::SamplerOptions)
+  /// The sample order's seed; unset: paratrain::seed() (paratrain::main's, else 0).
+  std::optional<std::uint64_t> seed{};
   bool drop_last = false;
   /// Any paratrain::dataset (`.eval = &test`), evaluated after each epoch, exactly sharded.
   data::DatasetRef eval{};

@@ -16,7 +16,7 @@ namespace paratrain::detail {
 template <strategy S>
 data::SamplerOptions sampler_options(S& s, const FitOptions& o) {
   const auto shard = s.data_shard();
-  return {.num_replicas = shard.count, .rank = shard.index, .shuffle = o.shuffle, .seed = o.seed,
+  return {.num_replicas = shard.count, .rank = shard.index, .shuffle = o.shuffle, .seed = o.seed.value_or(0),
           .drop_last = o.drop_last};
 }
 

@@ -72,7 +72,7 @@ class Trainer {
     s.all_reduce(watches, reduce_op::max);
     watches_steps_ = watches.item<double>() != 0;
     start_ = {.dataset_size = static_cast<std::int64_t>(train.size()),
-              .seed = static_cast<std::int64_t>(options.seed),
+              .seed = static_cast<std::int64_t>(options.seed.value_or(0)),
               .shuffle = options.shuffle,
               .drop_last = options.drop_last,
               .replicas = shard_.count};
@@ -103,7 +103,9 @@ class Trainer {
  private:
   static const FitOptions& validated(const FitOptions& o, int rank) {
     if (o.epochs < 0 || o.batch_size < 1 || o.accumulation < 1 || o.log_every < 1 || o.eval_batch_size < 1)
-      throw error("fit", rank, "epochs must be >= 0 and batch_size, accumulation, log_every and eval_batch_size >= 1");
+      throw error("fit", rank,
+                  "epochs must be >= 0, accumulation >= 0 (0: automatic) and batch_size, log_every and "
+                  "eval_batch_size >= 1");
     if (o.max_steps < 0) throw error("fit", rank, "max_steps must be >= 0 (0: no limit)");
     return o;
   }

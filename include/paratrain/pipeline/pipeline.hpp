@@ -11,12 +11,14 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <cstdio>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -78,7 +80,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     requires optimizer_from<optimizer_type, OptimOptions>
   DataParallel(Pipeline<Stage...> stages, Comm comm, OptimOptions optimizer_options, Options options = {})
       : mesh_(mesh_of(std::move(comm), options)),
-        options_(options),
+        options_(typed(options, mesh_.rank())),
         K_(mesh_.size(Dim::pipeline)),
         replicas_(mesh_.size(Dims::data())),
         p_(mesh_.index(Dim::pipeline)),
@@ -91,18 +93,26 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     };
     // Each stage's replicas shard it as it is built where the store does: Note [Sharded construction].
     if (options.sharded_construction)
-      Steps::Store::construct(build_stages, mesh_, Steps::store_options_of(options.data_parallel));
+      Steps::Store::construct(build_stages, mesh_, Steps::store_options_of(options_.data_parallel));
     else
       build_stages();
     if (const auto params = group_->parameters(); !params.empty()) device_ = params.front().device();
     detail::check_model_device(mesh_.world(), device_, "Pipeline");  // every stage's rank, before any link
     steps_ = std::make_unique<Steps>(mesh_, *group_, device_,
                                      ParamGroups{torch::optim::OptimizerParamGroup(group_->parameters())},
-                                     std::move(optimizer_options), options.data_parallel, "DataParallel");
+                                     std::move(optimizer_options), options_.data_parallel, "DataParallel");
     // Two groups where sends are unbuffered: Note [One group per direction].
     if constexpr (pipeline::detail::unbuffered_sends<Comm>()) pipe_back_ = std::make_unique<Comm>(pipe_.split(0, p_));
     link_ = std::make_unique<pipeline::detail::Link<Comm>>(pipe_, pipe_back_ ? *pipe_back_ : pipe_, device_);
   }
+  /// Each stage default-constructed on the rank that owns it, over a default-constructed
+  /// communicator: `Strategy s(torch::optim::AdamOptions(1e-3));`, the same line as for
+  /// every other strategy alias. Collective.
+  template <class OptimOptions>
+    requires optimizer_from<optimizer_type, OptimOptions> && std::default_initializable<Comm> &&
+             std::default_initializable<Pipeline<Stage...>>
+  explicit DataParallel(OptimOptions optimizer_options, Options options = {})
+      : DataParallel(Pipeline<Stage...>(), Comm{}, std::move(optimizer_options), options) {}
 
   /// With a default-constructed communicator (comm::Mpi: the world).
   template <class OptimOptions>
@@ -203,14 +213,20 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   [[nodiscard]] const PipelineStepStats& last_step_stats() const noexcept { return stats_; }
   /// The schedule run for `micro_batches` micro-batches (checked before it is first run).
   /// Interleaved 1F1B needs M to be a multiple of K; a step with another M (fit's last
-  /// of an epoch) runs the stages chunk by chunk, GPipe-fashion, with the same result.
+  /// of an epoch) runs the stages chunk by chunk, GPipe-fashion, with the same result, and
+  /// rank 0 says so in one line, once per such M (no silent downgrade).
   [[nodiscard]] const pipeline::Schedule& schedule_for(int micro_batches) {
     auto it = schedules_.find(micro_batches);
     if (it == schedules_.end()) {
       const int v = options_.virtual_stages;
-      auto s = v > 1 && micro_batches % K_ != 0
-                   ? pipeline::gpipe(K_, micro_batches, v)
-                   : pipeline::make_schedule(options_.schedule, K_, micro_batches, v);
+      const bool fallback = v > 1 && micro_batches % K_ != 0;
+      if (fallback && rank() == 0)
+        std::fprintf(stderr,
+                     "paratrain: note: Pipeline: interleaved 1F1B needs a multiple of %d micro-batches; a step of %d "
+                     "runs its stages chunk by chunk in GPipe order (the same gradients, a longer bubble)\n",
+                     K_, micro_batches);
+      auto s = fallback ? pipeline::gpipe(K_, micro_batches, v)
+                        : pipeline::make_schedule(options_.schedule, K_, micro_batches, v);
       pipeline::check(s);
       it = schedules_.emplace(micro_batches, std::move(s)).first;
     }
@@ -285,9 +301,17 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     pipeline::detail::check_same_micro_batches(mesh_.world(), micro, replica_, replicas_, device_);
   }
 
+  /// `options` with the shard group the update's type names (Sharded<Optim, Stage, G>), as
+  /// DataParallel takes it.
+  static Options typed(Options options, int rank) {
+    options.data_parallel = detail::typed_options<Update>(options.data_parallel, rank);
+    return options;
+  }
+
   /// The mesh this pipeline runs on (Note [Pipeline layout]): K pipeline ranks, the stages'
   /// replicas in the data dimensions as data_parallel.shard_group says. Collective.
-  static Mesh<Comm> mesh_of(Comm comm, const Options& options) {
+  static Mesh<Comm> mesh_of(Comm comm, const Options& given) {
+    const Options options = typed(given, comm.rank());
     const int K = pipeline::detail::pipeline_ranks<Comm>(S, comm, options, Steps::gathers_in_forward);
     auto shape = data_mesh(options.data_parallel.shard_group, comm.size() / K, comm.rank());
     shape.pipeline = K;
@@ -504,6 +528,15 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   std::map<std::tuple<int, int, int>, std::pair<Tensors, Flags>> local_;  // messages to this rank itself
   PipelineStepStats stats_;
   StepTimeline* timeline_ = nullptr;  // Note [Zero-cost timeline]
+};
+
+/// A pipeline without DataParallel's third argument: the same compile-time error as a model's.
+template <class... Stage, class Comm>
+class DataParallel<Pipeline<Stage...>, Comm, update_not_named> {
+  static_assert(sizeof...(Stage) == 0,
+                "paratrain: name the update as DataParallel's third argument: an optimizer "
+                "(DataParallel<Pipeline<...>, Comm, torch::optim::Adam>, torch::optim::SGD, ...) or a sharded one "
+                "(Sharded<torch::optim::Adam, zero::stage1>); DataParallel<Pipeline<...>> no longer means SGD");
 };
 
 }  // namespace paratrain

@@ -37,14 +37,33 @@
 
 namespace paratrain {
 
+namespace detail {
+/// `options` with the shard group the update's type names (Sharded<Optim, Stage, G>: hybrid
+/// sharding as a type); an error where the options name another.
+template <class Update>
+DataParallelOptions typed_options(DataParallelOptions options, int rank) {
+  constexpr int G = shard_group_of<Update>;
+  if constexpr (G != 0) {
+    if (options.shard_group != 0 && options.shard_group != G)
+      throw error("DataParallel", rank,
+                  "DataParallelOptions::shard_group is " + std::to_string(options.shard_group) +
+                      " but the update's type, Sharded<..., " + std::to_string(G) + ">, shards over groups of " +
+                      std::to_string(G) + "; name the group once");
+    options.shard_group = G;
+  }
+  return options;
+}
+}  // namespace detail
+
 /// Data parallelism across the ranks of `Comm`: every rank holds a replica of `Model`,
 /// trains it on its own samples, and gradients are averaged so that the replicas stay
 /// identical and equal to single-device training on all ranks' samples together
 /// (Note [Exact averaging]).
 ///
-/// - `DataParallel<Net, comm::Mpi>` is DDP across processes (mpirun, srun, ...);
-/// - `DataParallel<Net, comm::Nccl>` is DDP across GPUs;
-/// - `DataParallel<Net>` (comm::SingleDevice) is plain single-device training.
+/// - `DataParallel<Net, comm::Mpi, torch::optim::Adam>` is DDP across processes (mpirun, srun, ...);
+/// - `DataParallel<Net, comm::Nccl, torch::optim::Adam>` is DDP across GPUs;
+/// - `DataParallel<Net, comm::SingleDevice, torch::optim::Adam>` is plain single-device training;
+/// - `DataParallel<Net, comm::Mpi, Sharded<torch::optim::Adam, zero::stage3>>` is ZeRO-3.
 ///
 /// At construction rank 0's parameters and buffers are broadcast to every rank. During
 /// backward each bucket of gradients is all-reduced as soon as it is complete, while
@@ -56,7 +75,7 @@ namespace paratrain {
 ///   Strategy ddp(Net(), paratrain::comm::Mpi(), torch::optim::AdamOptions(1e-3));
 ///   auto r = ddp.step({x, y}, paratrain::CrossEntropy{});
 /// \endcode
-template <class Model, class Comm = comm::SingleDevice, class Update = torch::optim::SGD>
+template <class Model, class Comm = comm::SingleDevice, class Update = update_not_named>
 class DataParallel {
   static_assert(explain_module<Model>());  // its forward: explain_model where it is called
   static_assert(explain_communicator<Comm>());
@@ -138,6 +157,17 @@ class DataParallel {
     requires optimizer_from<optimizer_type, OptimOptions> && std::default_initializable<Comm>
   DataParallel(Build build, OptimOptions optimizer_options, Options options = {})
       : DataParallel(std::move(build), Comm{}, std::move(optimizer_options), options) {}
+
+  /// The model default-constructed by the strategy, over a default-constructed
+  /// communicator: `Strategy s(torch::optim::AdamOptions(1e-3));` is the same line under
+  /// every strategy alias (comm::Mpi, Gloo and Nccl made from the launcher's environment).
+  /// Built as by a build function (above): at ZeRO stage 3 sharded as it is built, and
+  /// placed on the communicator's device (the local rank's GPU under comm::Nccl). Collective.
+  template <class OptimOptions>
+    requires optimizer_from<optimizer_type, OptimOptions> && std::default_initializable<Comm> &&
+             std::default_initializable<Model>
+  explicit DataParallel(OptimOptions optimizer_options, Options options = {})
+      : DataParallel([] { return Model(); }, Comm{}, std::move(optimizer_options), options) {}
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
@@ -317,13 +347,16 @@ class DataParallel {
   struct Built {};  // the tag of the constructor every public one delegates to
   static ParamGroups all_parameters(Model& model) { return {torch::optim::OptimizerParamGroup(model->parameters())}; }
 
+  static Options typed(const Options& options, int rank) { return detail::typed_options<Update>(options, rank); }
+
   /// The mesh DataParallelOptions spell over `comm` (Note [Process mesh]).
   static Mesh<Comm> mesh_of(Comm comm, const Options& options) {
     const int ranks = comm.size(), me = comm.rank();
-    return Mesh<Comm>(std::move(comm), data_mesh(options.shard_group, ranks, me));
+    return Mesh<Comm>(std::move(comm), data_mesh(typed(options, me).shard_group, ranks, me));
   }
   /// A mesh of the user's: data dimensions only, and shard_group unset or its data-shard size.
-  static Mesh<Comm> checked(Mesh<Comm> mesh, const Options& options) {
+  static Mesh<Comm> checked(Mesh<Comm> mesh, const Options& given) {
+    const Options options = typed(given, mesh.rank());
     if (mesh.size(~Dims::data()) != 1)
       throw error("DataParallel", mesh.rank(),
                   "the mesh " + mesh.shape().str() +
@@ -337,15 +370,21 @@ class DataParallel {
     return mesh;
   }
 
-  /// The model given, as what the store would build.
+  /// The model given, as what the store would build: on the CPU where the communicator
+  /// works on a GPU (comm::Nccl), moved there first, as a build function's model is placed
+  /// (a model on another GPU is refused, naming both devices: check_model_device).
   static auto as_builder(Model& model) {
-    return [&model](Mesh<Comm>&) { return std::move(model); };
+    return [&model](Mesh<Comm>& mesh) {
+      const auto target = detail::communicator_device(mesh.world());
+      if (target.is_cuda() && detail::device_of(*model).is_cpu()) model->to(target);
+      return std::move(model);
+    };
   }
   /// `build()`, as the store builds it (Note [Sharded construction]).
   template <class Build>
   static auto constructed(Build& build, const Options& options) {
     return [&build, &options](Mesh<Comm>& mesh) -> Model {
-      return Steps::Store::construct(build, mesh, Steps::store_options_of(options));
+      return Steps::Store::construct(build, mesh, Steps::store_options_of(typed(options, mesh.rank())));
     };
   }
 
@@ -354,8 +393,8 @@ class DataParallel {
       : mesh_(std::move(mesh)),
         model_((static_cast<void>(memory::install()), make(mesh_))),
         device_(detail::device_of(*model_)),
-        steps_(std::make_unique<Steps>(mesh_, *model_, device_, groups(model_), std::move(defaults), options,
-                                       "DataParallel")) {}
+        steps_(std::make_unique<Steps>(mesh_, *model_, device_, groups(model_), std::move(defaults),
+                                       typed(options, mesh_.rank()), "DataParallel")) {}
 
   [[nodiscard]] bool deterministic() const noexcept { return steps_->options().deterministic.on(); }
 
@@ -436,6 +475,15 @@ class DataParallel {
   at::Device device_;  // the model's, where the communicator reduces (comm::Nccl: CUDA only)
   std::unique_ptr<Steps> steps_;
   StepTimeline* timeline_ = nullptr;
+};
+
+/// DataParallel without its third argument: a compile-time error that names the choice.
+template <class Model, class Comm>
+class DataParallel<Model, Comm, update_not_named> {
+  static_assert(sizeof(Model) == 0,
+                "paratrain: name the update as DataParallel's third argument: an optimizer "
+                "(DataParallel<Net, Comm, torch::optim::Adam>, torch::optim::SGD, ...) or a sharded one "
+                "(Sharded<torch::optim::Adam, zero::stage2>); DataParallel<Net> no longer means SGD");
 };
 
 }  // namespace paratrain

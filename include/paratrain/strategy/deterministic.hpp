@@ -63,7 +63,7 @@ namespace paratrain {
 /// DataParallelOptions::deterministic: Note [Deterministic training].
 struct Deterministic {
   /// The virtual shards each global batch is cut into, a multiple of every world size the
-  /// run will use (12 covers 1-4 ranks, 24 adds 6 and 8); 0: off. Each shard needs at
+  /// run will use (12 covers 1, 2, 3, 4, 6 and 12 ranks; 24 adds 8 and 24); 0: off. Each shard needs at
   /// least one sample; data::DeterministicSampler gives each rank its shards' samples.
   std::int64_t shards = 0;
   /// The seed of the random draws inside each shard's forward and backward (dropout).

@@ -9,6 +9,7 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <string>
 #include <exception>
 #include <memory>
 #include <span>
@@ -30,10 +31,13 @@
 namespace paratrain {
 
 struct LocalDataParallelOptions {
-  /// Replicas on CPU threads when there is no CUDA device; 0: one per hardware thread.
+  /// Replicas on CPU threads when there is no CUDA device; 0: default_cpu_replicas, or one
+  /// per hardware thread where there are fewer (a replica per thread of a 128-thread node
+  /// would clone the model 128 times, and the gradients' sum grows with them).
   /// Where LibTorch sees CUDA devices, replicas go one per device, at most this many
   /// (0: all of them).
   int replicas = 0;
+  static constexpr int default_cpu_replicas = 4;
   /// Replicas on CPU threads even where LibTorch sees CUDA devices (a `--device cpu`).
   bool cpu = false;
 };
@@ -49,7 +53,7 @@ struct LocalDataParallelOptions {
 ///
 /// Choose it for: one machine, one process, no launcher. Choose DataParallel for
 /// several processes or machines: it overlaps communication and scales further.
-template <class Model, class Optim = torch::optim::SGD>
+template <class Model, class Optim = update_not_named>
 class LocalDataParallel {
   static_assert(explain_model<Model>());
   static_assert(cloneable_module<Model>,
@@ -76,15 +80,23 @@ class LocalDataParallel {
   using Impl = std::remove_cvref_t<decltype(*std::declval<Model&>())>;
 
  public:
+  /// The model default-constructed: `Strategy s(torch::optim::AdamOptions(1e-3));`, the same
+  /// line as under every other strategy alias.
+  template <class OptimOptions>
+    requires optimizer_from<Optim, OptimOptions> && std::default_initializable<Model>
+  explicit LocalDataParallel(OptimOptions optimizer_options, Options options = {})
+      : LocalDataParallel(Model(), std::move(optimizer_options), options) {}
+
   template <class OptimOptions>
     requires optimizer_from<Optim, OptimOptions>
   LocalDataParallel(Model model, OptimOptions optimizer_options, Options options = {}) : model_(std::move(model)) {
     memory::install();  // Note [Allocator]
-    if (options.replicas < 0) throw error("LocalDataParallel", 0, "replicas must be >= 0 (0: one per hardware thread)");
+    if (options.replicas < 0)
+      throw error("LocalDataParallel", 0, "replicas must be >= 0 (0: one per GPU, or on CPUs the default of " +
+                                              std::to_string(Options::default_cpu_replicas) + ")");
     const auto cuda = options.cpu ? 0 : static_cast<int>(torch::cuda::device_count());
     const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    const int available = cuda > 0 ? cuda : threads;
-    const int n = options.replicas > 0 ? (cuda > 0 ? std::min(options.replicas, cuda) : options.replicas) : available;
+    const int n = replicas_for(options.replicas, cuda, threads);
     for (int i = 0; i < n; ++i) {
       const auto device = cuda > 0 ? torch::Device(torch::kCUDA, i) : torch::Device(torch::kCPU);
       if (i == 0) {
@@ -191,6 +203,15 @@ class LocalDataParallel {
   /// The model evaluates alone (replica 0 is the model): nothing to synchronize.
   void synchronize() const noexcept {}
 
+  /// The replicas LocalDataParallel makes when asked for `asked` (0: the default) with
+  /// `cuda_devices` GPUs and `hardware_threads` threads: one per GPU, at most `asked`; on CPUs
+  /// `asked`, or default_cpu_replicas where the machine has that many threads.
+  [[nodiscard]] static int replicas_for(int asked, int cuda_devices, int hardware_threads) noexcept {
+    if (cuda_devices > 0) return asked > 0 ? std::min(asked, cuda_devices) : cuda_devices;
+    return asked > 0 ? asked : std::min(std::max(hardware_threads, 1), Options::default_cpu_replicas);
+  }
+  /// How many replicas each step runs (one per device: GPU, or CPU thread).
+  [[nodiscard]] int replica_count() const noexcept { return static_cast<int>(replicas_.size()); }
   /// The model (replica 0) holds the state (paratrain::checkpointable).
   [[nodiscard]] CheckpointLayout checkpoint_layout() { return detail::whole_model_layout(*model_); }
   /// After a checkpoint was loaded into the model: the other replicas copy it.
@@ -253,6 +274,14 @@ class LocalDataParallel {
   std::unique_ptr<Optim> optimizer_;
   bool accumulating_ = false;
   double pending_samples_ = 0;
+};
+
+/// LocalDataParallel without its optimizer: a compile-time error that names the choice.
+template <class Model>
+class LocalDataParallel<Model, update_not_named> {
+  static_assert(sizeof(Model) == 0,
+                "paratrain: name the optimizer as LocalDataParallel's second argument (LocalDataParallel<Net, "
+                "torch::optim::Adam>, torch::optim::SGD, ...); LocalDataParallel<Net> no longer means SGD");
 };
 
 }  // namespace paratrain

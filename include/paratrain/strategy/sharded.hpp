@@ -41,6 +41,11 @@ template <class S>
 concept stage = std::is_same_v<S, stage1> || std::is_same_v<S, stage2> || std::is_same_v<S, stage3>;
 }  // namespace zero
 
+/// The default of a strategy's update (DataParallel's `Update`, LocalDataParallel's `Optim`):
+/// none. `DataParallel<Net>` used to mean SGD silently; naming the update is the user's
+/// choice, and a strategy without one is a compile-time error that says so.
+struct update_not_named {};
+
 /// `Optim` (any torch::optim optimizer, unmodified) stepping only this rank's shard of
 /// the parameters: the third argument of DataParallel.
 ///
@@ -49,29 +54,43 @@ concept stage = std::is_same_v<S, stage1> || std::is_same_v<S, stage2> || std::i
 ///                                            paratrain::Sharded<torch::optim::AdamW, paratrain::zero::stage2>>;
 ///   Strategy s(Net(), torch::optim::AdamWOptions(1e-3));
 /// \endcode
-template <class Optim, class Stage = zero::stage2>
+///
+/// `ShardGroup` G > 0 is hybrid sharding as a type: the state is sharded over groups of G
+/// consecutive ranks and replicated across the groups, as DataParallelOptions::shard_group = G
+/// spells it (Note [Hybrid sharding]): `Sharded<torch::optim::Adam, zero::stage3, 8>` shards
+/// within each node of 8 GPUs. 0: over all data-parallel ranks, or as shard_group says.
+template <class Optim, class Stage = zero::stage2, int ShardGroup = 0>
 struct Sharded {
   static_assert(explain_optimizer<Optim>());
   static_assert(zero::stage<Stage>,
                 "paratrain: the second argument of Sharded is the ZeRO stage: paratrain::zero::stage1, stage2 or stage3");
+  static_assert(ShardGroup >= 0,
+                "paratrain: the third argument of Sharded is the ranks of a shard group (hybrid sharding), or 0 for all");
   using optimizer_type = Optim;
   using stage_type = Stage;
+  static constexpr int shard_group = ShardGroup;
 };
 
 namespace detail {
 /// 0 for an optimizer (DDP), else the ZeRO stage of Sharded<Optim, Stage>.
 template <class T>
 inline constexpr int zero_stage_of = 0;
-template <class O, class S>
-inline constexpr int zero_stage_of<Sharded<O, S>> = S::value;
+template <class O, class S, int G>
+inline constexpr int zero_stage_of<Sharded<O, S, G>> = S::value;
+
+/// The shard group Sharded<Optim, Stage, G> names: G, or 0 (none named).
+template <class T>
+inline constexpr int shard_group_of = 0;
+template <class O, class S, int G>
+inline constexpr int shard_group_of<Sharded<O, S, G>> = G;
 
 /// The optimizer DataParallel drives: `Optim` itself, or the one inside Sharded<Optim, ...>.
 template <class T>
 struct optimizer_of {
   using type = T;
 };
-template <class O, class S>
-struct optimizer_of<Sharded<O, S>> {
+template <class O, class S, int G>
+struct optimizer_of<Sharded<O, S, G>> {
   using type = O;
 };
 }  // namespace detail

@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <exception>
+#include <optional>
 #include <string>
 
 #include "paratrain/comm/launch.hpp"
@@ -13,6 +14,7 @@
 #include "paratrain/comm/mpi/progress.hpp"
 #include "paratrain/comm/mpi/watchdog.hpp"
 #include "paratrain/core/error.hpp"
+#include "paratrain/core/process.hpp"
 #include "paratrain/memory/allocator.hpp"
 #include "paratrain/reliability/failure.hpp"
 #include "paratrain/reliability/watchdog.hpp"
@@ -27,8 +29,19 @@ namespace paratrain::comm {
 /// end the job with one line instead of a backtrace on every rank (Note [Failing cleanly]).
 class MpiEnvironment {
  public:
-  MpiEnvironment() : env_(boost::mpi::threading::multiple) { set_up(); }
-  MpiEnvironment(int& argc, char**& argv) : env_(argc, argv, boost::mpi::threading::multiple) { set_up(); }
+  MpiEnvironment() : env_(boost::mpi::threading::multiple) {
+    set_up();
+    check_launch();
+  }
+  MpiEnvironment(int& argc, char**& argv) : env_(argc, argv, boost::mpi::threading::multiple) {
+    set_up();
+    check_launch();
+  }
+  /// MPI started, its launch not yet checked: the caller calls check_launch() once this object
+  /// is whole, so that its refusal, thrown then, leaves MPI to be ended as usual (boost's
+  /// environment aborts the job without a word when an exception unwinds through it).
+  struct LaunchCheckedLater {};
+  explicit MpiEnvironment(LaunchCheckedLater) : env_(boost::mpi::threading::multiple) { set_up(); }
   MpiEnvironment(const MpiEnvironment&) = delete;
   MpiEnvironment& operator=(const MpiEnvironment&) = delete;
   ~MpiEnvironment() {  // before MPI_Finalize
@@ -42,10 +55,11 @@ class MpiEnvironment {
     memory::install();  // Note [Allocator]: before anything is allocated
     detail::prefer_reduce_scatter_iallreduce();
     std::set_terminate(detail::terminate_cleanly);
-    check_launch();
   }
-  // Collective over the world: throws on every rank when some rank's launcher variables
-  // contradict the MPI world (paratrain::contradiction_with_mpi).
+
+ public:
+  /// Collective over the world: throws on every rank when some rank's launcher variables
+  /// contradict the MPI world (paratrain::contradiction_with_mpi).
   static void check_launch() {
     int rank = 0, size = 1;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -64,7 +78,43 @@ class MpiEnvironment {
                               : "rank " + std::to_string(first) +
                                     "'s launcher variables contradict the MPI world (its message says how)");
   }
+
+ private:
   boost::mpi::environment env_;
 };
 
+// Note [MPI started by the library]
+// comm::Mpi made where MPI is not running starts it: an MpiEnvironment the library owns,
+// ended when paratrain::main returns (detail::at_runtime_end) or, in a program without it,
+// at exit. So `comm::Mpi()` needs no line in main, and one strategy alias switches between
+// MPI and the communicators that meet without it. (What its destructor stops, the progress
+// thread and the watchdog's channel, belong to singletons that are never destroyed, so the
+// order of destruction at exit cannot reach them gone.)
+// A program that scopes MPI itself (Mpi::Environment in main) is left alone: MPI is running.
+
 }  // namespace paratrain::comm
+
+namespace paratrain::detail {
+
+inline std::optional<comm::MpiEnvironment>& library_mpi() {
+  static std::optional<comm::MpiEnvironment> environment;
+  return environment;
+}
+
+/// Starts MPI where it is not running (Note [MPI started by the library]); throws where it
+/// was finalised already.
+inline void start_mpi_if_needed() {
+  int initialised = 0, finalised = 0;
+  MPI_Initialized(&initialised);
+  MPI_Finalized(&finalised);
+  if (finalised)
+    throw error("comm::Mpi", -1,
+                "MPI is already finalised (paratrain::main has returned, or the Mpi::Environment is gone); make "
+                "communicators inside paratrain::main's body, or keep the Mpi::Environment alive while they exist");
+  if (initialised) return;
+  library_mpi().emplace(comm::MpiEnvironment::LaunchCheckedLater{});
+  at_runtime_end([] { library_mpi().reset(); });
+  comm::MpiEnvironment::check_launch();  // a refusal is thrown with MPI running, and ended as usual
+}
+
+}  // namespace paratrain::detail

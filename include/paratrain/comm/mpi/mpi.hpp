@@ -101,8 +101,9 @@ class Mpi {
   /// waits for it: Note [Dropped requests].
   using Request = detail::BasicRequest<Handles>;
 
-  /// A duplicate of MPI_COMM_WORLD. Throws if MPI is not initialised, or if a
-  /// torchrun-style launcher started the ranks: Note [Launched without MPI].
+  /// A duplicate of MPI_COMM_WORLD; starts MPI where it is not running (Note [MPI started
+  /// by the library]). Throws where MPI was finalised, or where a torchrun-style launcher
+  /// started the ranks: Note [Launched without MPI].
   Mpi() : Mpi(Options{}) {}
   explicit Mpi(Options options) : Mpi(world(), options) {
     check_launcher();
@@ -296,14 +297,7 @@ class Mpi {
   explicit Mpi(std::shared_ptr<State> s) : state_(std::move(s)) {}
 
   static boost::mpi::communicator world() {
-    int initialised = 0, finalised = 0;
-    MPI_Initialized(&initialised);
-    MPI_Finalized(&finalised);
-    if (!initialised || finalised)
-      throw error("comm::Mpi", -1,
-                  finalised ? "MPI is already finalised; keep the Mpi::Environment alive while communicators exist"
-                            : "MPI is not initialised; create `paratrain::comm::Mpi::Environment env(argc, argv);` "
-                              "at the top of main (or a boost::mpi::environment)");
+    detail::start_mpi_if_needed();  // Note [MPI started by the library]
     return boost::mpi::communicator();  // MPI_COMM_WORLD, attached
   }
 

@@ -10,6 +10,7 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "paratrain/comm/nccl/nccl.hpp"
@@ -56,5 +57,20 @@ namespace paratrain::comm {
   b.id = nccl_unique_id(meeting);
   return b;
 }
+
+}  // namespace paratrain::comm
+
+namespace paratrain::detail {
+/// The bootstrap of the group the launcher describes (comm::Nccl()).
+[[nodiscard]] inline comm::Nccl::Bootstrap launcher_bootstrap() {
+  comm::Rendezvous meeting(comm::Rendezvous::Options{}, "comm::Nccl");
+  return nccl_bootstrap(meeting);
+}
+}  // namespace paratrain::detail
+
+namespace paratrain::comm {
+
+inline Nccl::Nccl() : Nccl(Options{}) {}
+inline Nccl::Nccl(Options options) : Nccl(detail::launcher_bootstrap(), std::move(options)) {}
 
 }  // namespace paratrain::comm

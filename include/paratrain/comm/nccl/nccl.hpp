@@ -151,6 +151,14 @@ class Nccl {
     s.options = std::move(options);
   }
 
+  /// Joins the group the launcher describes, through a comm::Rendezvous: torchrun's
+  /// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, or SLURM's ranks with
+  /// MASTER_ADDR and MASTER_PORT exported (docs/gpu-cluster.md); the GPU is the local rank's.
+  /// So `DataParallel<Net, comm::Nccl, ...>` is made like every other strategy. Collective.
+  /// Defined in comm/nccl/bootstrap_over_store.hpp, which this header includes at its end.
+  Nccl();
+  explicit Nccl(Options options);
+
   /// Joins through a bootstrap found by argument-dependent lookup: `nccl_bootstrap(b)`
   /// returning a Bootstrap, as comm/nccl/bootstrap_over_mpi.hpp gives for comm::Mpi. Collective
   /// over its ranks.
@@ -522,3 +530,6 @@ class Nccl {
 };
 
 }  // namespace paratrain::comm
+
+// Nccl() meets through a comm::Rendezvous, whose bootstrap needs the class above whole.
+#include "paratrain/comm/nccl/bootstrap_over_store.hpp"  // IWYU pragma: export

@@ -1,7 +1,0 @@
-// Fashion-MNIST with ZeRO stage 1: DDP's processes, optimizer state sharded.
-#include "train.hpp"
-
-using Strategy = paratrain::DataParallel<fashion_mnist::Net, paratrain::comm::Mpi,
-                                         paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage1>>;
-
-int main(int argc, char** argv) { return fashion_mnist::run<Strategy>(argc, argv); }
