@@ -88,7 +88,7 @@ struct Row {
 
 template <class P>
 Row measure(P stages, pipeline::Kind kind, int v, int M, const Shape& shape, paratrain::comm::Mpi& world) {
-  paratrain::DataParallel<P, paratrain::comm::Mpi> s(std::move(stages), world, torch::optim::SGDOptions(1e-3),
+  paratrain::DataParallel<P, paratrain::comm::Mpi, torch::optim::SGD> s(std::move(stages), world, torch::optim::SGDOptions(1e-3),
                                                      {.schedule = kind, .virtual_stages = v});
   torch::manual_seed(1);
   std::vector<paratrain::Batch> batches;

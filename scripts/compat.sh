@@ -52,13 +52,14 @@ if [[ ${1:-} == --inside ]]; then
     { echo "paratrain: the CUDA LibTorch's root configured without paratrain::nccl" >&2; exit 1; }
   # What the runs below need (the headers-alone checks are the 1.13 build's, unless asked).
   # Of the examples, one build per kind of program and path: DDP over MPI (the Fashion-MNIST
-  # program), over NCCL (its CUDA path) and a pipeline (the Transformer program); the other
-  # builds differ only in the strategy alias, whose every strategy the unit suite trains here
-  # against the reference (ZeRO 1-3, DP, Gloo, pipelines with ZeRO-3); the 1.13 build runs
-  # all of them.
-  examples=(fashion_mnist_ddp fashion_mnist_ddp_nccl transformer_pipeline)
+  # program), the README's program over NCCL (`comm::Nccl` made from the launcher's variables,
+  # its CUDA path: the quickstart alias compiled against the CUDA LibTorch) and a pipeline (the
+  # Transformer program); the other builds differ only in the strategy alias, whose every
+  # strategy the unit suite trains here against the reference (ZeRO 1-3, DP, Gloo, pipelines
+  # with ZeRO-3); the 1.13 build runs all of them.
+  examples=(fashion_mnist_ddp quickstart_ddp_nccl transformer_pipeline)
   # The example tests of those builds: their runs, the refusals, the time limit.
-  example_tests='^example\.(fashion_mnist_ddp\.np2|fashion_mnist_ddp_nccl_without_gpu\.np2|transformer_pipeline\.np2|missing_data\.np2|launch_conflict\.np2|cuda_over_mpi_refused\.np2|time_limit_resumes\.np2)$'
+  example_tests='^(example\.(fashion_mnist_ddp\.np2|transformer_pipeline\.np2|missing_data\.np2|launch_conflict\.np2|cuda_over_mpi_refused\.np2|time_limit_resumes\.np2)|quickstart\.ddp_nccl\.np2)$'
   # Not mapfile < <(...): the root has no /dev/fd.
   alone=()
   if ((headers)); then

@@ -1,6 +1,7 @@
 #pragma once
-// The demo's training program, the same for every strategy: each of single.cpp, dp.cpp,
-// ddp.cpp and zero1/2/3.cpp names a strategy in one alias and calls run<Strategy>().
+// The demo's training program, the same for every strategy: each of single.cpp, ddp.cpp,
+// ddp_gloo.cpp, ddp_nccl.cpp and zero3.cpp names a strategy in one alias and calls
+// run<Strategy>() (every other alias: examples/quickstart, built once per alias).
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -52,7 +53,9 @@ inline std::optional<int> parse(int argc, char** argv, Args& a) {
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "save checkpoints here, and resume from the newest");
   app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints")
       ->check(CLI::Range(1, 1 << 30))->capture_default_str();
-  app.add_option("--device", a.device, "cpu or cuda (default: cuda where LibTorch sees a GPU, else cpu)")
+  app.add_option("--device", a.device,
+                 "cpu or cuda (default: cuda where LibTorch sees a GPU and this build reduces there: not over MPI; "
+                 "else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--workers", a.workers, "threads per process reading the next batches (0: on the training thread)")
       ->check(CLI::Range(0, 64))->capture_default_str();
@@ -64,7 +67,7 @@ inline std::optional<int> parse(int argc, char** argv, Args& a) {
       ->check(CLI::Range(0.0, 1e9));
   app.add_option("--seed", a.seed, "initial weights and sample order")->capture_default_str();
   app.add_option("--powersgd-rank", a.powersgd_rank,
-                 "compress the gradients with PowerSGD of this rank (the DDP and ZeRO-1 builds; 0: exact sums)")
+                 "compress the gradients with PowerSGD of this rank (the DDP builds; 0: exact sums)")
       ->check(CLI::Range(0, 1 << 20));
   app.add_option("--powersgd-start", a.powersgd_start, "steps summed exactly before PowerSGD starts")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40))->capture_default_str();
@@ -133,28 +136,14 @@ torch::Device device_for(const Args& args) {
   return paratrain::local_device(args.device);
 }
 
-// The strategy over its communicator, with the model on `device`: comm::Nccl started from
-// the launcher's variables; LocalDataParallel's replicas on the CPU for --device cpu (on the
-// GPUs otherwise, where any); over MPI or Gloo the strategy builds the model itself, so that
-// at ZeRO stage 3 each layer is sharded as it is built and no rank ever holds the whole
-// model (docs/sharding.md, "sharded construction"; every rank has seeded alike).
+// The strategy's options for `device`, the one thing its type changes: LocalDataParallel's
+// replicas on the CPU for --device cpu; DataParallel's model placed on `device` (the strategy
+// builds it: at ZeRO stage 3 each layer is sharded as it is built and no rank ever holds the
+// whole model, docs/sharding.md; under comm::Nccl, the local rank's GPU).
 template <class S>
-S make_strategy(double lr, const torch::Device& device) {
-  const auto net = [&] {
-    Net n;
-    n->to(device);  // the strategy moves each batch there (Note [One move per batch])
-    return n;
-  };
-  if constexpr (uses_nccl<S>) {
-#if PARATRAIN_HAS_NCCL
-    paratrain::comm::Rendezvous meeting;
-    return S(net(), paratrain::comm::Nccl(meeting), torch::optim::AdamOptions(lr));
-#endif
-  } else if constexpr (!requires { typename S::communicator_type; }) {
-    return S(net(), torch::optim::AdamOptions(lr), {.cpu = device.is_cpu()});
-  } else {
-    return S([] { return Net(); }, torch::optim::AdamOptions(lr), {.build = {.device = device}});
-  }
+typename S::Options options_for(const torch::Device& device) {
+  if constexpr (!requires { typename S::communicator_type; }) return {.cpu = device.is_cpu()};
+  else return {.build = {.device = device}};
 }
 
 // One split of the IDX files, through the library's reader: uint8 in memory, converted to
@@ -169,26 +158,24 @@ inline paratrain::data::IdxDataset load(const std::string& dir, const std::strin
 
 template <paratrain::strategy Strategy>
 int train(const Args& args) {
-  torch::set_num_threads(1);  // one process per core; threads within would fight over them
   const auto start = std::chrono::steady_clock::now();
 
   const auto all = load(args.data, "train"), test = load(args.data, "t10k");
   const auto n = args.train_samples > 0 ? std::min(args.train_samples, all.size()) : all.size();
   const paratrain::data::Subset train(all, torch::arange(n, torch::kLong));
 
-  torch::manual_seed(args.seed);  // the same initial values on every rank
   const auto device = device_for<Strategy>(args);
-  Strategy strategy = make_strategy<Strategy>(args.lr, device);
+  Strategy strategy(torch::optim::AdamOptions(args.lr), options_for<Strategy>(device));
   const bool root = strategy.rank() == 0;
   if (args.powersgd_rank > 0) {
-    // PowerSGD compresses whole gradients: the builds whose ranks keep them (DDP, ZeRO-1).
+    // PowerSGD compresses whole gradients: the strategies whose ranks keep them (DDP, ZeRO-1).
     if constexpr (requires { Strategy::stage; }) {
       if constexpr (Strategy::stage < 2)
         strategy.register_gradient_hook(
             paratrain::PowerSgd({.rank = args.powersgd_rank, .start_step = args.powersgd_start}));
       else
         throw std::runtime_error("--powersgd-rank: ZeRO-2 and ZeRO-3 keep a shard of each gradient, and PowerSGD "
-                                 "compresses whole ones; use the DDP or ZeRO-1 build");
+                                 "compresses whole ones; use a DDP build");
     } else {
       throw std::runtime_error("--powersgd-rank: this build has no gradient buckets to compress (use the DDP build)");
     }
@@ -203,7 +190,6 @@ int train(const Args& args) {
   const auto result = paratrain::fit(strategy, train,
                                      {.epochs = args.epochs,
                                       .batch_size = args.batch,
-                                      .seed = args.seed,
                                       .eval = &test,
                                       .loader = {.workers = args.workers, .depth = std::max(args.workers, 2)},
                                       .lr_schedule = [&](double epoch) {  // cosine decay to 0
@@ -242,14 +228,12 @@ int train(const Args& args) {
 
 template <paratrain::strategy Strategy>
 int run(int argc, char** argv) {
-#if PARATRAIN_HAS_MPI
-  std::optional<paratrain::comm::Mpi::Environment> mpi;
-  if constexpr (uses_mpi<Strategy>) mpi.emplace(argc, argv);
-#endif
   Args args;
   if (const auto status = parse(argc, argv, args)) return *status;
-  // An error on any rank: one "paratrain: ..." line, and the whole job ends.
-  return paratrain::guarded([&] { return train<Strategy>(args); });
+  // MPI started where the strategy's communicator needs it, one intra-op thread per process,
+  // --seed on every rank (initial weights and sample order); an error on any rank: one
+  // "paratrain: ..." line, and the whole job ends.
+  return paratrain::main(argc, argv, [&] { return train<Strategy>(args); }, {.seed = args.seed});
 }
 
 }  // namespace fashion_mnist

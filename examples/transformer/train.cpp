@@ -431,16 +431,13 @@ int train_reference(const Args& a) {
 }
 
 int run(int argc, char** argv) {
-#if PARATRAIN_HAS_MPI
-  std::optional<comm::Mpi::Environment> mpi;
-  if constexpr (std::is_same_v<Strategy::communicator_type, comm::Mpi>) mpi.emplace(argc, argv);
-#endif
-  torch::set_num_threads(1);  // one process per core
   const auto start = std::chrono::steady_clock::now();
   Args a;
   if (const auto status = parse(argc, argv, a)) return *status;
-  // An error on any rank: one "paratrain: ..." line, and the whole job ends.
-  return paratrain::guarded([&]() -> int {
+  // MPI started where the strategy needs it, one intra-op thread per process; an error on any
+  // rank: one "paratrain: ..." line, and the whole job ends. (The seeds are the reference
+  // program's, set where it sets them.)
+  return paratrain::main(argc, argv, [&]() -> int {
   if (a.reference > 0) return train_reference(a);
 #if PARATRAIN_HAS_HDF5
   if (!a.write_data.empty()) {
