@@ -1,9 +1,13 @@
-// Generates the schedule tables of docs/pipeline.md from the schedules the library runs
-// (paratrain/pipeline/schedule.hpp), so the page cannot drift from the code.
+// Generates the schedules' section of docs/pipeline.md from the schedules the library runs
+// (paratrain/pipeline/schedule.hpp), so the page cannot drift from the code: a summary
+// table (length, bubble, peak activations) and, per schedule, the picture that
+// scripts/pictures.py draws from this program's --json output.
 //
 //   pipeline_tables                 prints the generated section to stdout
 //   pipeline_tables --check FILE    exits 1 if FILE's section differs from what it would print
 //   pipeline_tables --write FILE    replaces FILE's section in place
+//   pipeline_tables --json          prints every drawn schedule's simulated Timeline as JSON
+//                                   (scripts/pictures.sh keeps it in docs/pictures/data)
 //
 // The section is the text between the two marker lines below; everything else in FILE is
 // left alone. ctest pipeline.docs_tables runs --check on docs/pipeline.md.
@@ -40,18 +44,28 @@ struct Drawn {
   std::string_view heading;
   pipeline::Kind kind;
   int virtual_stages;
+  std::string_view picture;  // docs/pictures/<picture>.png, drawn by scripts/pictures.py
 };
 
 constexpr Drawn drawn[] = {
-    {"GPipe", pipeline::Kind::gpipe, 1},
-    {"1F1B", pipeline::Kind::one_f_one_b, 1},
-    {"Interleaved 1F1B (v = 2)", pipeline::Kind::interleaved_1f1b, 2},
-    {"ZB-H1", pipeline::Kind::zero_bubble_h1, 1},
+    {"GPipe", pipeline::Kind::gpipe, 1, "pipeline_gpipe"},
+    {"1F1B", pipeline::Kind::one_f_one_b, 1, "pipeline_1f1b"},
+    {"Interleaved 1F1B (v = 2)", pipeline::Kind::interleaved_1f1b, 2, "pipeline_interleaved_1f1b"},
+    {"ZB-H1", pipeline::Kind::zero_bubble_h1, 1, "pipeline_zb_h1"},
 };
+
+// How the pictures are made, for their captions.
+constexpr std::string_view drawn_by = "`scripts/pictures.sh` (`pipeline_tables --json`, then `scripts/pictures.py`)";
 
 std::string fixed3(double x) {
   std::ostringstream out;
   out << std::fixed << std::setprecision(3) << x;
+  return out.str();
+}
+
+std::string number(double x) {
+  std::ostringstream out;
+  out << std::setprecision(12) << x;
   return out.str();
 }
 
@@ -62,24 +76,78 @@ std::string joined(const std::vector<T>& values, Show show) {
   return out;
 }
 
-/// The text between the two markers: a blank line, each schedule's heading, summary line
-/// and table, and a blank line before the end marker (so the last table ends cleanly).
+/// The text between the two markers: a blank line, a summary table of every schedule, then
+/// each schedule's heading and picture, and a blank line before the end marker.
 std::string generated() {
-  std::string out = "\n\n";
-  bool first = true;
+  std::string out = "\n\n| schedule | length (time units) | bubble per rank, simulated | `theoretical_bubble` | peak "
+                    "activations per rank |\n|---|---:|---|---:|---|\n";
   for (const Drawn& d : drawn) {
     const auto s = pipeline::make_schedule(d.kind, ranks, micro_batches, d.virtual_stages);
     const auto t = pipeline::simulate(s, costs);
     const double published = pipeline::theoretical_bubble(d.kind, ranks, micro_batches, d.virtual_stages, costs);
-    if (!first) out += "\n";
-    first = false;
-    out += "### " + std::string(d.heading) + "\n\n";
-    out += "Bubble per rank, simulated: " + joined(t.bubble, fixed3) + "; `theoretical_bubble`: " + fixed3(published) +
-           ". Peak activations per rank: " + joined(t.peak_alive, [](int n) { return std::to_string(n); }) +
-           (d.virtual_stages > 1 ? ", counted per micro-batch and chunk" : "") + ".\n\n";
-    out += pipeline::table(s, costs);
+    out += "| " + std::string(d.heading) + " | " + number(t.makespan) + " | " + joined(t.bubble, fixed3) + " | " +
+           fixed3(published) + " | " + joined(t.peak_alive, [](int n) { return std::to_string(n); }) +
+           (d.virtual_stages > 1 ? " (per micro-batch and chunk)" : "") + " |\n";
+  }
+  for (const Drawn& d : drawn) {
+    const auto s = pipeline::make_schedule(d.kind, ranks, micro_batches, d.virtual_stages);
+    out += "\n### " + std::string(d.heading) + "\n\n";
+    out += "![" + s.name + ", " + std::to_string(ranks) + " ranks, " + std::to_string(micro_batches) +
+           " micro-batches](pictures/" + std::string(d.picture) + ".png)\n\n";
+    out += "*" + std::string(d.heading) + ": each rank's actions in time, labelled by micro-batch" +
+           (d.virtual_stages > 1 ? " and chunk (m.c)" : "") + ". Made by " + std::string(drawn_by) + ".*\n";
   }
   return out + "\n";
+}
+
+/// `name`, quoted for JSON (the names here need no escapes beyond these).
+std::string json_string(std::string_view name) {
+  std::string out = "\"";
+  for (char c : name) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+/// Every drawn schedule, simulated with `costs`, as one JSON object:
+///   {"ranks": K, "micro_batches": M, "costs": {...}, "schedules": [{"name", "heading",
+///    "picture", "virtual_stages", "makespan", "bubble": [per rank], "theoretical_bubble",
+///    "peak_alive": [per rank], "actions": [per rank: [{"start", "end", "op", "micro",
+///    "stage", "chunk"}, ...]]}, ...]}
+/// op is forward, backward, backward_input or backward_weight; chunk = stage / ranks.
+std::string json() {
+  std::string out = "{\"generator\": \"docs/pipeline_tables.cpp --json\", \"ranks\": " + std::to_string(ranks) +
+                    ", \"micro_batches\": " + std::to_string(micro_batches) + ", \"costs\": {\"forward\": " +
+                    number(costs.forward) + ", \"backward_input\": " + number(costs.backward_input) +
+                    ", \"backward_weight\": " + number(costs.backward_weight) + "},\n \"schedules\": [";
+  bool first = true;
+  for (const Drawn& d : drawn) {
+    const auto s = pipeline::make_schedule(d.kind, ranks, micro_batches, d.virtual_stages);
+    const auto t = pipeline::simulate(s, costs);
+    out += first ? "\n" : ",\n";
+    first = false;
+    out += "  {\"name\": " + json_string(s.name) + ", \"heading\": " + json_string(d.heading) + ", \"picture\": " +
+           json_string(d.picture) + ", \"virtual_stages\": " + std::to_string(s.virtual_stages) +
+           ", \"makespan\": " + number(t.makespan) + ",\n   \"bubble\": [" + joined(t.bubble, number) +
+           "], \"theoretical_bubble\": " +
+           number(pipeline::theoretical_bubble(d.kind, ranks, micro_batches, d.virtual_stages, costs)) +
+           ", \"peak_alive\": [" + joined(t.peak_alive, [](int n) { return std::to_string(n); }) +
+           "],\n   \"actions\": [";
+    for (std::size_t r = 0; r < t.starts.size(); ++r) {
+      out += r ? ",\n    [" : "\n    [";
+      for (std::size_t i = 0; i < t.starts[r].size(); ++i) {
+        const auto& [start, a] = t.starts[r][i];
+        const double length = pipeline::detail::cost_of(a.op, costs);
+        out += std::string(i ? ", " : "") + "{\"start\": " + number(start) + ", \"end\": " + number(start + length) +
+               ", \"op\": " + json_string(pipeline::detail::name_of(a.op)) + ", \"micro\": " + std::to_string(a.micro) +
+               ", \"stage\": " + std::to_string(a.stage) + ", \"chunk\": " + std::to_string(a.stage / ranks) + "}";
+      }
+      out += "]";
+    }
+    out += "]}";
+  }
+  return out + "\n ]}\n";
 }
 
 std::optional<std::string> read(const std::string& path) {
@@ -132,7 +200,7 @@ int check(const std::string& path) {
   const std::string want = generated();
   const std::string_view have(text->data() + section->first, section->last - section->first);
   if (have == want) {
-    std::cout << "pipeline_tables: " << path << "'s schedule tables match the schedules\n";
+    std::cout << "pipeline_tables: " << path << "'s schedule section matches the schedules\n";
     return 0;
   }
   // Report the first line that differs, as the file numbers it.
@@ -172,7 +240,7 @@ int write(const std::string& path) {
     std::cerr << "pipeline_tables: cannot replace " << path << ": " << failed.message() << "\n";
     return 1;
   }
-  std::cout << "pipeline_tables: wrote " << path << "'s schedule tables\n";
+  std::cout << "pipeline_tables: wrote " << path << "'s schedule section\n";
   return 0;
 }
 
@@ -185,10 +253,15 @@ int main(int argc, char** argv) {
       std::cout << generated();
       return 0;
     }
+    if (args.size() == 1 && args[0] == "--json") {
+      std::cout << json();
+      return 0;
+    }
     if (args.size() == 2 && args[0] == "--check") return check(args[1]);
     if (args.size() == 2 && args[0] == "--write") return write(args[1]);
-    std::cerr << "usage: pipeline_tables [--check FILE | --write FILE]\n"
+    std::cerr << "usage: pipeline_tables [--check FILE | --write FILE | --json]\n"
                  "  no argument: print the generated section of docs/pipeline.md\n"
+                 "  --json: print each schedule's simulated timeline (scripts/pictures.py draws it)\n"
                  "  --check FILE: exit 1 if FILE's generated section is out of date\n"
                  "  --write FILE: replace FILE's generated section\n";
     return 2;
