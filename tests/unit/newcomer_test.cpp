@@ -125,6 +125,10 @@ TEST_CASE("fit refuses deterministic mode on every rank, saying why") {
   const auto train = make_data(48, 1);
   CHECK_THROWS_WITH_AS(paratrain::fit(s, train, {.batch_size = 4, .progress = false}),
                        doctest::Contains("deterministic mode, whose promise"), paratrain::error);
+  // A negative accumulation is the options' one check's (0 is automatic).
+  paratrain::DataParallel<Net, comm::Mpi, torch::optim::SGD> plain(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
+  CHECK_THROWS_WITH_AS(paratrain::fit(plain, train, {.batch_size = 4, .accumulation = -1, .progress = false}),
+                       doctest::Contains("accumulation >= 0 (0: automatic)"), paratrain::error);
 }
 
 TEST_CASE("fit refuses training data that differs across ranks, on every rank") {

@@ -42,7 +42,8 @@ int pipeline_ranks_of(S& s) {
 }
 
 /// `options` with the defaults that depend on `s` filled in (Note [fit's defaults]); throws
-/// on every rank alike for what fit refuses.
+/// on every rank alike for what fit refuses. Out-of-range values (a negative accumulation)
+/// are left as given, for the Trainer's one check of the options.
 template <strategy S>
 FitOptions resolved(S& s, const FitOptions& options) {
   FitOptions o = options;
@@ -54,10 +55,6 @@ FitOptions resolved(S& s, const FitOptions& options) {
                   "training cuts each step's whole batch into virtual shards; train with strategy.step on "
                   "DeterministicSampler's batches (docs/deterministic.md), or turn the mode off");
   }
-  if (o.accumulation < 0)
-    throw error("fit", s.rank(),
-                "epochs must be >= 0, accumulation >= 0 (0: automatic) and batch_size, log_every and "
-                "eval_batch_size >= 1");
   if (!o.seed) o.seed = paratrain::seed();
   if (o.accumulation == 0) {
     const int K = pipeline_ranks_of(s);

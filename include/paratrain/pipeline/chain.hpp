@@ -40,9 +40,6 @@ inline constexpr bool is_tuple = false;
 template <class... T>
 inline constexpr bool is_tuple<std::tuple<T...>> = true;
 
-template <class Stage>
-inline constexpr bool cloneable_stage = cloneable_module<Stage>;
-
 /// The Chain's forward, with the first stage's parameters and the last stage's result, so
 /// that paratrain reads them off its type as of any module (plain_forward).
 template <class Derived, class Args, class Result>
@@ -81,7 +78,7 @@ class ChainImpl : public torch::nn::Cloneable<ChainImpl<Stage...>>,
   /// Cloneable's: the copy clone() makes re-registers a clone of each stage. A stage that
   /// is not Cloneable cannot be copied: an error, rather than a replica of other values.
   void reset() override {
-    if constexpr ((detail::cloneable_stage<Stage> && ...)) {
+    if constexpr ((cloneable_module<Stage> && ...)) {
       clone_all(std::index_sequence_for<Stage...>{});
       register_all(std::index_sequence_for<Stage...>{});
     } else {
