@@ -48,6 +48,22 @@
 
 #include "paratrain/comm/mesh.hpp"
 
+#include "paratrain/tensor_parallel/column_parallel_linear.hpp"
+#include "paratrain/tensor_parallel/context.hpp"
+#include "paratrain/tensor_parallel/cross_entropy.hpp"
+#include "paratrain/tensor_parallel/dropout.hpp"
+#include "paratrain/tensor_parallel/embeddings.hpp"
+#include "paratrain/tensor_parallel/group.hpp"
+#include "paratrain/tensor_parallel/init.hpp"
+#include "paratrain/tensor_parallel/layer_norm.hpp"
+#include "paratrain/tensor_parallel/mlp.hpp"
+#include "paratrain/tensor_parallel/regions.hpp"
+#include "paratrain/tensor_parallel/row_parallel_linear.hpp"
+#include "paratrain/tensor_parallel/self_attention.hpp"
+#include "paratrain/tensor_parallel/sharding.hpp"
+#include "paratrain/tensor_parallel/transformer_block.hpp"
+#include "paratrain/tensor_parallel/vocab_parallel_embedding.hpp"
+
 #include "paratrain/strategy/buckets/bucket_layout.hpp"
 #include "paratrain/strategy/buckets/gradient_buckets.hpp"
 #include "paratrain/strategy/buckets/gradient_hook.hpp"

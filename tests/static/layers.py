@@ -25,6 +25,7 @@ LAYERS = [
     ("reliability", "the watchdog, the collective ledger and fingerprint, failure reports"),
     ("comm", "transports: single device, and one folder per backend (mpi/, gloo/, nccl/)"),
     ("data", "datasets, samplers, the loader; hdf5/ for the HDF5 component"),
+    ("tensor_parallel", "tensor and sequence parallelism: tensor groups, the layers cut over them, keyed dropout"),
     ("strategy", "DDP, ZeRO, local data parallel, precision, recomputation; buckets/ and stores/"),
     ("pipeline", "pipeline schedules, stages, links and the pipeline strategy"),
     ("checkpoint", "checkpoint files: format, writing, loading, resharding"),

@@ -34,6 +34,8 @@
 #include "paratrain/strategy/precision.hpp"
 #include "paratrain/strategy/replica_steps.hpp"
 #include "paratrain/strategy/sharded.hpp"
+#include "paratrain/tensor_parallel/context.hpp"
+#include "paratrain/tensor_parallel/group.hpp"
 
 namespace paratrain {
 
@@ -287,6 +289,9 @@ class DataParallel {
   [[nodiscard]] DataShard data_shard() const { return mesh_.data_shard(); }
   /// The rank layout: every group this strategy communicates over is one of its groups.
   [[nodiscard]] Mesh<Comm>& mesh() noexcept { return mesh_; }
+  /// The ranks the model's tensor-parallel layers cut their matrices over (one rank
+  /// without tensor parallelism): what tp::CrossEntropy reduces over.
+  [[nodiscard]] tp::Group tensor_group() { return tp::Group(mesh_); }
   [[nodiscard]] Model& model() noexcept { return model_; }
   /// Where the model's parameters are, as they were at construction: batches move there
   /// (Note [One move per batch]), and the communicator reduces there.
@@ -352,16 +357,23 @@ class DataParallel {
   /// The mesh DataParallelOptions spell over `comm` (Note [Process mesh]).
   static Mesh<Comm> mesh_of(Comm comm, const Options& options) {
     const int ranks = comm.size(), me = comm.rank();
-    return Mesh<Comm>(std::move(comm), data_mesh(typed(options, me).shard_group, ranks, me));
+    const auto o = typed(options, me);
+    return Mesh<Comm>(std::move(comm), options_mesh(o.shard_group, o.tensor_parallel, ranks, me));
   }
-  /// A mesh of the user's: data dimensions only, and shard_group unset or its data-shard size.
+  /// A mesh of the user's: data and tensor dimensions only, shard_group unset or its
+  /// data-shard size, tensor_parallel 1 or its tensor size.
   static Mesh<Comm> checked(Mesh<Comm> mesh, const Options& given) {
     const Options options = typed(given, mesh.rank());
-    if (mesh.size(~Dims::data()) != 1)
+    if (mesh.size(~(Dims::data() | Dim::tensor)) != 1)
       throw error("DataParallel", mesh.rank(),
                   "the mesh " + mesh.shape().str() +
-                      " has dimensions besides the data ones; DataParallel trains one model on data-parallel ranks "
-                      "(a pipeline: DataParallel<Pipeline<...>>)");
+                      " has dimensions besides the data and tensor ones; DataParallel trains one model on "
+                      "data-parallel ranks, its layers cut over the tensor ones (a pipeline: DataParallel<Pipeline<...>>)");
+    if (options.tensor_parallel != 1 && options.tensor_parallel != mesh.size(Dim::tensor))
+      throw error("DataParallel", mesh.rank(),
+                  "DataParallelOptions::tensor_parallel is " + std::to_string(options.tensor_parallel) +
+                      " but the mesh " + mesh.shape().str() + " has " + std::to_string(mesh.size(Dim::tensor)) +
+                      " tensor ranks; leave tensor_parallel 1 where the mesh says it");
     if (options.shard_group != 0 && options.shard_group != mesh.size(Dim::shard))
       throw error("DataParallel", mesh.rank(),
                   "DataParallelOptions::shard_group is " + std::to_string(options.shard_group) + " but the mesh " +
@@ -374,7 +386,7 @@ class DataParallel {
   /// works on a GPU (comm::Nccl), moved there first, as a build function's model is placed
   /// (a model on another GPU is refused, naming both devices: check_model_device).
   static auto as_builder(Model& model) {
-    return [&model](Mesh<Comm>& mesh) {
+    return [&model](Mesh<Comm>& mesh, const Options&) {
       const auto target = detail::communicator_device(mesh.world());
       if (target.is_cuda() && detail::device_of(*model).is_cpu()) model->to(target);
       return std::move(model);
@@ -382,16 +394,18 @@ class DataParallel {
   }
   /// `build()`, as the store builds it (Note [Sharded construction]).
   template <class Build>
-  static auto constructed(Build& build, const Options& options) {
-    return [&build, &options](Mesh<Comm>& mesh) -> Model {
-      return Steps::Store::construct(build, mesh, Steps::store_options_of(typed(options, mesh.rank())));
+  static auto constructed(Build& build, const Options&) {
+    return [&build](Mesh<Comm>& mesh, const Options& options) -> Model {
+      // Note [Building a tensor-parallel model]: the layers join the mesh's tensor group.
+      const tp::Construction tensor_group({.group = tp::Group(mesh), .sequence_parallel = options.sequence_parallel});
+      return Steps::Store::construct(build, mesh, Steps::store_options_of(options));
     };
   }
 
   template <class Make, class Groups, class OptimOptions>
   DataParallel(Built, Make&& make, Mesh<Comm> mesh, Groups&& groups, OptimOptions defaults, const Options& options)
       : mesh_(std::move(mesh)),
-        model_((static_cast<void>(memory::install()), make(mesh_))),
+        model_((static_cast<void>(memory::install()), make(mesh_, typed(options, mesh_.rank())))),
         device_(detail::device_of(*model_)),
         steps_(std::make_unique<Steps>(mesh_, *model_, device_, groups(model_), std::move(defaults),
                                        typed(options, mesh_.rank()), "DataParallel")) {}

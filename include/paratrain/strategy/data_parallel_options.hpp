@@ -73,6 +73,16 @@ struct DataParallelOptions {
   /// virtual shards, their gradients summed in shard order (Note [Deterministic training]).
   /// Off by default; `{.shards = 12}` covers 1-4 ranks.
   Deterministic deterministic{};
+  /// Tensor parallelism: the model's tensor-parallel layers (paratrain::tp) cut their
+  /// matrices over groups of this many consecutive ranks, and the data dimensions take the
+  /// world size / tensor_parallel ranks that remain (the mesh's tensor dimension: Note
+  /// [Process mesh]). The strategy builds the model in a tp::Construction over that group
+  /// (Note [Building a tensor-parallel model]). 1: off.
+  int tensor_parallel = 1;
+  /// With tensor_parallel: the activations between the tensor-parallel regions are cut
+  /// along the sequence (Korthikanti et al. 2022): layer norms and dropouts on 1/t of the
+  /// tokens, all-gathers and reduce-scatters instead of all-reduces (Note [Regions]).
+  bool sequence_parallel = false;
 };
 
 /// A function that builds a `Model` (not a model itself: a module holder is callable too,
@@ -85,6 +95,8 @@ concept model_builder = !std::is_base_of_v<torch::detail::ModuleHolderIndicator,
 /// [Process mesh]): {replicate data_ranks / G, shard G}, or every rank in the shard
 /// dimension for 0. Throws, the same on every rank, for a group that does not divide them.
 [[nodiscard]] inline MeshShape data_mesh(int shard_group, int data_ranks, int rank) {
+  if (data_ranks < 1)
+    throw error("DataParallel", rank, "no data-parallel ranks remain (" + std::to_string(data_ranks) + ")");
   if (shard_group < 0 || (shard_group > 0 && data_ranks % shard_group != 0))
     throw error("DataParallel", rank,
                 "DataParallelOptions::shard_group is " + std::to_string(shard_group) + " but the world has " +
@@ -93,6 +105,19 @@ concept model_builder = !std::is_base_of_v<torch::detail::ModuleHolderIndicator,
                     "divide the world size (0: shard over every rank)");
   const int g = shard_group > 0 ? shard_group : data_ranks;
   return {.replicate = data_ranks / g, .shard = g};
+}
+
+/// The mesh DataParallelOptions spell over `ranks` ranks: the data dimensions of
+/// data_mesh() over what the tensor dimension (tensor_parallel) leaves. Throws, the same on
+/// every rank, where the degree does not divide the world.
+[[nodiscard]] inline MeshShape options_mesh(int shard_group, int tensor_parallel, int ranks, int rank) {
+  if (tensor_parallel < 1 || ranks % tensor_parallel != 0)
+    throw error("DataParallel", rank,
+                "DataParallelOptions::tensor_parallel is " + std::to_string(tensor_parallel) + " but the world has " +
+                    std::to_string(ranks) + " ranks; the tensor degree must be at least 1 and divide the world size");
+  auto shape = data_mesh(shard_group, ranks / tensor_parallel, rank);
+  shape.tensor = tensor_parallel;
+  return shape;
 }
 
 }  // namespace paratrain

@@ -46,6 +46,7 @@
 #include "paratrain/strategy/stores/parameter_store.hpp"
 #include "paratrain/strategy/stores/replicated_parameters.hpp"
 #include "paratrain/strategy/stores/sharded_parameters.hpp"
+#include "paratrain/tensor_parallel/sharding.hpp"
 
 namespace paratrain {
 
@@ -131,7 +132,9 @@ class ReplicaSteps {
                                      [s = store_.get()](std::size_t b) { s->on_gradients_complete(b); });
     // The ranks whose parts make up the model's gradients (the store's partition, the
     // pipeline's stages): split now, while every rank constructs, for clipping and NaN checks.
-    if (const Dims parts = store_->partitions() | Dim::pipeline; mesh_.size(parts) > 1) parts_ = &mesh_.group(parts);
+    if (const Dims parts = store_->partitions() | Dim::pipeline | Dim::tensor; mesh_.size(parts) > 1)
+      parts_ = &mesh_.group(parts);
+    count_once_over_tensor_group();
   }
 
   ReplicaSteps(const ReplicaSteps&) = delete;
@@ -303,6 +306,11 @@ class ReplicaSteps {
   /// Where this rank keeps the module's and optimizer's state, each slice a replica writes
   /// named by its world rank.
   [[nodiscard]] CheckpointLayout checkpoint_layout() const {
+    if (mesh_.size(Dim::tensor) > 1)
+      throw error("checkpoint", rank(),
+                  "this model's layers are cut over a tensor group of " + std::to_string(mesh_.size(Dim::tensor)) +
+                      " ranks, and checkpoints hold whole tensors or flat ranges of them: a tensor-parallel model "
+                      "cannot be saved or loaded yet (docs/tensor-parallelism.md, Limits)");
     auto layout = store_->checkpoint_layout(*module_);
     const auto world_writer = [&](TensorSlice& sl) {
       if (sl.writer >= 0) sl.writer = mesh_.world_rank(Dims::data(), sl.writer);
@@ -363,10 +371,28 @@ class ReplicaSteps {
   std::pair<double, double> totals_of(bool squares, bool nonfinite) {
     if (ordered_ != nullptr)
       if (auto t = ordered_->totals(squares, nonfinite)) return *t;
-    auto total = grads_->local_totals(squares, nonfinite);
+    auto total = grads_->local_totals(squares, nonfinite, counted_.empty() ? nullptr : &counted_);
     if (parts_ != nullptr) detail::all_reduce_on(*parts_, total, device_, reduce_op::sum);
     const auto t = total.cpu();
     return {t[0].template item<double>(), t[1].template item<double>()};
+  }
+
+  // Note [Norms over a tensor group]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // The global norm clipping uses is the norm of the model's gradient as one device would
+  // hold it. A parameter cut over the tensor group holds a different slice on each of its
+  // ranks: each slice counts, summed over the group. A parameter replicated over it (a layer
+  // norm, a row-parallel bias, a plain layer) holds the same gradient on every rank: it
+  // counts on the group's first rank only, or it would count t times. The sum then runs
+  // over the store's partition, the pipeline's stages and the tensor group together.
+  void count_once_over_tensor_group() {
+    if (mesh_.size(Dim::tensor) == 1 || mesh_.index(Dim::tensor) == 0) return;
+    const auto sharded = tp::tensor_shards_of(*module_);
+    std::set<const void*> impls;
+    for (const auto& [name, shard] : sharded) impls.insert(shard.impl);
+    const auto& params = store_->layout().params();
+    counted_.assign(params.size(), 0);
+    for (std::size_t i = 0; i < params.size(); ++i) counted_[i] = impls.count(params[i].tensor.unsafeGetTensorImpl()) ? 1 : 0;
   }
 
   /// Note [Deterministic training]: every rank checks alike, turns on LibTorch's
@@ -380,6 +406,12 @@ class ReplicaSteps {
     auto problem = detail::deterministic_problem<optimizer_type>(options.deterministic, data_->size(), device_, buffer,
                                                                  options.precision.reduce.has_value(),
                                                                  sharding_communicator<Comm>);
+    if (problem.empty() && options.deterministic.on() && mesh_.size(Dim::tensor) > 1)
+      problem = "deterministic mode does not take tensor parallelism (a tensor degree of " +
+                std::to_string(mesh_.size(Dim::tensor)) +
+                "): its order of addition is fixed for whole gradients, and the tensor group's all-reduces and "
+                "reduce-scatters sum the activations' parts in an order of their own; train at tensor degree 1 "
+                "or without deterministic mode";
     if (options.deterministic.on() && problem.empty()) {
       try {
         at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
@@ -408,6 +440,7 @@ class ReplicaSteps {
   torch::nn::Module* module_;
   Comm* data_;  // the mesh's data-parallel group: the module's replicas
   Comm* parts_ = nullptr;  // the ranks whose gradients make up the model's, where more than this one
+  std::vector<char> counted_;  // per layout parameter, whether its squares count here: Note [Norms over a tensor group]
   Options options_;
   at::Device device_;  // the module's, where the communicator reduces (comm::Nccl: CUDA only)
   LossScaler scaler_;  // Note [Loss scaling]: off unless Precision asks for it

@@ -140,19 +140,38 @@ class GradientBuckets {
   /// This rank's part of the sums' squares (when `squares`) and NaN and Inf elements (when
   /// `nonfinite`), as a 2-element double tensor on the gradients' device: the ranks that
   /// partition the gradients sum it (clipping and the NaN check need both, in one all-reduce).
-  [[nodiscard]] at::Tensor local_totals(bool squares, bool nonfinite) const {
+  /// `counted`, where given, says per parameter of the layout whether its squares count
+  /// on this rank (a parameter replicated over a tensor group counts on one of its ranks:
+  /// Note [Norms over a tensor group]); the others' parts of this rank's output are left out.
+  [[nodiscard]] at::Tensor local_totals(bool squares, bool nonfinite,
+                                        const std::vector<char>* counted = nullptr) const {
     std::vector<at::Tensor> parts;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       const auto& g = output(b);
       const auto none = at::zeros({}, g.options().dtype(at::kDouble));
-      parts.push_back(at::stack({squares ? g.norm().to(at::kDouble).square() : none,
-                                 nonfinite ? at::isfinite(g).logical_not().sum().to(at::kDouble) : none}));
+      const auto& in = layout_->buckets()[b].params;
+      const bool all = counted == nullptr || std::all_of(in.begin(), in.end(), [&](auto i) { return (*counted)[i]; });
+      auto sq = !squares ? none : all ? g.norm().to(at::kDouble).square() : counted_squares(b, *counted, none);
+      parts.push_back(at::stack({sq, nonfinite ? at::isfinite(g).logical_not().sum().to(at::kDouble) : none}));
     }
     return at::stack(parts).sum(0);
   }
 
   /// The name of the first parameter whose sum holds NaN or Inf in this rank's part of it;
   /// empty when there is none.
+  // The squares of the counted parameters' parts of this rank's output of bucket b.
+  [[nodiscard]] at::Tensor counted_squares(std::size_t b, const std::vector<char>& counted, at::Tensor sum) const {
+    const auto& g = output(b);
+    const auto begin = storage_.output_offset(b), end = begin + g.numel();
+    for (auto i : layout_->buckets()[b].params) {
+      if (!counted[i]) continue;
+      const auto& p = layout_->params()[i];
+      const auto lo = std::max(begin, p.offset), hi = std::min(end, p.offset + p.tensor.numel());
+      if (lo < hi) sum = sum + g.narrow(0, lo - begin, hi - lo).norm().to(at::kDouble).square();
+    }
+    return sum;
+  }
+
   [[nodiscard]] std::string first_nonfinite() const {
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       const auto bad = at::isfinite(output(b)).logical_not().nonzero();

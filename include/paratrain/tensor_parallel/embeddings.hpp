@@ -1,0 +1,61 @@
+#pragma once
+/// \file
+/// paratrain::tp::Embeddings — a GPT's input: token embeddings cut over the vocabulary,
+/// learned positions, dropout.
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "paratrain/tensor_parallel/context.hpp"
+#include "paratrain/tensor_parallel/dropout.hpp"
+#include "paratrain/tensor_parallel/init.hpp"
+#include "paratrain/tensor_parallel/regions.hpp"
+#include "paratrain/tensor_parallel/vocab_parallel_embedding.hpp"
+
+namespace paratrain::tensor_parallel {
+
+/// drop(tokens' embeddings + positions' embeddings): the tokens through a
+/// VocabParallelEmbedding(vocabulary, hidden), the positions a [positions, hidden] table
+/// whole on every rank (drawn as torch::nn::Embedding(positions, hidden) draws it), built in
+/// that order, then the dropout. Under sequence parallelism each rank adds the positions of
+/// its sequence shard, and their table's gradient is summed over the group (Note [Regions]).
+class EmbeddingsImpl : public torch::nn::Module {
+ public:
+  EmbeddingsImpl(std::int64_t vocabulary, std::int64_t positions, std::int64_t hidden, double dropout = 0.0,
+                 std::optional<Context> context = std::nullopt)
+      : context_(context_for("tp::Embeddings", context)) {
+    tokens = register_module("tokens", VocabParallelEmbedding(vocabulary, hidden, context_));
+    position = register_parameter("position", embedding_weight_slice(positions, hidden, 0, positions));
+    drop = register_module("drop", Dropout(dropout));
+  }
+
+  /// `ids` [batch, sequence] → [batch, sequence, hidden] (this rank's sequence shard under
+  /// sequence parallelism).
+  at::Tensor forward(const at::Tensor& ids) {
+    if (ids.size(1) > position.size(0))
+      throw error("tp::Embeddings", context_.group.world_rank(),
+                  "a sequence of " + std::to_string(ids.size(1)) + " tokens, and the table has " +
+                      std::to_string(position.size(0)) + " positions");
+    auto e = tokens(ids);
+    const auto s = e.size(sequence_dim);
+    if (!context_.sequence_parallel) return drop(e + position.narrow(0, 0, s));
+    const auto& g = context_.group;
+    const auto where = Placement{.dim = sequence_dim, .offset = g.rank() * s, .whole = s * g.size()};
+    return drop(e + copy_to_region(position, g).narrow(0, where.offset, s), where);
+  }
+
+  VocabParallelEmbedding tokens{nullptr};
+  at::Tensor position;
+  Dropout drop{nullptr};
+
+ private:
+  Context context_;
+};
+TORCH_MODULE(Embeddings);
+
+}  // namespace paratrain::tensor_parallel

@@ -1,0 +1,180 @@
+#pragma once
+/// \file
+/// paratrain::tp::Group — the ranks that share a layer's matrices, as the tensor-parallel
+/// layers see them: any sharding communicator behind one small type (Note [Tensor groups]).
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <utility>
+
+#include "paratrain/comm/mesh.hpp"
+#include "paratrain/concepts/communicator.hpp"
+#include "paratrain/core/error.hpp"
+#include "paratrain/core/reduce_op.hpp"
+
+namespace paratrain::tensor_parallel {
+
+// Note [Tensor groups]
+// ~~~~~~~~~~~~~~~~~~~~
+// A tensor-parallel layer is a torch::nn::Module like any other: users name it in their
+// model without a template argument for the communicator, and it must survive clone(),
+// pipelines and ZeRO's units. So the layer holds a Group, a communicator of any type behind
+// a virtual interface (std::function's trick), kept alive by the Mesh it came from: the
+// tensor dimension's group, split once by the strategy at construction (Note [Process mesh]).
+// The collectives a layer needs are the communicator's own (all-reduce, all-gather and
+// reduce-scatter, which already check their arguments, fingerprint, and answer to the
+// watchdog), applied along a dimension of an activation: the dimension moved first,
+// made contiguous, exchanged flat, moved back. A Group of one rank (the default) makes
+// every collective the identity without touching a communicator: a tensor-parallel model
+// at degree 1 is the plain model.
+//
+// Every collective counts the bytes it handles (Traffic): the whole tensor an all-reduce
+// reduces, the whole tensor an all-gather produces, the whole tensor a reduce-scatter
+// reduces; bus_bytes() is what each rank sends on a ring for them (nccl-tests' convention:
+// 2(t−1)/t of an all-reduce, (t−1)/t of the others). In those units Megatron's count
+// holds: per Transformer block, two all-reduces of b·s·h elements forward and two backward
+// without sequence parallelism, and with it two all-gathers and two reduce-scatters each
+// way: twice the operations, the same bus bytes (Korthikanti et al. 2022, §4.2.2).
+
+/// Bytes a tensor group's collectives moved, by kind (Note [Tensor groups]).
+struct Traffic {
+  std::int64_t all_reduce_bytes = 0;
+  std::int64_t all_gather_bytes = 0;
+  std::int64_t reduce_scatter_bytes = 0;
+  std::int64_t calls = 0;
+  int ranks = 1;  ///< the group's size
+  /// What each rank sends on a ring for these collectives (Note [Tensor groups]).
+  [[nodiscard]] double bus_bytes() const noexcept {
+    const double f = static_cast<double>(ranks - 1) / ranks;
+    return f * (2.0 * static_cast<double>(all_reduce_bytes) + static_cast<double>(all_gather_bytes) +
+                static_cast<double>(reduce_scatter_bytes));
+  }
+};
+
+/// The ranks that share a layer's matrices (Note [Tensor groups]). Copies share the
+/// communicator and the counters. Default: one rank, every collective the identity.
+class Group {
+ public:
+  Group() : counters_(std::make_shared<Traffic>()) {}
+
+  /// The group of `dims` of `mesh` (default: its tensor dimension), split now if it was
+  /// not: collective the first time any rank asks (Note [Process mesh]).
+  template <communicator Comm>
+  explicit Group(Mesh<Comm> mesh, Dims dims = Dim::tensor) : Group() {
+    if (mesh.size(dims) == 1) return;
+    if constexpr (sharding_communicator<Comm>) {
+      impl_ = std::make_shared<Model<Comm>>(std::move(mesh), dims);
+    } else {
+      throw error("tp::Group", mesh.rank(),
+                  "tensor parallelism gathers and reduce-scatters activations, and this communicator cannot: it "
+                  "needs reduce_scatter and all_gather (docs/communicators.md)");
+    }
+  }
+
+  [[nodiscard]] int rank() const { return impl_ ? impl_->rank() : 0; }
+  [[nodiscard]] int size() const { return impl_ ? impl_->size() : 1; }
+  /// The world rank of this process, for messages (0 for a group of one).
+  [[nodiscard]] int world_rank() const { return impl_ ? impl_->world_rank() : 0; }
+
+  /// Reduces `t` in place over the group.
+  void all_reduce(at::Tensor& t, reduce_op op = reduce_op::sum) const {
+    if (!impl_) return;
+    count(counters_->all_reduce_bytes, t);
+    impl_->all_reduce(t, op);
+  }
+  /// Every rank's `x`, concatenated along `dim` in rank order.
+  [[nodiscard]] at::Tensor all_gather(const at::Tensor& x, std::int64_t dim) const {
+    if (!impl_) return x;
+    dim = at::maybe_wrap_dim(dim, x.dim());
+    const auto in = x.movedim(dim, 0).contiguous();
+    auto sizes = in.sizes().vec();
+    sizes[0] *= size();
+    auto out = at::empty(sizes, in.options());
+    count(counters_->all_gather_bytes, out);
+    impl_->all_gather(in, out);
+    return out.movedim(0, dim);
+  }
+  /// The sum over the group of `x`, cut along `dim` into size() equal parts: this rank's part.
+  [[nodiscard]] at::Tensor reduce_scatter(const at::Tensor& x, std::int64_t dim) const {
+    if (!impl_) return x;
+    dim = at::maybe_wrap_dim(dim, x.dim());
+    check_divides("reduce_scatter", x, dim);
+    const auto in = x.movedim(dim, 0).contiguous();
+    auto sizes = in.sizes().vec();
+    sizes[0] /= size();
+    auto out = at::empty(sizes, in.options());
+    count(counters_->reduce_scatter_bytes, in);
+    impl_->reduce_scatter(in, out);
+    return out.movedim(0, dim);
+  }
+  /// This rank's part of `x` cut along `dim` into size() equal parts (no communication).
+  [[nodiscard]] at::Tensor part(const at::Tensor& x, std::int64_t dim) const {
+    if (!impl_) return x;
+    dim = at::maybe_wrap_dim(dim, x.dim());
+    check_divides("part", x, dim);
+    const auto n = x.size(dim) / size();
+    return x.narrow(dim, rank() * n, n);
+  }
+
+  /// What this group's collectives moved since it was made (or reset_traffic()).
+  [[nodiscard]] Traffic traffic() const {
+    auto t = *counters_;
+    t.ranks = size();
+    return t;
+  }
+  void reset_traffic() const { *counters_ = {}; }
+
+ private:
+  struct Concept {
+    virtual ~Concept() = default;
+    [[nodiscard]] virtual int rank() const = 0;
+    [[nodiscard]] virtual int size() const = 0;
+    [[nodiscard]] virtual int world_rank() const = 0;
+    virtual void all_reduce(at::Tensor& t, reduce_op op) = 0;
+    virtual void all_gather(const at::Tensor& in, at::Tensor& out) = 0;
+    virtual void reduce_scatter(const at::Tensor& in, at::Tensor& out) = 0;
+  };
+  template <class Comm>
+  struct Model final : Concept {
+    Model(Mesh<Comm> m, Dims dims) : mesh(std::move(m)), comm(&mesh.group(dims)) {}
+    [[nodiscard]] int rank() const override { return comm->rank(); }
+    [[nodiscard]] int size() const override { return comm->size(); }
+    [[nodiscard]] int world_rank() const override { return mesh.rank(); }
+    void all_reduce(at::Tensor& t, reduce_op op) override { comm->all_reduce(t, op); }
+    void all_gather(const at::Tensor& in, at::Tensor& out) override { comm->all_gather(in, out); }
+    void reduce_scatter(const at::Tensor& in, at::Tensor& out) override {
+      comm->reduce_scatter(in, out, reduce_op::sum);
+    }
+    Mesh<Comm> mesh;  // keeps the group alive
+    Comm* comm;
+  };
+
+  void count(std::int64_t& bytes, const at::Tensor& t) const {
+    bytes += static_cast<std::int64_t>(t.numel()) * static_cast<std::int64_t>(t.element_size());
+    ++counters_->calls;
+  }
+  void check_divides(const char* what, const at::Tensor& x, std::int64_t dim) const {
+    if (x.size(dim) % size() != 0)
+      throw error(std::string("tp::Group::") + what, world_rank(),
+                  "dimension " + std::to_string(dim) + " of a tensor of shape " + shape_of(x) + " has " +
+                      std::to_string(x.size(dim)) + " elements, which the " + std::to_string(size()) +
+                      " ranks of the tensor group cannot share equally");
+  }
+  static std::string shape_of(const at::Tensor& x) {
+    std::string s = "[";
+    for (std::int64_t d = 0; d < x.dim(); ++d) s += (d ? ", " : "") + std::to_string(x.size(d));
+    return s + "]";
+  }
+
+  std::shared_ptr<Concept> impl_;
+  std::shared_ptr<Traffic> counters_;
+};
+
+}  // namespace paratrain::tensor_parallel
+
+namespace paratrain {
+/// Tensor parallelism's short name: `paratrain::tp::ColumnParallelLinear`.
+namespace tp = tensor_parallel;
+}  // namespace paratrain

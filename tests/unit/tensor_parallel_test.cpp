@@ -1,0 +1,329 @@
+// Tensor and sequence parallelism (issue #38): a GPT-style model of paratrain::tp layers at
+// tensor degree t against the same model written in plain LibTorch on one device, with SGD
+// and momentum and dropout on; composed with data parallelism and ZeRO; and what is refused.
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "paratrain/strategy/unit.hpp"
+#include "paratrain/tensor_parallel/column_parallel_linear.hpp"
+#include "paratrain/tensor_parallel/cross_entropy.hpp"
+#include "paratrain/tensor_parallel/embeddings.hpp"
+#include "paratrain/tensor_parallel/layer_norm.hpp"
+#include "paratrain/tensor_parallel/sharding.hpp"
+#include "paratrain/tensor_parallel/transformer_block.hpp"
+#include "support/doctest.hpp"
+
+// A namespace of its own: this file shares a translation unit with others (Note [Unity groups]).
+namespace tensor_parallel_test {
+
+namespace {
+
+namespace comm = paratrain::comm;
+namespace tp = paratrain::tp;
+
+// Sizes every degree of 1-4 divides: 12 heads, 48 features, 96 inner features and tokens,
+// sequences of 12.
+struct Config {
+  std::int64_t vocabulary = 96, positions = 12, hidden = 48, heads = 12, ffn = 96, layers = 2;
+  double dropout = 0.1;
+};
+
+// ---- the model, of paratrain::tp layers ---------------------------------------------
+struct GptImpl : torch::nn::Module {
+  explicit GptImpl(Config c = {}) {
+    embeddings = register_module("embeddings", tp::Embeddings(c.vocabulary, c.positions, c.hidden, c.dropout));
+    for (std::int64_t i = 0; i < c.layers; ++i)
+      blocks.push_back(register_module("block" + std::to_string(i),
+                                       paratrain::Unit<tp::TransformerBlock>(
+                                           tp::TransformerBlockOptions(c.hidden, c.heads).ffn(c.ffn).dropout(c.dropout))));
+    ln = register_module("ln", tp::LayerNorm(c.hidden));
+    head = register_module("head",
+                           tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden, c.vocabulary).bias(false)));
+  }
+  torch::Tensor forward(torch::Tensor ids) {
+    auto x = embeddings(ids);
+    for (auto& b : blocks) x = b(x);
+    return head(ln(x));  // [batch, sequence, vocabulary / t]
+  }
+  tp::Embeddings embeddings{nullptr};
+  std::vector<paratrain::Unit<tp::TransformerBlock>> blocks;
+  tp::LayerNorm ln{nullptr};
+  tp::ColumnParallelLinear head{nullptr};
+};
+TORCH_MODULE(Gpt);
+
+// ---- the reference: the same model in plain LibTorch, whole, on one device ------------
+// Built in the order the tp layers draw (their notes say it), its dropouts the keyed ones
+// over whole tensors (Note [Keyed dropout]: the mask is a published function of the place).
+struct RefBlockImpl : torch::nn::Module {
+  RefBlockImpl(const Config& c) : heads(c.heads) {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
+    q = register_module("q", torch::nn::Linear(c.hidden, c.hidden));
+    k = register_module("k", torch::nn::Linear(c.hidden, c.hidden));
+    v = register_module("v", torch::nn::Linear(c.hidden, c.hidden));
+    out = register_module("out", torch::nn::Linear(c.hidden, c.hidden));
+    attention_drop = register_module("attention_drop", tp::Dropout(c.dropout));
+    drop1 = register_module("drop1", tp::Dropout(c.dropout));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
+    fc1 = register_module("fc1", torch::nn::Linear(c.hidden, c.ffn));
+    fc2 = register_module("fc2", torch::nn::Linear(c.ffn, c.hidden));
+    drop2 = register_module("drop2", tp::Dropout(c.dropout));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    const auto b = x.size(0), s = x.size(1), h = x.size(2), d = h / heads;
+    const auto a = ln1(x);
+    const auto split = [&](const torch::Tensor& t) { return t.view({b, s, heads, d}).transpose(1, 2); };
+    auto scores = torch::matmul(split(q(a)), split(k(a)).transpose(-2, -1)) / std::sqrt(double(d));
+    scores = scores.masked_fill(torch::ones({s, s}, torch::kBool).triu(1), -INFINITY);
+    const auto mixed = torch::matmul(attention_drop(scores.softmax(-1)), split(v(a))).transpose(1, 2).reshape({b, s, h});
+    x = x + drop1(out(mixed));
+    return x + drop2(fc2(torch::gelu(fc1(ln2(x)))));
+  }
+  std::int64_t heads;
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, out{nullptr}, fc1{nullptr}, fc2{nullptr};
+  tp::Dropout attention_drop{nullptr}, drop1{nullptr}, drop2{nullptr};
+};
+TORCH_MODULE(RefBlock);
+
+struct RefGptImpl : torch::nn::Module {
+  explicit RefGptImpl(Config c = {}) {
+    tokens = register_module("tokens", torch::nn::Embedding(c.vocabulary, c.hidden));
+    position = register_parameter("position", torch::nn::Embedding(c.positions, c.hidden)->weight.detach().clone());
+    drop = register_module("drop", tp::Dropout(c.dropout));
+    for (std::int64_t i = 0; i < c.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), RefBlock(c)));
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
+    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.hidden, c.vocabulary).bias(false)));
+  }
+  torch::Tensor forward(torch::Tensor ids) {
+    auto x = drop(tokens(ids) + position.narrow(0, 0, ids.size(1)));
+    for (auto& b : blocks) x = b(x);
+    return head(ln(x));
+  }
+  torch::nn::Embedding tokens{nullptr};
+  torch::Tensor position;
+  tp::Dropout drop{nullptr};
+  std::vector<RefBlock> blocks;
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(RefGpt);
+
+// The reference's parameters, in the tp model's order, each cut as the tp model cuts it on
+// this rank (its sharded parameters name their slice).
+std::vector<torch::Tensor> reference_slices(RefGpt& ref, Gpt& model) {
+  std::vector<torch::Tensor> whole;
+  const auto r = ref->named_parameters();
+  auto at = [&](const std::string& n) { return r[n].detach(); };
+  // Names differ only where the layers nest differently: map the tp names onto the reference's.
+  const auto map = [](std::string n) {
+    const auto replace = [&](const std::string& from, const std::string& to) {
+      if (const auto p = n.find(from); p != std::string::npos) n.replace(p, from.size(), to);
+    };
+    replace("embeddings.tokens.weight", "tokens.weight");
+    replace("embeddings.position", "position");
+    replace("attention.q.", "q.");
+    replace("attention.k.", "k.");
+    replace("attention.v.", "v.");
+    replace("attention.out.", "out.");
+    replace("mlp.fc1.", "fc1.");
+    replace("mlp.fc2.", "fc2.");
+    return n;
+  };
+  const auto shards = tp::tensor_shards_of(*model);
+  std::vector<torch::Tensor> out;
+  for (const auto& p : model->named_parameters()) {
+    auto w = at(map(p.key()));
+    if (const auto s = shards.find(p.key()); s != shards.end())
+      w = w.narrow(s->second.slice.dim, s->second.slice.offset, p.value().size(s->second.slice.dim));
+    out.push_back(w);
+  }
+  return out;
+}
+
+double max_relative_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    REQUIRE(a[i].sizes() == b[i].sizes());
+    worst = std::max(worst, ((a[i] - b[i]).abs().max() / b[i].abs().max().clamp_min(1e-12)).item<double>());
+  }
+  return worst;
+}
+
+// Step k's token ids for `samples` sequences of `length`, and their targets (the next tokens).
+std::pair<torch::Tensor, torch::Tensor> tokens_of_step(int step, std::int64_t samples, const Config& c,
+                                                       std::int64_t length) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  const auto ids = at::randint(c.vocabulary, {samples, length + 1}, g, at::kLong);
+  return {ids.narrow(1, 0, length).contiguous(), ids.narrow(1, 1, length).contiguous()};
+}
+
+struct Run {
+  int tensor = 1;
+  bool sequence_parallel = false;
+  std::vector<std::int64_t> replica_batches{3};  // sequences per data replica
+  double max_grad_norm = 0;
+  int steps = 4;
+  Config config{};
+};
+
+// Trains Update's strategy over the world as `run` says and the reference on the union of
+// the replicas' sequences; returns the worst relative difference of the parameters.
+template <class Update>
+double train_both(const Run& run) {
+  const auto& c = run.config;
+  const std::int64_t length = c.positions;
+  torch::manual_seed(7);
+  RefGpt ref(c);
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::manual_seed(7);
+  using Strategy = paratrain::DataParallel<Gpt, comm::Mpi, Update>;
+  Strategy s([&] { return Gpt(c); }, comm::Mpi(), torch::optim::SGDOptions(0.05).momentum(0.9),
+             {.max_grad_norm = run.max_grad_norm, .tensor_parallel = run.tensor,
+              .sequence_parallel = run.sequence_parallel});
+  REQUIRE(s.mesh().size(paratrain::Dim::tensor) == run.tensor);
+  const auto data = s.data_shard();
+  REQUIRE(static_cast<std::size_t>(data.count) == run.replica_batches.size());
+  const tp::CrossEntropy loss{s.tensor_group()};
+  std::int64_t total = 0, first = 0;
+  for (int i = 0; i < data.count; ++i) {
+    if (i < data.index) first += run.replica_batches[static_cast<std::size_t>(i)];
+    total += run.replica_batches[static_cast<std::size_t>(i)];
+  }
+  for (int step = 0; step < run.steps; ++step) {
+    const auto [ids, targets] = tokens_of_step(step, total, c, length);
+    ref_opt.zero_grad();
+    const auto logits = ref(ids);
+    torch::nn::functional::cross_entropy(logits.reshape({-1, c.vocabulary}), targets.reshape({-1})).backward();
+    if (run.max_grad_norm > 0) torch::nn::utils::clip_grad_norm_(ref->parameters(), run.max_grad_norm);
+    ref_opt.step();
+    const auto mine = run.replica_batches[static_cast<std::size_t>(data.index)];
+    const auto r = s.step(paratrain::Batch(ids.narrow(0, first, mine), targets.narrow(0, first, mine)), loss);
+    CHECK(r.global_samples == static_cast<double>(total));
+  }
+  return max_relative_difference(s.full_parameters(), reference_slices(ref, s.model()));
+}
+
+TEST_CASE("tensor parallelism at degree = world size equals the single-device model (SGD with momentum, dropout on)") {
+  const int world = comm::Mpi().size();
+  for (const bool sp : {false, true}) {
+    CAPTURE(sp);
+    CHECK(train_both<torch::optim::SGD>({.tensor = world, .sequence_parallel = sp}) <= 1e-5);
+  }
+}
+
+TEST_CASE("tensor parallelism clips by the whole model's norm: a sharded parameter counted once, a replicated one once") {
+  const int world = comm::Mpi().size();
+  CHECK(train_both<torch::optim::SGD>({.tensor = world, .sequence_parallel = true, .max_grad_norm = 0.5}) <= 1e-5);
+}
+
+TEST_CASE("tensor x data parallelism (2 x 2) with different per-replica batches, under DDP and ZeRO") {
+  if (comm::Mpi().size() != 4) return;
+  Run run{.tensor = 2, .replica_batches = {3, 2}, .config = {.dropout = 0.0}};
+  CHECK(train_both<torch::optim::SGD>(run) <= 1e-5);
+  run.sequence_parallel = true;
+  run.max_grad_norm = 0.5;
+  CHECK(train_both<paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage1>>(run) <= 1e-5);
+  CHECK(train_both<paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>>(run) <= 1e-5);
+}
+
+// Every rank throws `what`: its message contains `expected`.
+template <class F>
+void refused_everywhere(F&& what, const std::string& expected) {
+  try {
+    what();
+    FAIL("not refused: " << expected);
+  } catch (const paratrain::error& e) {
+    const bool named = std::string(e.what()).find(expected) != std::string::npos;
+    if (!named) std::fprintf(stderr, "refused, but not as expected (\"%s\"): %s\n", expected.c_str(), e.what());
+    CHECK(named);
+  }
+}
+
+TEST_CASE("tensor parallelism refuses, on every rank, what it cannot do, naming the layer and the sizes") {
+  const int world = comm::Mpi().size();
+  using Strategy = paratrain::DataParallel<Gpt, comm::Mpi, torch::optim::SGD>;
+  // A layer built outside a strategy, without a context of its own.
+  refused_everywhere([] { tp::ColumnParallelLinear(8, 16); }, "no tensor group exists");
+  if (world >= 2) {
+    // Heads the degree does not divide: 3 heads over 2 ranks, 4 over 3, 6 over 4.
+    Config c;
+    c.heads = world == 2 ? 3 : world == 3 ? 4 : 6;
+    c.hidden = 48;
+    const auto degree = world;
+    if (c.heads % degree != 0)
+      refused_everywhere(
+          [&] { Strategy s([&] { return Gpt(c); }, comm::Mpi(), torch::optim::SGDOptions(0.1), {.tensor_parallel = degree}); },
+          "tp::SelfAttention(48, " + std::to_string(c.heads) + ") on rank " + std::to_string(comm::Mpi().rank()) +
+              ": its attention heads (" + std::to_string(c.heads) +
+              ") is not a multiple of the tensor degree (" + std::to_string(degree) + ")");
+    // A vocabulary the degree does not divide.
+    Config v;
+    v.vocabulary = 97;
+    refused_everywhere(
+        [&] { Strategy s([&] { return Gpt(v); }, comm::Mpi(), torch::optim::SGDOptions(0.1), {.tensor_parallel = world}); },
+        "vocabulary (97) is not a multiple of the tensor degree (" + std::to_string(world) + ")");
+    // Deterministic mode.
+    refused_everywhere(
+        [&] {
+          Strategy s([] { return Gpt(); }, comm::Mpi(), torch::optim::SGDOptions(0.1),
+                     {.deterministic = {.shards = 12}, .tensor_parallel = world});
+        },
+        "deterministic mode does not take tensor parallelism");
+    // Checkpoints of a tensor-parallel model: not yet.
+    Strategy s([] { return Gpt(); }, comm::Mpi(), torch::optim::SGDOptions(0.1), {.tensor_parallel = world});
+    refused_everywhere([&] { (void)s.checkpoint_layout(); }, "cannot be saved or loaded yet");
+  }
+  if (world == 3 || world == 4) {
+    // A degree that does not divide the world.
+    const int degree = world == 3 ? 2 : 3;
+    refused_everywhere(
+        [&] { Strategy s([] { return Gpt(); }, comm::Mpi(), torch::optim::SGDOptions(0.1), {.tensor_parallel = degree}); },
+        "DataParallelOptions::tensor_parallel is " + std::to_string(degree) + " but the world has " +
+            std::to_string(world) + " ranks");
+  }
+}
+
+TEST_CASE("tensor groups count Megatron's bytes: per block two all-reduces forward and two backward, or as many "
+          "all-gathers and reduce-scatters of the same volume") {
+  const int world = comm::Mpi().size();
+  if (world < 2) return;
+  for (const bool sp : {false, true}) {
+    CAPTURE(sp);
+    Config c{.layers = 1, .dropout = 0.0};
+    torch::manual_seed(3);
+    paratrain::Mesh<comm::Mpi> mesh(comm::Mpi(), {.tensor = world});
+    const tp::Context context{.group = tp::Group(mesh), .sequence_parallel = sp};
+    tp::TransformerBlock block(tp::TransformerBlockOptions(c.hidden, c.heads).ffn(c.ffn).context(context));
+    const std::int64_t b = 2, s = c.positions;
+    auto x = torch::randn({b, sp ? s / world : s, c.hidden}, torch::requires_grad());
+    context.group.reset_traffic();
+    block(x).sum().backward();
+    const auto t = context.group.traffic();
+    const std::int64_t activation = b * s * c.hidden * 4;  // bytes of one whole [b, s, h] activation
+    const double ring = double(world - 1) / world;
+    if (sp) {
+      CHECK(t.all_gather_bytes == 4 * activation);  // 2 forward, 2 backward (of the reduce-scatters)
+      CHECK(t.reduce_scatter_bytes == 4 * activation);
+      // Each rank's tokens give part of the layer norms' and the row-parallel biases'
+      // gradients: 6 vectors of h, all-reduced.
+      CHECK(t.all_reduce_bytes == 6 * c.hidden * 4);
+      CHECK(t.bus_bytes() == doctest::Approx(ring * (8 * activation + 2 * 6 * c.hidden * 4)));
+    } else {
+      CHECK(t.all_reduce_bytes == 4 * activation);
+      CHECK(t.all_gather_bytes + t.reduce_scatter_bytes == 0);
+      CHECK(t.bus_bytes() == doctest::Approx(ring * 8 * activation));
+    }
+  }
+}
+
+}  // namespace
+
+}  // namespace tensor_parallel_test
