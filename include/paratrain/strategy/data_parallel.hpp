@@ -291,7 +291,7 @@ class DataParallel {
   [[nodiscard]] Mesh<Comm>& mesh() noexcept { return mesh_; }
   /// The ranks the model's tensor-parallel layers cut their matrices over (one rank
   /// without tensor parallelism): what tp::CrossEntropy reduces over.
-  [[nodiscard]] tp::Group tensor_group() { return tp::Group(mesh_); }
+  [[nodiscard]] const tp::Group& tensor_group() const noexcept { return tensor_group_; }
   [[nodiscard]] Model& model() noexcept { return model_; }
   /// Where the model's parameters are, as they were at construction: batches move there
   /// (Note [One move per batch]), and the communicator reduces there.
@@ -386,7 +386,7 @@ class DataParallel {
   /// works on a GPU (comm::Nccl), moved there first, as a build function's model is placed
   /// (a model on another GPU is refused, naming both devices: check_model_device).
   static auto as_builder(Model& model) {
-    return [&model](Mesh<Comm>& mesh, const Options&) {
+    return [&model](Mesh<Comm>& mesh, const tp::Group&, const Options&) {
       const auto target = detail::communicator_device(mesh.world());
       if (target.is_cuda() && detail::device_of(*model).is_cpu()) model->to(target);
       return std::move(model);
@@ -395,9 +395,9 @@ class DataParallel {
   /// `build()`, as the store builds it (Note [Sharded construction]).
   template <class Build>
   static auto constructed(Build& build, const Options&) {
-    return [&build](Mesh<Comm>& mesh, const Options& options) -> Model {
+    return [&build](Mesh<Comm>& mesh, const tp::Group& group, const Options& options) -> Model {
       // Note [Building a tensor-parallel model]: the layers join the mesh's tensor group.
-      const tp::Construction tensor_group({.group = tp::Group(mesh), .sequence_parallel = options.sequence_parallel});
+      const tp::Construction tensor_group({.group = group, .sequence_parallel = options.sequence_parallel});
       return Steps::Store::construct(build, mesh, Steps::store_options_of(options));
     };
   }
@@ -405,7 +405,8 @@ class DataParallel {
   template <class Make, class Groups, class OptimOptions>
   DataParallel(Built, Make&& make, Mesh<Comm> mesh, Groups&& groups, OptimOptions defaults, const Options& options)
       : mesh_(std::move(mesh)),
-        model_((static_cast<void>(memory::install()), make(mesh_, typed(options, mesh_.rank())))),
+        tensor_group_(mesh_),
+        model_((static_cast<void>(memory::install()), make(mesh_, tensor_group_, typed(options, mesh_.rank())))),
         device_(detail::device_of(*model_)),
         steps_(std::make_unique<Steps>(mesh_, *model_, device_, groups(model_), std::move(defaults),
                                        typed(options, mesh_.rank()), "DataParallel")) {}
@@ -485,6 +486,7 @@ class DataParallel {
   }
 
   Mesh<Comm> mesh_;  // before model_, which sharded construction builds with it
+  tp::Group tensor_group_;  // the one its layers joined: they share its traffic counters
   Model model_;
   at::Device device_;  // the model's, where the communicator reduces (comm::Nccl: CUDA only)
   std::unique_ptr<Steps> steps_;
