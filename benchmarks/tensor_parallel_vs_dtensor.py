@@ -18,7 +18,8 @@ backward). --sequence-parallel: torchtitan's plan, ln1/ln2 SequenceParallel, the
 and MLP inputs all-gathered from Shard(1) by PrepareModuleInput, out and fc2
 RowwiseParallel(output_layouts=Shard(1)): the residual stream between the blocks is this
 rank's sequence shard, x and target are cut the same way and the loss is this rank's share
-(sum of squares / the whole's element count; the ranks' shares summed for the report).
+(sum of squares / the whole's element count; the ranks' shares summed for the report); the
+layer norms' gradients (Partial under SP) are all-reduced before each SGD step (whole_grads).
 --no-parallelize: the plain model (one rank), the reference the weights are checked against.
 
 Ranks are processes started by torch.multiprocessing.spawn (peer.py), one intra-op thread
@@ -122,6 +123,22 @@ def plan(sequence_parallel):
             "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(output_layouts=Shard(1))}
 
 
+def whole_grads(model):
+    """Under SP the layer norms' gradients come out Partial(sum) (each rank's from its sequence
+    shard) while their weights are Replicate: all-reduced here, before SGD. Left Partial, SGD
+    with momentum goes wrong in PyTorch 2.6 (without momentum it is right): the momentum buffer
+    is then Partial too, and an in-place multiply of a Partial DTensor by a number leaves it as
+    it was (measured: x.mul_(0.5) of a Partial x gathers to the same values; x * 0.5 is right),
+    so buf.mul_(momentum) does not decay the buffer, and after 20 steps the layer norms'
+    weights differ from the one-rank run's by up to ~0.9 of their size."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(q, Partial) for q in g.placements):
+            p.grad = g.redistribute(placements=p.placements)
+
+
 def write_weights(model, path, rank):
     """Every parameter whole (all ranks gather), float32 LE, in named_parameters() order; rank 0 writes."""
     import torch
@@ -178,6 +195,8 @@ def run(rank, args):
         # This rank's share of the mean: the whole loss under TP, a part of it under SP.
         loss = F.mse_loss(y, target, reduction="sum") / whole if args.sequence_parallel else F.mse_loss(y, target)
         loss.backward()
+        if args.sequence_parallel:
+            whole_grads(model)
         optimizer.step()
         losses.append(loss.item())  # as paratrain reads the loss every step
         seconds.append(time.perf_counter() - start)

@@ -22,6 +22,7 @@
 
 #include "paratrain/checkpoint/detail/model_names.hpp"
 #include "paratrain/checkpoint/files.hpp"
+#include "paratrain/checkpoint/detail/slices.hpp"
 #include "paratrain/checkpoint/format.hpp"
 #include "paratrain/concepts/optimizer_state.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
@@ -124,8 +125,19 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
     else if (copy && flat.is_alias_of(t)) flat = flat.clone();
     mine.push_back({std::move(key), std::move(shape), begin, std::move(flat)});
   };
+  // A slice of a box (tensor parallelism) is written as its runs of the whole tensor.
+  const auto add_slice = [&](std::string key, const TensorSlice& sl, const at::Tensor& t) {
+    if (sl.box_shape.empty()) return add(std::move(key), sl.replicated, sl.writer, t, sl.shape, sl.begin);
+    if (!t.defined() || t.numel() == 0) return;
+    const auto flat = t.detach().reshape({-1});
+    std::int64_t at = 0;
+    for (const auto& r : sl.runs(flat.numel())) {
+      add(key, sl.replicated, sl.writer, flat.narrow(0, at, r.numel), sl.shape, r.begin);
+      at += r.numel;
+    }
+  };
   for (const auto& sl : layout.model)
-    if (sl.saved) add(detail::model_key(sl.name), sl.replicated, sl.writer, sl.tensor, sl.shape, sl.begin);
+    if (sl.saved) add_slice(detail::model_key(sl.name), sl, sl.tensor);
   auto& state = s.optimizer().state();
   for (const auto& sl : layout.optimized) {
     if (!sl.saved) continue;  // another rank writes the same elements: Note [Hybrid sharding]
@@ -133,8 +145,8 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
     if (it == state.end()) continue;
     const auto t = Schema::get(static_cast<const typename Schema::state_type&>(*it->second));
     for (const auto& [field, tensor] : t.tensors)
-      add(detail::optim_key(sl.name, field), sl.replicated, sl.writer, tensor, sl.shape, sl.begin);
-    if (t.step && sl.begin == 0)
+      add_slice(detail::optim_key(sl.name, field), sl, tensor);
+    if (t.step && detail::holds_first(sl))
       add(detail::optim_key(sl.name, "step"), sl.replicated, sl.writer, at::scalar_tensor(*t.step, at::kLong), {}, 0);
   }
   auto generator = at::detail::getDefaultCPUGenerator();

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "paratrain/checkpoint/detail/model_names.hpp"
+#include "paratrain/checkpoint/detail/slices.hpp"
 #include "paratrain/checkpoint/checkpointer.hpp"
 #include "paratrain/checkpoint/format.hpp"
 #include "paratrain/concepts/optimizer_state.hpp"
@@ -123,7 +124,9 @@ void stage_optimizer(Optim& optimizer, const CheckpointLayout& layout, const Con
         throw file_error(c.path, "'" + key + "' is " + shape_string(record->shape) + ", its parameter " +
                                      shape_string(sl.shape),
                          0);
-      const auto saved = reader.read(key, *record, sl.begin, sl.tensor.numel());
+      const auto saved = read_slice(sl, sl.tensor.numel(), [&](std::int64_t b, std::int64_t n) {
+        return reader.read(key, *record, b, n);
+      });
       t.tensors.emplace(field, saved.to(sl.tensor.options().requires_grad(false)).view(sl.tensor.sizes()));
     }
     const auto step_key = optim_key(sl.name, "step");
@@ -177,7 +180,10 @@ Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
     for (const auto& sl : layout.model) {
       if (sl.tensor.numel() == 0) continue;
       const auto key = detail::model_key(sl.name);
-      staged.copies.emplace_back(sl.tensor, reader.read(key, *c.find(key), sl.begin, sl.tensor.numel()));
+      const auto* record = c.find(key);
+      staged.copies.emplace_back(sl.tensor, detail::read_slice(sl, sl.tensor.numel(), [&](std::int64_t b, std::int64_t n) {
+                                   return reader.read(key, *record, b, n);
+                                 }));
     }
     if (options.optimizer) detail::stage_optimizer(s.optimizer(), layout, c, reader, staged);
     const auto rng = detail::rng_key(s.rank() % c.world_size);

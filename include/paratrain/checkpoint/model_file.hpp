@@ -16,6 +16,7 @@
 #include <string>
 
 #include "paratrain/checkpoint/detail/model_names.hpp"
+#include "paratrain/checkpoint/detail/slices.hpp"
 #include "paratrain/checkpoint/files.hpp"
 #include "paratrain/checkpoint/format.hpp"
 #include "paratrain/core/reduce_op.hpp"
@@ -67,7 +68,7 @@ void save_model(S& s, const fs::path& file) {
                             const TensorSlice* sl) {
     auto whole = at::zeros({detail::numel_of(shape)}, options.requires_grad(false));
     if (sl != nullptr && sl->tensor.numel() > 0 && sl->saved && (!sl->replicated || sl->writer == s.rank()))
-      whole.narrow(0, sl->begin, sl->tensor.numel()).copy_(sl->tensor.detach().reshape({-1}));
+      detail::place_in_whole(whole, *sl, sl->tensor);
     s.all_reduce(whole, reduce_op::sum);
     if (s.rank() == 0) dict.insert(name, whole.view(shape).to(at::kCPU));  // a buffer of its own: no copy on the CPU
   };
@@ -118,7 +119,7 @@ void load_model(S& s, const fs::path& file) {
         throw detail::file_error(file, "'" + sl.name + "' is " + detail::shape_string(t.sizes().vec()) + " there and " +
                                            detail::shape_string(sl.shape) + " in this model: a different model",
                                  0);
-      if (sl.tensor.numel() > 0) copies.emplace_back(sl.tensor, t.reshape({-1}).narrow(0, sl.begin, sl.tensor.numel()));
+      if (sl.tensor.numel() > 0) copies.emplace_back(sl.tensor, detail::take_from_whole(t.reshape({-1}), sl, sl.tensor.numel()));
     }
     for (const auto& item : value)
       if (!names.count(item.key().toStringRef()))

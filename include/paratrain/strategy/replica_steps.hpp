@@ -306,18 +306,53 @@ class ReplicaSteps {
   /// Where this rank keeps the module's and optimizer's state, each slice a replica writes
   /// named by its world rank.
   [[nodiscard]] CheckpointLayout checkpoint_layout() const {
-    if (mesh_.size(Dim::tensor) > 1)
-      throw error("checkpoint", rank(),
-                  "this model's layers are cut over a tensor group of " + std::to_string(mesh_.size(Dim::tensor)) +
-                      " ranks, and checkpoints hold whole tensors or flat ranges of them: a tensor-parallel model "
-                      "cannot be saved or loaded yet (docs/tensor-parallelism.md, Limits)");
     auto layout = store_->checkpoint_layout(*module_);
     const auto world_writer = [&](TensorSlice& sl) {
       if (sl.writer >= 0) sl.writer = mesh_.world_rank(Dims::data(), sl.writer);
     };
     for (auto& sl : layout.model) world_writer(sl);
     for (auto& sl : layout.optimized) world_writer(sl);
+    if (mesh_.size(Dim::tensor) > 1) place_tensor_slices(layout);
     return layout;
+  }
+
+  // Note [Tensor-parallel checkpoints]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // A parameter cut over the tensor group is saved as the box of the whole tensor this rank
+  // holds (TensorSlice::box_offset, box_shape), the store's range (a ZeRO shard) counted in
+  // it: its runs of the whole are the chunks, so a checkpoint holds whole tensors whatever
+  // the degree, and a load at another degree (or none) reads its own box's runs. A box every
+  // data-parallel replica holds whole is written by one of them, in turn by tensor (the same
+  // choice on every rank: every rank lists the tensors in the same order), and it leaves the
+  // byte balance of the replicated tensors alone, so every rank still picks their writers alike.
+  // A tensor replicated over the tensor group that ZeRO shards is written by the group's
+  // first rank (its pieces are the same on every tensor rank).
+  void place_tensor_slices(CheckpointLayout& layout) const {
+    const auto shards = tp::tensor_shards_of(*module_);
+    const int replicas = mesh_.size(Dims::data()), me = mesh_.index(Dims::data());
+    int turn = 0;
+    const auto place = [&](TensorSlice& sl) {
+      const auto it = shards.find(sl.name);
+      if (it == shards.end()) {
+        // Replicated over the tensor group: ZeRO's pieces of it are the same on every tensor
+        // rank; those of the first write them.
+        if (!sl.replicated) sl.saved = sl.saved && mesh_.index(Dim::tensor) == 0;
+        return;
+      }
+      const auto& cut = it->second.slice;
+      const auto d = static_cast<std::size_t>(cut.dim);
+      sl.box_shape = sl.shape;
+      sl.box_offset.assign(sl.shape.size(), 0);
+      sl.box_offset[d] = cut.offset;
+      sl.shape[d] = cut.whole;
+      if (sl.replicated) {
+        sl.replicated = false;
+        sl.writer = -1;
+        sl.saved = turn++ % replicas == me;
+      }
+    };
+    for (auto& sl : layout.model) place(sl);
+    for (auto& sl : layout.optimized) place(sl);
   }
 
   /// Reports the step's synchronisation and optimizer phases and each bucket's reduction
