@@ -33,7 +33,7 @@ namespace paratrain {
 //   shard       data-parallel ranks that share the model state out (ZeRO, FSDP)
 //   context     ranks that share a sequence's positions (context parallelism: coming)
 //   expert      ranks that share a layer's experts (expert parallelism: coming)
-//   tensor      ranks that share a layer's matrices (tensor parallelism: coming)
+//   tensor      ranks that share a layer's matrices (tensor parallelism: paratrain::tp's layers)
 //
 // with sizes P, R, S, C, E, T (1 where unused) whose product is W. World rank
 // ((((p·R + r)·S + s)·C + c)·E + e)·T + t is the rank at coordinates (p, r, s, c, e, t):

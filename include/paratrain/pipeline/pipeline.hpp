@@ -312,6 +312,11 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// replicas in the data dimensions as data_parallel.shard_group says. Collective.
   static Mesh<Comm> mesh_of(Comm comm, const Options& given) {
     const Options options = typed(given, comm.rank());
+    if (options.data_parallel.tensor_parallel != 1)
+      throw error("Pipeline", comm.rank(),
+                  "data_parallel.tensor_parallel is " + std::to_string(options.data_parallel.tensor_parallel) +
+                      ": tensor-parallel stages inside a pipeline are not built yet (docs/tensor-parallelism.md, "
+                      "Limits); train the tensor-parallel model with DataParallel<Model, ...>");
     const int K = pipeline::detail::pipeline_ranks<Comm>(S, comm, options, Steps::gathers_in_forward);
     auto shape = data_mesh(options.data_parallel.shard_group, comm.size() / K, comm.rank());
     shape.pipeline = K;

@@ -15,8 +15,8 @@ namespace paratrain {
 // ~~~~~~~~~~~~~~~~~~~~~
 // A wrapper changes what happens around a layer's forward and leaves the layer alone: ZeRO-3
 // gathers a Unit's parameters before it and frees them after (Note [Units]); Recompute runs
-// it without keeping activations (Note [Recomputing activations]); a tensor-parallel layer
-// will exchange its inputs and outputs. Each is written as `XImpl<Impl, std::tuple<A...>>`,
+// it without keeping activations (Note [Recomputing activations]). (Tensor-parallel layers
+// are layers of their own, not wrappers: Note [Regions].) Each is written as `XImpl<Impl, std::tuple<A...>>`,
 // deriving from the layer's implementation `Impl` (inheriting its constructors) with a
 // `forward(A...)` that calls `Impl::forward`: LibTorch's ModuleHolder needs a forward that is
 // not a template, so the wrapper repeats the parameter list read off the layer's one forward

@@ -1,0 +1,110 @@
+// examples/gpt: a GPT-style decoder trained with tensor (and sequence) parallelism beside
+// data parallelism, the degree on the command line:
+//
+//   mpirun -n 2 build/examples/gpt_ddp --tensor-parallel 2 [--sequence-parallel]
+//   mpirun -n 4 build/examples/gpt_ddp --tensor-parallel 2      (2 replicas of 2 tensor ranks)
+//
+// The strategy alias is the build's (gpt_ddp: DDP, gpt_zero3: ZeRO-3 over the data ranks);
+// the mesh is {data: ranks / t, tensor: t}. The data: sequences of a fixed random bigram
+// chain (each token's successor drawn from 4 candidates), the same global batch each step
+// whatever the layout, so that the losses printed at t = 1, 2, 4 agree (dropout included:
+// its masks are keyed by place, Note [Keyed dropout]).
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <string>
+
+#include "model.hpp"
+#include "../../benchmarks/cli.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/program/main.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "paratrain/tensor_parallel/cross_entropy.hpp"
+
+#if defined(GPT_ZERO3)
+using Update = paratrain::Sharded<torch::optim::AdamW, paratrain::zero::stage3>;
+#else
+using Update = torch::optim::AdamW;
+#endif
+using Strategy = paratrain::DataParallel<gpt::Gpt, paratrain::comm::Mpi, Update>;
+
+namespace {
+
+struct Run {
+  gpt::Config model;
+  int tensor_parallel = 1, steps = 8;
+  bool sequence_parallel = false;
+  std::int64_t batch = 8;  // sequences per step, over all data replicas
+  double lr = 3e-3;
+};
+
+// Step k's global batch: ids [batch, positions] and their successors.
+std::pair<torch::Tensor, torch::Tensor> batch_of(const Run& run, int step) {
+  const auto& c = run.model;
+  auto table_gen = at::make_generator<at::CPUGeneratorImpl>(12345);
+  const auto next = at::randint(c.vocabulary, {c.vocabulary, 4}, table_gen, at::kLong);  // 4 successors each
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
+  auto ids = at::empty({run.batch, c.positions + 1}, at::kLong);
+  ids.select(1, 0).copy_(at::randint(c.vocabulary, {run.batch}, g, at::kLong));
+  const auto pick = at::randint(4, {run.batch, c.positions}, g, at::kLong);
+  for (std::int64_t t = 0; t < c.positions; ++t)
+    ids.select(1, t + 1).copy_(next.index({ids.select(1, t), pick.select(1, t)}));
+  return {ids.narrow(1, 0, c.positions).contiguous(), ids.narrow(1, 1, c.positions).contiguous()};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return paratrain::main(argc, argv, [&] {
+    Run run;
+    CLI::App app("A GPT-style decoder with tensor and sequence parallelism");
+    app.add_option("--tensor-parallel", run.tensor_parallel, "ranks per tensor group (divides the world)")
+        ->capture_default_str();
+    app.add_flag("--sequence-parallel", run.sequence_parallel, "cut the activations between blocks by sequence");
+    app.add_option("--steps", run.steps, "training steps")->capture_default_str();
+    app.add_option("--batch", run.batch, "sequences per step over all replicas")->capture_default_str();
+    app.add_option("--layers", run.model.layers, "blocks")->capture_default_str();
+    app.add_option("--hidden", run.model.hidden, "features")->capture_default_str();
+    app.add_option("--heads", run.model.heads, "attention heads")->capture_default_str();
+    app.add_option("--ffn", run.model.ffn, "the MLP's inner features")->capture_default_str();
+    app.add_option("--vocabulary", run.model.vocabulary, "tokens")->capture_default_str();
+    app.add_option("--sequence", run.model.positions, "tokens per sequence")->capture_default_str();
+    app.add_option("--dropout", run.model.dropout, "dropout")->capture_default_str();
+    app.add_option("--lr", run.lr, "AdamW's learning rate")->capture_default_str();
+    if (auto status = paratrain::bench::parse(app, argc, argv)) return *status;
+
+    torch::manual_seed(1);  // the weights: the same on every rank, at every degree
+    Strategy s([&] { return gpt::Gpt(run.model); }, torch::optim::AdamWOptions(run.lr),
+               {.tensor_parallel = run.tensor_parallel, .sequence_parallel = run.sequence_parallel});
+    const paratrain::tp::CrossEntropy loss{s.tensor_group()};
+    const auto data = s.data_shard();
+    if (run.batch % data.count != 0)
+      throw paratrain::error("gpt", s.rank(),
+                             "--batch " + std::to_string(run.batch) + " does not split over " +
+                                 std::to_string(data.count) + " data replicas");
+    const auto mine = run.batch / data.count;
+    double last = 0;
+    for (int step = 0; step < run.steps; ++step) {
+      const auto [ids, targets] = batch_of(run, step);
+      const auto r = s.step(paratrain::Batch(ids.narrow(0, data.index * mine, mine),
+                                             targets.narrow(0, data.index * mine, mine)),
+                            loss);
+      // The mean over every replica's sequences: each replica's mean, weighted.
+      auto mean = torch::tensor({r.loss * static_cast<double>(r.samples)}, torch::kDouble);
+      s.all_reduce(mean, paratrain::reduce_op::sum);
+      last = mean.item<double>() / (r.global_samples * s.mesh().size(paratrain::Dim::tensor));
+      if (s.rank() == 0) std::printf("step %d loss %.8f\n", step + 1, last);
+    }
+    if (s.rank() == 0)
+      std::printf("{\"example\": \"gpt\", \"ranks\": %d, \"tensor_parallel\": %d, \"sequence_parallel\": %s, "
+                  "\"steps\": %d, \"loss\": %.8f, \"parameters_per_rank\": %lld}\n",
+                  s.world_size(), run.tensor_parallel, run.sequence_parallel ? "true" : "false", run.steps, last,
+                  static_cast<long long>([&] {
+                    std::int64_t n = 0;
+                    for (const auto& p : s.full_parameters()) n += p.numel();
+                    return n;
+                  }()));
+    return 0;
+  });
+}
