@@ -3,6 +3,7 @@
 // and momentum and dropout on; composed with data parallelism and ZeRO; and what is refused.
 #include <torch/torch.h>
 
+#include <cctype>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "paratrain/checkpoint/load.hpp"
 #include "paratrain/checkpoint/model_file.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"
@@ -97,11 +99,16 @@ struct RefBlockImpl : torch::nn::Module {
 TORCH_MODULE(RefBlock);
 
 struct RefGptImpl : torch::nn::Module {
-  explicit RefGptImpl(Config c = {}) {
+  // `back_seed` >= 0: the generator is seeded with it before the second block, as a pipeline's
+  // second stage is built from a seed of its own.
+  explicit RefGptImpl(Config c = {}, int back_seed = -1) {
     tokens = register_module("tokens", torch::nn::Embedding(c.vocabulary, c.hidden));
     position = register_parameter("position", torch::nn::Embedding(c.positions, c.hidden)->weight.detach().clone());
     drop = register_module("drop", tp::Dropout(c.dropout));
-    for (std::int64_t i = 0; i < c.layers; ++i) blocks.push_back(register_module("block" + std::to_string(i), RefBlock(c)));
+    for (std::int64_t i = 0; i < c.layers; ++i) {
+      if (i == 1 && back_seed >= 0) torch::manual_seed(back_seed);
+      blocks.push_back(register_module("block" + std::to_string(i), RefBlock(c)));
+    }
     ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden})));
     head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.hidden, c.vocabulary).bias(false)));
   }
@@ -121,12 +128,13 @@ TORCH_MODULE(RefGpt);
 
 // The reference's parameters, in the tp model's order, each cut as the tp model cuts it on
 // this rank (its sharded parameters name their slice).
-std::vector<torch::Tensor> reference_slices(RefGpt& ref, Gpt& model) {
+std::vector<torch::Tensor> reference_slices(RefGpt& ref, const torch::nn::Module& model) {
   std::vector<torch::Tensor> whole;
   const auto r = ref->named_parameters();
   auto at = [&](const std::string& n) { return r[n].detach(); };
   // Names differ only where the layers nest differently: map the tp names onto the reference's.
   const auto map = [](std::string n) {
+    if (n.size() > 2 && n[1] == '.' && std::isdigit(static_cast<unsigned char>(n[0]))) n = n.substr(2);  // a stage's "0."
     const auto replace = [&](const std::string& from, const std::string& to) {
       if (const auto p = n.find(from); p != std::string::npos) n.replace(p, from.size(), to);
     };
@@ -140,9 +148,9 @@ std::vector<torch::Tensor> reference_slices(RefGpt& ref, Gpt& model) {
     replace("mlp.fc2.", "fc2.");
     return n;
   };
-  const auto shards = tp::tensor_shards_of(*model);
+  const auto shards = tp::tensor_shards_of(model);
   std::vector<torch::Tensor> out;
-  for (const auto& p : model->named_parameters()) {
+  for (const auto& p : model.named_parameters()) {
     auto w = at(map(p.key()));
     if (const auto s = shards.find(p.key()); s != shards.end())
       w = w.narrow(s->second.slice.dim, s->second.slice.offset, p.value().size(s->second.slice.dim));
@@ -212,7 +220,7 @@ double train_both(const Run& run) {
     const auto r = s.step(paratrain::Batch(ids.narrow(0, first, mine), targets.narrow(0, first, mine)), loss);
     CHECK(r.global_samples == static_cast<double>(total));
   }
-  return max_relative_difference(s.full_parameters(), reference_slices(ref, s.model()));
+  return max_relative_difference(s.full_parameters(), reference_slices(ref, *s.model()));
 }
 
 TEST_CASE("tensor parallelism at degree = world size equals the single-device model (SGD with momentum, dropout on)") {
@@ -236,6 +244,74 @@ TEST_CASE("tensor x data parallelism (2 x 2) with different per-replica batches,
   run.max_grad_norm = 0.5;
   CHECK(train_both<paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage1>>(run) <= 1e-5);
   CHECK(train_both<paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>>(run) <= 1e-5);
+}
+
+// ---- the same model as two pipeline stages ------------------------------------------
+struct FrontImpl : torch::nn::Module {
+  explicit FrontImpl(const Config& c) {
+    embeddings = register_module("embeddings", tp::Embeddings(c.vocabulary, c.positions, c.hidden, c.dropout));
+    block0 = register_module("block0", tp::TransformerBlock(tp::TransformerBlockOptions(c.hidden, c.heads).ffn(c.ffn)));
+  }
+  torch::Tensor forward(torch::Tensor ids) { return block0(embeddings(ids)); }
+  tp::Embeddings embeddings{nullptr};
+  tp::TransformerBlock block0{nullptr};
+};
+TORCH_MODULE(Front);
+struct BackImpl : torch::nn::Module {
+  explicit BackImpl(const Config& c) {
+    block1 = register_module("block1", tp::TransformerBlock(tp::TransformerBlockOptions(c.hidden, c.heads).ffn(c.ffn)));
+    ln = register_module("ln", tp::LayerNorm(c.hidden));
+    head = register_module("head",
+                           tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden, c.vocabulary).bias(false)));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(ln(block1(x))); }
+  tp::TransformerBlock block1{nullptr};
+  tp::LayerNorm ln{nullptr};
+  tp::ColumnParallelLinear head{nullptr};
+};
+TORCH_MODULE(Back);
+
+// Tensor-parallel stages in a pipeline of 2 ranks, replicated over what the world leaves:
+// against the single-device model, 2 micro-batches of 2 sequences per replica per step.
+template <class Update>
+double pipeline_both(int tensor, bool sequence_parallel) {
+  const Config c{.dropout = 0.0};
+  torch::manual_seed(21);
+  RefGpt ref(c, /*back_seed=*/22);
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  using P = paratrain::Pipeline<Front, Back>;
+  using Strategy = paratrain::DataParallel<P, comm::Mpi, Update>;
+  Strategy s(P([c] { torch::manual_seed(21); return Front(c); }, [c] { torch::manual_seed(22); return Back(c); }),
+             comm::Mpi(), torch::optim::SGDOptions(0.05).momentum(0.9),
+             {.data_parallel = {.tensor_parallel = tensor, .sequence_parallel = sequence_parallel}});
+  REQUIRE(s.mesh().size(paratrain::Dim::tensor) == tensor);
+  const tp::CrossEntropy loss{s.tensor_group()};
+  const std::int64_t micro = 2, per_micro = 2, replicas = s.replicas();
+  for (int step = 0; step < 3; ++step) {
+    const auto [ids, targets] = tokens_of_step(step, replicas * micro * per_micro, c, c.positions);
+    ref_opt.zero_grad();
+    torch::nn::functional::cross_entropy(ref(ids).reshape({-1, c.vocabulary}), targets.reshape({-1})).backward();
+    ref_opt.step();
+    std::vector<paratrain::Batch> mine;
+    for (std::int64_t m = 0; m < micro; ++m) {
+      const auto row = (s.replica() * micro + m) * per_micro;
+      mine.emplace_back(ids.narrow(0, row, per_micro), targets.narrow(0, row, per_micro));
+    }
+    s.step(std::span<const paratrain::Batch>(mine), loss);
+  }
+  return max_relative_difference(s.full_parameters(), reference_slices(ref, *s.stages()));
+}
+
+TEST_CASE("tensor x pipeline (2 x 2) equals the single-device model, with and without sequence parallelism") {
+  if (comm::Mpi().size() != 4) return;
+  CHECK(pipeline_both<torch::optim::SGD>(2, false) <= 1e-5);
+  CHECK(pipeline_both<torch::optim::SGD>(2, true) <= 1e-5);
+}
+
+TEST_CASE("data x pipeline x tensor (2 x 2 x 2) at 8 ranks equals the single-device model") {
+  if (comm::Mpi().size() != 8) return;
+  CHECK(pipeline_both<torch::optim::SGD>(2, true) <= 1e-5);
+  CHECK(pipeline_both<paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage1>>(2, false) <= 1e-5);
 }
 
 // One leg of a run that is saved and resumed (Adam with eps 1e-3: attention's key bias has
@@ -284,7 +360,7 @@ TEST_CASE("tensor-parallel checkpoints reshard: t = 2 -> 1 -> world with Adam, a
     // A strategy at this degree only to know which slice of each parameter this rank holds.
     using Strategy = paratrain::DataParallel<Gpt, comm::Mpi, torch::optim::SGD>;
     Strategy probe([&] { return Gpt(c); }, comm::Mpi(), torch::optim::SGDOptions(0.1), {.tensor_parallel = tensor});
-    return max_relative_difference(got, reference_slices(ref, probe.model()));
+    return max_relative_difference(got, reference_slices(ref, *probe.model()));
   };
   SUBCASE("DDP shapes") {
     const auto a = paratrain_test::shared_dir(world, "tp_ckpt_a"), b = paratrain_test::shared_dir(world, "tp_ckpt_b");
@@ -321,7 +397,7 @@ TEST_CASE("a tensor-parallel model's file holds whole tensors: the single-device
   paratrain::checkpoint::load_model(one, dir / "model.pt");
   torch::manual_seed(5);
   RefGpt ref(c);
-  CHECK(max_relative_difference(one.full_parameters(), reference_slices(ref, one.model())) == 0);
+  CHECK(max_relative_difference(one.full_parameters(), reference_slices(ref, *one.model())) == 0);
   paratrain_test::remove_shared_dir(world, dir);
 }
 

@@ -87,7 +87,11 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
         replica_(mesh_.index(Dims::data())),
         pipe_(mesh_.group(Dim::pipeline)) {
     group_ = std::make_shared<detail::StageGroupImpl>();
+    tensor_group_ = tp::Group(mesh_);
     const auto build_stages = [&] {
+      // Note [Building a tensor-parallel model]: the stages' layers join the tensor group.
+      const tp::Construction tensor_group(
+          {.group = tensor_group_, .sequence_parallel = options_.data_parallel.sequence_parallel});
       build(stages, std::index_sequence_for<Stage...>{});
       return group_;
     };
@@ -201,6 +205,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// This rank's stages' parameters, whole, as copies (stages() order). Collective over
   /// the stage's replicas: at ZeRO stage 3 they are gathered for it.
   [[nodiscard]] std::vector<at::Tensor> full_parameters() { return steps_->full_parameters(); }
+  /// The ranks this rank's stages cut their tensor-parallel layers over (one rank without
+  /// tensor parallelism): what tp::CrossEntropy reduces over in the last stage.
+  [[nodiscard]] const tp::Group& tensor_group() const noexcept { return tensor_group_; }
   /// Dynamic loss scaling's state, the same on every stage (Note [Loss scaling]).
   [[nodiscard]] LossScaler& loss_scaler() noexcept { return steps_->loss_scaler(); }
   [[nodiscard]] const LossScaler& loss_scaler() const noexcept { return steps_->loss_scaler(); }
@@ -312,14 +319,16 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// replicas in the data dimensions as data_parallel.shard_group says. Collective.
   static Mesh<Comm> mesh_of(Comm comm, const Options& given) {
     const Options options = typed(given, comm.rank());
-    if (options.data_parallel.tensor_parallel != 1)
-      throw error("Pipeline", comm.rank(),
-                  "data_parallel.tensor_parallel is " + std::to_string(options.data_parallel.tensor_parallel) +
-                      ": tensor-parallel stages inside a pipeline are not built yet (docs/tensor-parallelism.md, "
-                      "Limits); train the tensor-parallel model with DataParallel<Model, ...>");
     const int K = pipeline::detail::pipeline_ranks<Comm>(S, comm, options, Steps::gathers_in_forward);
-    auto shape = data_mesh(options.data_parallel.shard_group, comm.size() / K, comm.rank());
+    const int t = options.data_parallel.tensor_parallel, W = comm.size();
+    if (t < 1 || W % (K * t) != 0)
+      throw error("Pipeline", comm.rank(),
+                  "a pipeline of " + std::to_string(K) + " ranks whose stages are cut over tensor groups of " +
+                      std::to_string(t) + " (data_parallel.tensor_parallel) runs on a multiple of " +
+                      std::to_string(K * t) + " ranks; this run has " + std::to_string(W));
+    auto shape = data_mesh(options.data_parallel.shard_group, W / (K * t), comm.rank());
     shape.pipeline = K;
+    shape.tensor = t;
     return Mesh<Comm>(std::move(comm), shape);
   }
 
@@ -526,6 +535,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   std::unique_ptr<Comm> pipe_back_;  // the same, for gradients, where sends are unbuffered: Note [One group per direction]
   std::tuple<Stage...> stages_{Stage(nullptr)...};
   detail::StageGroup group_;
+  tp::Group tensor_group_;  // the one the stages' layers joined
   at::Device device_{at::kCPU};  // where this rank's stages live: received tensors go there
   std::unique_ptr<Steps> steps_;
   std::unique_ptr<pipeline::detail::Link<Comm>> link_;
