@@ -275,3 +275,39 @@ TEST_CASE("plan: peak_flops gives the data sheets' dense peaks, any case, and na
   CHECK_THROWS_WITH(plan::peak_flops("H100", "bf16"), doctest::Contains("none of the known accelerators (H100-SXM, "));
   CHECK_THROWS_WITH(plan::peak_flops("A100", "int8"), doctest::Contains("fp32, tf32, bf16 or fp16"));
 }
+
+TEST_CASE("plan: tensor parallelism cuts the model before ZeRO, and the activations by Korthikanti et al.'s Table 2") {
+  // Psi = 1000 parameters, 100 of them whole on every tensor rank, t = 4: a rank holds
+  // 900 / 4 + 100 = 325; DDP fp32 SGD with momentum (K = 4): 325 x 12 bytes; ZeRO-3 over 2
+  // data ranks: half of it.
+  const plan::Model m{.parameters = 1000, .optimizer_bytes = 4, .ranks = 2, .tensor = 4, .tensor_replicated = 100};
+  CHECK(plan::rank_parameters(m) == 325);
+  CHECK(plan::per_rank(m, plan::stage::ddp).total() == 325 * 12);
+  CHECK(plan::per_rank(m, plan::stage::stage3).total() == 325 * 12 / 2.0);
+  CHECK(plan::gradient_traffic(m, plan::stage::ddp) == 325 * 4);
+  // Parameters per rank fall as 1/t where nothing is replicated.
+  for (std::int64_t t : {1, 2, 4, 8})
+    CHECK(plan::per_rank({.parameters = 8000, .tensor = t}, plan::stage::ddp).parameters == 4.0 * 8000 / t);
+  // The paper's Table 2 (16-bit values, 1-byte masks), per layer: sbh(34 + 5as/h) without
+  // parallelism; sbh(10 + 24/t + 5as/(ht)) tensor-parallel; sbh(34 + 5as/h)/t with sequence
+  // parallelism. GPT-3 175B's layer (s 2048, h 12288, a 96) at b = 1, t = 8.
+  const double s = 2048, b = 1, h = 12288, a = 96, t = 8, sbh = s * b * h;
+  const plan::Transformer gpt3{.sequence = s, .batch = b, .hidden = h, .heads = a};
+  CHECK(plan::transformer_activations(gpt3) == doctest::Approx(sbh * (34 + 5 * a * s / h)));
+  auto tp = gpt3;
+  tp.tensor = 8;
+  CHECK(plan::transformer_activations(tp) == doctest::Approx(sbh * (10 + 24 / t + 5 * a * s / (h * t))));
+  tp.sequence_parallel = true;
+  CHECK(plan::transformer_activations(tp) == doctest::Approx(sbh * (34 + 5 * a * s / h) / t));
+  tp.layers = 96;
+  CHECK(plan::transformer_activations(tp) == doctest::Approx(96 * sbh * (34 + 5 * a * s / h) / t));
+  // fp32 values and float masks (paratrain's keyed dropout): 16 sbh tensors of 4 bytes and 2
+  // masks of 4; 2 as2b tensors and 1 mask.
+  CHECK(plan::transformer_activations({.sequence = 8, .batch = 2, .hidden = 16, .heads = 4, .value_bytes = 4,
+                                       .mask_bytes = 4}) == 8 * 2 * 16 * (16 * 4 + 2 * 4) + 4 * 64 * 2 * (2 * 4 + 4));
+  CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .tensor = 0}, plan::stage::ddp),
+                       doctest::Contains("Model::tensor is 0"), paratrain::error);
+  CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .tensor = 2, .tensor_replicated = 11}, plan::stage::ddp),
+                       doctest::Contains("tensor_replicated"), paratrain::error);
+  CHECK_THROWS_AS((void)plan::transformer_activations({.hidden = 0, .heads = 1}), paratrain::error);
+}

@@ -135,6 +135,10 @@ std::optional<int> parse(int argc, char** argv, Request& request) {
   std::optional<double> gather_bytes;
   double bucket_bytes = 0, unit = 0, largest = 0;
   std::int64_t prefetch = 1;
+  std::int64_t tensor = 1;
+  double tensor_replicated = 0;
+  plan::Transformer transformer;
+  bool sequence_parallel = false;
 
   CLI::App app("Per-rank bytes of parameters, gradients and optimizer state under DDP and ZeRO stages 1-3 "
                "(Rajbhandari et al. 2019), in GB (1e9 bytes) and MiB.");
@@ -187,6 +191,17 @@ std::optional<int> parse(int argc, char** argv, Request& request) {
          "B_p, instead of --precision's");
   option("--grad-bytes", [&](const std::string& v) { grad_bytes = per_parameter("--grad-bytes", v); },
          "B_g, instead of --precision's");
+  option("--tensor", [&](const std::string& v) { tensor = whole("--tensor", v); },
+         "tensor degree t (DataParallelOptions::tensor_parallel): the matrices cut t ways before ZeRO shards them");
+  option("--tensor-replicated", [&](const std::string& v) { tensor_replicated = parameter_count(v); },
+         "with --tensor: the parameters every tensor rank holds whole (layer norms, biases of row-parallel layers)");
+  app.add_option("--gpt-layers", transformer.layers, "GPT layers: activations by Korthikanti et al.'s formula, with "
+                                                    "--sequence, --micro-batch, --hidden and --heads");
+  app.add_option("--sequence", transformer.sequence, "tokens per sequence (s)");
+  app.add_option("--micro-batch", transformer.batch, "sequences per micro-batch and rank (b)");
+  app.add_option("--hidden", transformer.hidden, "hidden size (h)");
+  app.add_option("--heads", transformer.heads, "attention heads (a)");
+  app.add_flag("--sequence-parallel", sequence_parallel, "with --tensor: activations cut along the sequence too");
   app.add_option("--peak", request.peak,
                  "print a GPU's dense peak TFLOP/s for MFU (FitOptions::throughput), or every known one's with "
                  "\"all\"; nothing else is needed then");
@@ -207,6 +222,15 @@ std::optional<int> parse(int argc, char** argv, Request& request) {
     if (autocast_bytes > 0 && b_p <= 2)
       throw usage_error("--autocast adds bf16 copies of fp32 parameters, and these are 2 bytes already (--precision "
                         "mixed or --param-bytes): leave out --autocast, or keep fp32 parameters");
+    if (app.count("--gpt-layers") > 0) {
+      if (activations > 0) throw usage_error("give --activations or --gpt-layers, not both");
+      if (transformer.sequence <= 0 || transformer.batch <= 0 || transformer.hidden <= 0 || transformer.heads <= 0)
+        throw usage_error("--gpt-layers needs --sequence, --micro-batch, --hidden and --heads, each > 0");
+      transformer.tensor = tensor;
+      transformer.sequence_parallel = sequence_parallel;
+      transformer.value_bytes = autocast_bytes > 0 ? 2 : precision.param_bytes;
+      activations = plan::transformer_activations(transformer);
+    }
     request.model = {.parameters = *params,
                      .param_bytes = b_p,
                      .grad_bytes = grad_bytes.value_or(precision.grad_bytes),
@@ -222,7 +246,9 @@ std::optional<int> parse(int argc, char** argv, Request& request) {
                      .unit_elements = unit,
                      .prefetch = prefetch,
                      .largest_parameter = largest,
-                     .scratch_bytes = optimizer_bytes ? 0.0 : plan::scratch_bytes(optimizer)};
+                     .scratch_bytes = optimizer_bytes ? 0.0 : plan::scratch_bytes(optimizer),
+                     .tensor = tensor,
+                     .tensor_replicated = tensor_replicated};
   };
   try {
     app.parse(argc, argv);

@@ -127,7 +127,65 @@ struct Model {
   std::int64_t prefetch = 1;      ///< units gathered ahead of the one computing (ZeRO-3)
   double largest_parameter = 0;   ///< the largest parameter tensor, in elements
   double scratch_bytes = 0;       ///< the optimizer's temporaries per element it steps: scratch_bytes(name)
+  /// Tensor parallelism (Note [Tensor-parallel memory]): the tensor degree t, and how many of
+  /// the parameters every rank of a tensor group holds whole (layer norms, row-parallel
+  /// biases, layers that are not cut); the others are cut t ways.
+  std::int64_t tensor = 1;
+  double tensor_replicated = 0;
 };
+
+// Note [Tensor-parallel memory]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Tensor parallelism cuts a model's matrices over t ranks before ZeRO cuts the model state
+// over N_d: a rank holds Ψ_t = (Ψ − Ψ_r) / t + Ψ_r parameters, Ψ_r those every tensor rank
+// holds whole (Model::tensor_replicated), and the ZeRO formulas apply to Ψ_t (each tensor
+// slice sharded further over its data group). A strategy's own plan counts the parameters
+// this rank holds, which are Ψ_t already (t = 1 there).
+//
+// Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+// Transformer Models", §4, Table 2): one GPT layer keeps, per s·b·h (sequence, batch,
+// hidden) and a·s²·b (heads), with 16-bit values and 1-byte dropout masks,
+//   no parallelism                 sbh (34 + 5as/h)
+//   tensor parallel                sbh (10 + 24/t + 5as/(ht))
+//   tensor + sequence parallel     sbh (34 + 5as/h) / t
+// The 34 are 16 tensors of sbh values (2 bytes each) and 2 masks; the 5as/h are 2 tensors
+// of a·s·s values and 1 mask; without sequence parallelism the layer norms' inputs, the
+// attention's and MLP's inputs and the two residual dropouts' masks (10) are whole on every
+// tensor rank. transformer_activations() counts them for values of V bytes and masks of M
+// bytes: sbh (4V + 2M + 12V/t) + as²b (2V + M)/t, all of it divided by t with sequence
+// parallelism; (V, M) = (2, 1) gives the published numbers exactly.
+
+/// One stack of GPT layers, for transformer_activations().
+struct Transformer {
+  double sequence = 0;  ///< s, tokens per sequence
+  double batch = 0;     ///< b, sequences per rank (a micro-batch)
+  double hidden = 0;    ///< h
+  double heads = 0;     ///< a
+  double layers = 1;    ///< L
+  std::int64_t tensor = 1;         ///< t
+  bool sequence_parallel = false;  ///< the activations between the regions cut along the sequence
+  double value_bytes = 2;          ///< the activations' type: 2 (fp16/bf16, the paper's), 4 (fp32)
+  double mask_bytes = 1;           ///< a dropout mask's element: 1 (the paper's), 4 (paratrain's keyed masks, float)
+};
+
+/// The activations one rank keeps for backward over L layers (Note [Tensor-parallel
+/// memory]): Korthikanti et al.'s Table 2 for values of `value_bytes` and masks of `mask_bytes`.
+[[nodiscard]] inline double transformer_activations(const Transformer& x) {
+  if (!(x.sequence >= 0 && x.batch >= 0 && x.hidden > 0 && x.heads > 0 && x.layers >= 0 && x.tensor >= 1 &&
+        x.value_bytes > 0 && x.mask_bytes >= 0))
+    throw error("plan::transformer_activations", -1,
+                "give a sequence, batch and layers >= 0, hidden and heads > 0, a tensor degree >= 1 and positive "
+                "value bytes");
+  const double s = x.sequence, b = x.batch, h = x.hidden, a = x.heads, t = static_cast<double>(x.tensor);
+  const double v = x.value_bytes, m = x.mask_bytes;
+  const double sbh = s * b * h, as2b = a * s * s * b;
+  // 16 sbh tensors of values and 2 masks; of them 4 values and the 2 masks are whole on every
+  // tensor rank without sequence parallelism (with it, every one is cut t ways).
+  const double whole = 4 * v + 2 * m, cut = 12 * v;
+  const double per_layer = x.sequence_parallel ? (sbh * (whole + cut) + as2b * (2 * v + m)) / t
+                                               : sbh * (whole + cut / t) + as2b * (2 * v + m) / t;
+  return x.layers * per_layer;
+}
 
 /// Bytes of each kind one rank holds under one stage.
 ///
@@ -176,6 +234,13 @@ inline void validate(const Model& m) {
     throw error(operation, -1,
                 "Model::ranks is " + std::to_string(m.ranks) +
                     "; the data-parallel degree N_d must be at least 1 (set it to the number of processes)");
+  if (m.tensor < 1)
+    throw error(operation, -1,
+                "Model::tensor is " + std::to_string(m.tensor) + "; the tensor degree t must be at least 1 (1: none)");
+  if (!(m.tensor_replicated >= 0 && m.tensor_replicated <= m.parameters))
+    throw error(operation, -1,
+                "Model::tensor_replicated is " + std::to_string(m.tensor_replicated) +
+                    "; it counts the parameters every tensor rank holds whole, between 0 and Model::parameters");
   if (m.buckets < 0)
     throw error(operation, -1,
                 "Model::buckets is " + std::to_string(m.buckets) +
@@ -184,6 +249,11 @@ inline void validate(const Model& m) {
 
 }  // namespace detail
 
+/// Ψ_t, the parameters one rank of a tensor group holds (Note [Tensor-parallel memory]).
+[[nodiscard]] inline double rank_parameters(const Model& m) {
+  return (m.parameters - m.tensor_replicated) / static_cast<double>(m.tensor) + m.tensor_replicated;
+}
+
 /// The bytes one rank holds under stage `s`: Note [ZeRO memory model].
 ///
 /// Throws paratrain::error, naming the field and the fix, for a negative or non-finite
@@ -191,13 +261,15 @@ inline void validate(const Model& m) {
 [[nodiscard]] inline Memory per_rank(const Model& m, stage s) {
   detail::validate(m);
   const double n = static_cast<double>(m.ranks);
-  const double psi = m.parameters;
+  // Note [Tensor-parallel memory]: what one tensor rank holds of the model.
+  const double psi = rank_parameters(m);
   const bool params_sharded = s == stage::stage3;
   const bool grads_sharded = s == stage::stage2 || s == stage::stage3;
   const bool state_sharded = s != stage::ddp;
 
   // Parameters gathered in the compute type have no autocast copies (Note [Gathers in the compute type]).
-  const double copied = s == stage::stage3 ? psi - m.narrow_parameters : psi;
+  const double narrow = m.parameters > 0 ? m.narrow_parameters * psi / m.parameters : 0;
+  const double copied = s == stage::stage3 ? psi - narrow : psi;
   Memory out{.strategy = s, .activations = m.activation_bytes, .autocast_copies = m.autocast_bytes * copied};
   out.parameters = params_sharded ? m.param_bytes * psi / n : m.param_bytes * psi;
   out.gradients = grads_sharded ? m.grad_bytes * psi / n : m.grad_bytes * psi;
@@ -223,7 +295,7 @@ inline void validate(const Model& m) {
   detail::validate(m);
   const double bytes = m.reduce_bytes > 0 ? m.reduce_bytes : m.grad_bytes;
   const bool padded = s != stage::ddp;  // the ZeRO stages pad each bucket to a multiple of N_d
-  return bytes * (m.parameters + (padded ? static_cast<double>(m.ranks - 1) * static_cast<double>(m.buckets) : 0.0));
+  return bytes * (rank_parameters(m) + (padded ? static_cast<double>(m.ranks - 1) * static_cast<double>(m.buckets) : 0.0));
 }
 
 /// `per_rank(m, s)` for every stage, in the order of `stages`.
@@ -283,8 +355,8 @@ struct Peak {
   Peak out{.states = per_rank(m, s)};
   const double n = static_cast<double>(m.ranks);
   // At stage 3 a unit's buckets hold that unit's parameters only.
-  const double bucket = std::min({m.bucket_elements, m.parameters,
-                                  s == stage::stage3 && m.unit_elements > 0 ? m.unit_elements : m.parameters});
+  const double psi = rank_parameters(m);
+  const double bucket = std::min({m.bucket_elements, psi, s == stage::stage3 && m.unit_elements > 0 ? m.unit_elements : psi});
   if (s == stage::stage2 || s == stage::stage3) {
     const double narrow = m.reduce_bytes > 0 && m.reduce_bytes < m.grad_bytes ? m.reduce_bytes * (1 + 1 / n) : 0;
     out.gradient_buckets = 3 * bucket * (m.grad_bytes + narrow);
@@ -389,6 +461,9 @@ inline std::string significant(double x, int digits = 3) {
     << " parameters, B_p = " << m.param_bytes << ", B_g = " << m.grad_bytes << ", K = " << m.optimizer_bytes
     << " bytes/parameter, N_d = " << m.ranks;
   if (m.buckets > 0) s << ", " << m.buckets << " buckets";
+  if (m.tensor > 1)
+    s << ", tensor degree t = " << m.tensor << " (" << std::setprecision(6) << m.tensor_replicated
+      << " parameters whole on every tensor rank): Psi_t = " << rank_parameters(m) << " per rank";
   s << "\nGB = 1e9 bytes, MiB = 2^20 bytes\n\n";
 
   constexpr std::array<int, 8> width{8, 10, 11, 11, 11, 11, 11, 12};
