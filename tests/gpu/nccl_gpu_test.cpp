@@ -15,6 +15,7 @@
 #include "paratrain/comm/nccl/nccl.hpp"
 #include "support/collectives.hpp"
 #include "support/doctest.hpp"
+#include "support/gpt_reference.hpp"
 
 namespace nccl_gpu {
 
@@ -22,6 +23,13 @@ using paratrain::reduce_op;
 namespace comm = paratrain::comm;
 
 bool no_nccl_here() { return gpu_suite::skipped(!gpu_suite::gpu().is_cuda(), "NCCL needs a GPU"); }
+
+TEST_CASE("[gpu] tensor parallelism over comm::Nccl at degree = its world equals the single-device model") {
+  if (nccl_gpu::no_nccl_here()) return;
+  auto world = gpu_suite::nccl_world();
+  const bool sequence_parallel = world.size() > 1;
+  CHECK(paratrain_test::gpt::tensor_parallel_against_reference(std::move(world), sequence_parallel) <= 1e-5);
+}
 
 }  // namespace nccl_gpu
 

@@ -18,6 +18,7 @@
 #include "support/ports.hpp"
 #include "support/equivalence.hpp"
 #include "support/gloo_world.hpp"
+#include "support/gpt_reference.hpp"
 #include "support/pipeline_equivalence.hpp"
 
 namespace comm = paratrain::comm;
@@ -213,4 +214,10 @@ TEST_CASE("comm::Gloo: a pipeline (1F1B, ZB-H1; 2-D at 4 ranks) equals single-de
   for (const auto kind : {paratrain::pipeline::Kind::one_f_one_b, paratrain::pipeline::Kind::zero_bubble_h1})
     for (int micro : {1, 4}) check_pipeline<comm::Gloo, torch::optim::SGD, ChainOf<2>>(gloo_world().duplicate(), {.schedule = kind}, micro,
                                                                 10);
+}
+
+// ---- tensor parallelism over Gloo (issue #38) --------------------------------------------
+
+TEST_CASE("comm::Gloo: tensor parallelism at degree = world (sequence-parallel, dropout on) equals the single-device model") {
+  CHECK(paratrain_test::gpt::tensor_parallel_against_reference(gloo_world(), /*sequence_parallel=*/true) <= 1e-5);
 }

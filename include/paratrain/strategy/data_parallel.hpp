@@ -127,7 +127,7 @@ class DataParallel {
   template <model_builder<Model> Build, class OptimOptions>
     requires optimizer_from<optimizer_type, OptimOptions>
   DataParallel(Build build, Comm comm, OptimOptions optimizer_options, Options options = {})
-      : DataParallel(Built{}, constructed(build, options), mesh_of(std::move(comm), options), all_parameters,
+      : DataParallel(Built{}, constructed(build), mesh_of(std::move(comm), options), all_parameters,
                      std::move(optimizer_options), options) {}
 
   /// Builds the model as above, then asks `groups(model)` for its parameter groups. Collective.
@@ -135,7 +135,7 @@ class DataParallel {
     requires std::same_as<std::invoke_result_t<Groups&, Model&>, ParamGroups> &&
              optimizer_from<optimizer_type, OptimOptions>
   DataParallel(Build build, Comm comm, Groups groups, OptimOptions defaults, Options options = {})
-      : DataParallel(Built{}, constructed(build, options), mesh_of(std::move(comm), options), groups,
+      : DataParallel(Built{}, constructed(build), mesh_of(std::move(comm), options), groups,
                      std::move(defaults), options) {}
 
   /// Over a mesh of your own (Note [Process mesh]): its data dimensions are the replicas
@@ -394,7 +394,7 @@ class DataParallel {
   }
   /// `build()`, as the store builds it (Note [Sharded construction]).
   template <class Build>
-  static auto constructed(Build& build, const Options&) {
+  static auto constructed(Build& build) {
     return [&build](Mesh<Comm>& mesh, const tp::Group& group, const Options& options) -> Model {
       // Note [Building a tensor-parallel model]: the layers join the mesh's tensor group.
       const tp::Construction tensor_group({.group = group, .sequence_parallel = options.sequence_parallel});

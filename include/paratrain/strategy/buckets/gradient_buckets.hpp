@@ -157,9 +157,8 @@ class GradientBuckets {
     return at::stack(parts).sum(0);
   }
 
-  /// The name of the first parameter whose sum holds NaN or Inf in this rank's part of it;
-  /// empty when there is none.
-  // The squares of the counted parameters' parts of this rank's output of bucket b.
+  /// The squares of the counted parameters' parts of this rank's output of bucket `b`,
+  /// added to `sum` (local_totals, where some of the bucket's parameters do not count).
   [[nodiscard]] at::Tensor counted_squares(std::size_t b, const std::vector<char>& counted, at::Tensor sum) const {
     const auto& g = output(b);
     const auto begin = storage_.output_offset(b), end = begin + g.numel();
@@ -172,6 +171,8 @@ class GradientBuckets {
     return sum;
   }
 
+  /// The name of the first parameter whose sum holds NaN or Inf in this rank's part of it;
+  /// empty when there is none.
   [[nodiscard]] std::string first_nonfinite() const {
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       const auto bad = at::isfinite(output(b)).logical_not().nonzero();

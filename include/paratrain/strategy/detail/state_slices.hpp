@@ -13,7 +13,12 @@
 namespace paratrain::detail {
 
 inline TensorSlice whole_slice(std::string name, const at::Tensor& t) {
-  return {std::move(name), t.sizes().vec(), 0, t, /*replicated=*/true};
+  TensorSlice sl;
+  sl.name = std::move(name);
+  sl.shape = t.sizes().vec();
+  sl.tensor = t;
+  sl.replicated = true;
+  return sl;
 }
 
 /// Every buffer of `model`, whole: rank 0's count. Each rank's batch-norm statistics
