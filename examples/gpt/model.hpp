@@ -16,8 +16,11 @@
 
 namespace gpt {
 
+// The default sizes are small and every degree of 1-4 divides them (12 heads of 4 features,
+// 96 inner features and tokens, sequences of 12), so that the example runs at t = 3 as well;
+// the tests train this model too (tests/support/gpt_reference.hpp).
 struct Config {
-  std::int64_t vocabulary = 128, positions = 32, hidden = 64, heads = 4, ffn = 256, layers = 2;
+  std::int64_t vocabulary = 96, positions = 12, hidden = 48, heads = 12, ffn = 96, layers = 2;
   double dropout = 0.1;
 };
 

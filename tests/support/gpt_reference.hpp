@@ -13,50 +13,21 @@
 #include <utility>
 #include <vector>
 
+#include "../../examples/gpt/model.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
-#include "paratrain/strategy/unit.hpp"
 #include "paratrain/tensor_parallel/cross_entropy.hpp"
-#include "paratrain/tensor_parallel/column_parallel_linear.hpp"
-#include "paratrain/tensor_parallel/embeddings.hpp"
-#include "paratrain/tensor_parallel/layer_norm.hpp"
+#include "paratrain/tensor_parallel/dropout.hpp"
 #include "paratrain/tensor_parallel/sharding.hpp"
-#include "paratrain/tensor_parallel/transformer_block.hpp"
 #include "support/doctest.hpp"
 
 namespace paratrain_test::gpt {
 
 namespace tp = paratrain::tp;
 
-// Sizes every degree of 1-4 divides: 12 heads, 48 features, 96 inner features and tokens,
-// sequences of 12.
-struct Config {
-  std::int64_t vocabulary = 96, positions = 12, hidden = 48, heads = 12, ffn = 96, layers = 2;
-  double dropout = 0.1;
-};
-
-// ---- the model, of paratrain::tp layers ---------------------------------------------
-struct GptImpl : torch::nn::Module {
-  explicit GptImpl(Config c = {}) {
-    embeddings = register_module("embeddings", tp::Embeddings(c.vocabulary, c.positions, c.hidden, c.dropout));
-    for (std::int64_t i = 0; i < c.layers; ++i)
-      blocks.push_back(register_module("block" + std::to_string(i),
-                                       paratrain::Unit<tp::TransformerBlock>(
-                                           tp::TransformerBlockOptions(c.hidden, c.heads).ffn(c.ffn).dropout(c.dropout))));
-    ln = register_module("ln", tp::LayerNorm(c.hidden));
-    head = register_module("head",
-                           tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden, c.vocabulary).bias(false)));
-  }
-  torch::Tensor forward(torch::Tensor ids) {
-    auto x = embeddings(ids);
-    for (auto& b : blocks) x = b(x);
-    return head(ln(x));  // [batch, sequence, vocabulary / t]
-  }
-  tp::Embeddings embeddings{nullptr};
-  std::vector<paratrain::Unit<tp::TransformerBlock>> blocks;
-  tp::LayerNorm ln{nullptr};
-  tp::ColumnParallelLinear head{nullptr};
-};
-TORCH_MODULE(Gpt);
+// The model is the GPT example's (examples/gpt/model.hpp), at its default sizes, which every
+// degree of 1-4 divides; the reference below is the same model written without paratrain.
+using Config = ::gpt::Config;
+using Gpt = ::gpt::Gpt;
 
 // ---- the reference: the same model in plain LibTorch, whole, on one device ------------
 // Built in the order the tp layers draw (their notes say it), its dropouts the keyed ones
