@@ -66,13 +66,14 @@ jq -rn --slurpfile ours "$tmp/paratrain.jsonl" --slurpfile torch "$tmp/torch.jso
    | "| \(if $sp then "tensor + sequence parallel" else "tensor parallel" end), t = \($o.tensor_parallel)"
      + " | \($t.ms_per_step | f(.)) | \($o.ms_per_step | f(.)) | \($t.ms_per_step / $o.ms_per_step | f(.))×"
      + " | \($w.max_relative_difference) | \($o.all_reduce_bytes_per_step) / \($o.all_gather_bytes_per_step) / \($o.reduce_scatter_bytes_per_step)"
-     + " | \(if $sp then "\($megatron) / \($megatron)" else "\($megatron)" end) |"),
+     + " | \(if $sp then "\($megatron * 3 / 2) / \($megatron)" else "\($megatron)" end) |"),
   "",
   "Rounds (ms/step, paratrain | PyTorch): " + ([$ours[], $torch[]] | group_by(.implementation)
      | map(map("\(if .sequence_parallel then "sp" else "tp" end) \(.ms_per_step | f(.))") | join(", ")) | join(" | ")),
   "Megatron'"'"'s count: 4 collectives of b·s·h fp32 per block and step (2 forward, 2 backward): all-reduces, or with"
-     + " sequence parallelism as many all-gathers and as many reduce-scatters; paratrain'"'"'s sequence-parallel all-reduces"
-     + " are the layer norms'"'"' and row-parallel biases'"'"' gradients (and the loss)."'
+     + " sequence parallelism as many reduce-scatters and 6 all-gathers (4, and the 2 regions'"'"' inputs gathered again"
+     + " backward: kept as shards); paratrain'"'"'s sequence-parallel all-reduces are the layer norms'"'"' and row-parallel"
+     + " biases'"'"' gradients (and the loss)."'
 echo
 echo "Command: MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647 benchmarks/tensor_parallel_vs_dtensor.sh $steps $warmup $rounds"
 echo "Machine: $(env -u OMP_NUM_THREADS nproc) cores ($(lscpu | sed -n 's/^Model name: *//p')), inside $(. /etc/os-release && echo "$PRETTY_NAME"),\

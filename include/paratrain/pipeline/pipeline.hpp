@@ -245,10 +245,14 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   [[nodiscard]] CheckpointLayout checkpoint_layout() {
     auto layout = steps_->checkpoint_layout();
     layout.whole = false;
-    // A tensor every replica of the stage holds alike goes to one of them, by turns.
+    // A tensor every replica of the stage holds alike goes to one of them, by turns; of a
+    // tensor group, which holds it alike too where no tp layer cuts it, the first rank (the
+    // tensor dimension is innermost: Note [Tensor-parallel checkpoints]).
     int turn = 0;
+    const int tensor = mesh_.size(Dim::tensor);
     const auto writer = [&](TensorSlice& sl) {
-      if (sl.replicated && sl.writer < 0) sl.writer = mesh_.world_rank(Dims::data(), turn++ % replicas_);
+      if (sl.replicated && sl.writer < 0)
+        sl.writer = mesh_.world_rank(Dims::data() | Dim::tensor, (turn++ % replicas_) * tensor);
     };
     for (auto& sl : layout.model) writer(sl);
     for (auto& sl : layout.optimized) writer(sl);

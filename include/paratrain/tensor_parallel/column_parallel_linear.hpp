@@ -5,10 +5,12 @@
 
 #include <ATen/ATen.h>
 #include <torch/arg.h>
+#include <torch/autograd.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -35,6 +37,80 @@ struct ColumnParallelLinearOptions {
   TORCH_ARG(std::optional<Context>, context) = std::nullopt;
 };
 
+// Note [Sequence-parallel inputs kept as shards]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Under sequence parallelism a column-parallel region's input arrives as this rank's sequence
+// shard and is all-gathered before the matrix product. Had the gather and the product been two
+// autograd operations, the product would keep the gathered input, t times the shard, for its
+// weight's gradient, and sequence parallelism would save none of the memory Korthikanti et al.
+// count (their 2sbh/t for each such input). As Megatron-LM does, the gather and the products
+// of every linear reading that input (attention's q, k and v) are one autograd function that
+// keeps the shard and gathers it again in backward: per region one more all-gather of the
+// input's bytes backward, so a block moves 6 all-gathers and 4 reduce-scatters of b·s·h under
+// sequence parallelism instead of 4 and 4 (docs/tensor-parallelism.md, "Bytes").
+namespace detail {
+
+struct GatheredLinears : torch::autograd::Function<GatheredLinears> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& shard,
+                                                at::TensorList weights, at::TensorList biases, const Group& g,
+                                                std::int64_t with_bias, std::int64_t dim) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(g));
+    ctx->saved_data["with_bias"] = with_bias;
+    ctx->saved_data["dim"] = dim;
+    ctx->saved_data["biases"] = static_cast<std::int64_t>(biases.size());
+    const auto whole = g.all_gather(shard, dim);
+    torch::autograd::variable_list out;
+    std::size_t b = 0;
+    for (std::size_t i = 0; i < weights.size(); ++i)
+      out.push_back(at::linear(whole, weights[i], (with_bias >> i) & 1 ? biases[b++] : at::Tensor()));
+    torch::autograd::variable_list saved{shard};
+    saved.insert(saved.end(), weights.begin(), weights.end());
+    saved.insert(saved.end(), biases.begin(), biases.end());
+    ctx->save_for_backward(saved);
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto holder = c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule());
+    const auto with_bias = ctx->saved_data["with_bias"].toInt();
+    const auto dim = ctx->saved_data["dim"].toInt();
+    const auto saved = ctx->get_saved_variables();
+    const auto& shard = saved[0];
+    const auto n_biases = static_cast<std::size_t>(ctx->saved_data["biases"].toInt());
+    const auto n = saved.size() - 1 - n_biases;
+    const auto whole = holder->group.all_gather(shard, dim);  // again: Note [Sequence-parallel inputs kept as shards]
+    const auto in = whole.size(-1);
+    torch::autograd::variable_list weight_grads(n), bias_grads;
+    at::Tensor whole_grad;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& w = saved[1 + i];
+      const bool has_bias = (with_bias >> i) & 1;
+      if (!grads[i].defined()) {
+        if (has_bias) bias_grads.emplace_back();
+        continue;
+      }
+      // In the gradient's type (autocast's, when the forward ran under it), each result back
+      // in its tensor's type, as autograd's casts would give.
+      const auto g2 = grads[i].reshape({-1, grads[i].size(-1)});
+      const auto x2 = whole.reshape({-1, in}).to(g2.scalar_type());
+      auto part = g2.mm(w.to(g2.scalar_type()));
+      whole_grad = whole_grad.defined() ? whole_grad + part : part;
+      weight_grads[i] = g2.t().mm(x2).to(w.scalar_type());
+      if (has_bias) bias_grads.push_back(g2.sum(0).to(saved[1 + n + bias_grads.size()].scalar_type()));
+    }
+    at::Tensor shard_grad;
+    if (whole_grad.defined())
+      shard_grad = holder->group.reduce_scatter(whole_grad.view(whole.sizes()).to(shard.scalar_type()), dim);
+    torch::autograd::variable_list out{shard_grad};
+    out.insert(out.end(), weight_grads.begin(), weight_grads.end());
+    out.insert(out.end(), bias_grads.begin(), bias_grads.end());
+    out.resize(out.size() + 3);  // the group, the bias mask, the dimension
+    return out;
+  }
+};
+
+}  // namespace detail
+
 /// y = x Wᵀ + b with W's rows (the output features) cut over the group: rank r holds rows
 /// [r·out/t, (r+1)·out/t), initialised as torch::nn::Linear(in, out) would initialise them
 /// (Note [Initialising a slice]). The input is whole on every rank (its gradient all-reduced:
@@ -53,19 +129,7 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public ShardedLayer {
     if (options.bias()) bias = register_parameter("bias", linear_bias_slice(in, out, g.rank() * part_, part_));
   }
 
-  at::Tensor forward(const at::Tensor& x) {
-    auto y = local(enter(x));
-    return options_.gather_output() ? gather_from_region(y, context_.group, -1) : y;
-  }
-  /// The region's entry (Note [Regions]): x whole on every rank, its gradient all-reduced;
-  /// or, under sequence parallelism, the sequence shards gathered. Layers that share one
-  /// input (attention's q, k, v) enter once and call local() on each.
-  [[nodiscard]] at::Tensor enter(const at::Tensor& x) const {
-    return context_.sequence_parallel ? gather_sequence(x, context_.group, sequence_dim)
-                                      : copy_to_region(x, context_.group);
-  }
-  /// This rank's output features of an input that entered the region.
-  [[nodiscard]] at::Tensor local(const at::Tensor& entered) const { return at::linear(entered, weight, bias); }
+  at::Tensor forward(const at::Tensor& x);
 
   [[nodiscard]] std::vector<ShardedParameter> tensor_shards() const override {
     const auto off = context_.group.rank() * part_;
@@ -85,5 +149,38 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public ShardedLayer {
   std::int64_t part_ = 0;
 };
 TORCH_MODULE(ColumnParallelLinear);
+
+/// The outputs of column-parallel linears of one group that read the same input (attention's
+/// q, k and v), each this rank's output features: the input enters their region once (Note
+/// [Regions]). Whole on every rank, it is kept whole and its gradient all-reduced; under
+/// sequence parallelism it is this rank's sequence shard, gathered, and kept as the shard
+/// (Note [Sequence-parallel inputs kept as shards]).
+[[nodiscard]] inline std::vector<at::Tensor> column_parallel(
+    std::initializer_list<const ColumnParallelLinearImpl*> layers, const at::Tensor& x) {
+  const auto& context = (*layers.begin())->context();
+  const auto& g = context.group;
+  std::vector<at::Tensor> out;
+  if (!context.sequence_parallel || g.size() == 1) {
+    const auto entered = copy_to_region(x, g);
+    for (const auto* l : layers) out.push_back(at::linear(entered, l->weight, l->bias));
+    return out;
+  }
+  std::vector<at::Tensor> weights, biases;
+  std::int64_t with_bias = 0;
+  for (const auto* l : layers) {
+    if (l->bias.defined()) {
+      with_bias |= std::int64_t{1} << weights.size();
+      biases.push_back(l->bias);
+    }
+    weights.push_back(l->weight);
+  }
+  // As TensorLists: autograd counts their elements as inputs (a std::vector would be one opaque argument).
+  return detail::GatheredLinears::apply(x, at::TensorList(weights), at::TensorList(biases), g, with_bias, sequence_dim);
+}
+
+inline at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  auto y = column_parallel({this}, x).front();
+  return options_.gather_output() ? gather_from_region(y, context_.group, -1) : y;
+}
 
 }  // namespace paratrain::tensor_parallel

@@ -7,6 +7,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,8 +29,12 @@ namespace paratrain::tensor_parallel {
 // the whole mask. So the one promise holds with dropout on, at any degree and with or without
 // sequence parallelism. The key is one number drawn from LibTorch's generator when the layer is
 // built (every rank seeds alike), the count advances with each training forward. The hash is
-// a 32-bit integer mix (Wellons' lowbias32 shape) over int64 tensors, products kept under 2^63;
-// 24 bits of it are the uniform draw. Its cost is a few integer operations per element.
+// a 32-bit integer mix (Wellons' lowbias32 shape); 24 bits of it are the uniform draw. On the
+// CPU one loop writes the mask, already scaled by 1/(1-p), straight into the tensor autograd
+// keeps: nothing else of the mask's size is ever allocated, so a dropout's memory is its mask's
+// (Note [Tensor-parallel memory]). On other devices the same hash runs as tensor operations
+// over int64 tensors (products kept under 2^63), whose transients are several times the mask
+// for a moment; both ways give the same bits (ctest compares them).
 // Known limit: a layer recomputed (Recompute<Layer>) advances the count again: the recomputed
 // mask differs; keyed dropout and recomputation do not combine yet.
 
@@ -49,9 +54,17 @@ inline std::uint32_t mix32(std::uint32_t x) {
   x ^= x >> 16;
   return x;
 }
-// The same mix on an int64 tensor of values < 2^32 (products under 2^63: the constants are
-// cut to 31 bits, which keeps the mix's avalanche good enough for masks).
-inline at::Tensor mix32(at::Tensor x) {
+// The mix of the masks: as mix32 with the second constant cut to 31 bits (0x046ca68b), so
+// that the tensor form below, over int64 values < 2^32, keeps its products under 2^63.
+inline std::uint32_t mask_mix32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x046ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+inline at::Tensor mask_mix32(at::Tensor x) {
   constexpr std::int64_t m = 0xffffffff;
   x = x.bitwise_xor(x.bitwise_right_shift(16));
   x = (x * std::int64_t{0x7feb352d}).bitwise_and(m);
@@ -59,14 +72,27 @@ inline at::Tensor mix32(at::Tensor x) {
   x = (x * std::int64_t{0x46ca68b}).bitwise_and(m);
   return x.bitwise_xor(x.bitwise_right_shift(16));
 }
-}  // namespace detail
-
-/// The keep-mask (1 kept, 0 dropped) of drop probability `p` for a tensor of `sizes` placed
-/// in the whole as `where` says (Note [Keyed dropout]): a function of (key, call, index).
-[[nodiscard]] inline at::Tensor keyed_keep_mask(at::IntArrayRef sizes, const Placement& where, std::uint64_t key,
-                                                std::uint64_t call, double p, const at::Device& device) {
+inline std::uint32_t mask_seed(std::uint64_t key, std::uint64_t call) {
+  return mix32(static_cast<std::uint32_t>(key) ^
+               mix32(static_cast<std::uint32_t>(key >> 32) ^ mix32(static_cast<std::uint32_t>(call))));
+}
+inline std::int64_t mask_threshold(double p) { return static_cast<std::int64_t>(p * double(1 << 24)); }
+// Whether the element of flat index `index` in the whole tensor is kept.
+inline bool kept(std::uint64_t index, std::uint32_t seed, std::int64_t threshold) {
+  auto x = mask_mix32(static_cast<std::uint32_t>(index) ^ seed);
+  x = mask_mix32(x ^ static_cast<std::uint32_t>(index >> 32));
+  return static_cast<std::int64_t>(x >> 8) >= threshold;
+}
+// The sizes of the whole tensor a part of `sizes` placed as `where` belongs to.
+inline std::vector<std::int64_t> whole_sizes(at::IntArrayRef sizes, const Placement& where) {
   std::vector<std::int64_t> whole(sizes.begin(), sizes.end());
   if (where.whole > 0) whole[static_cast<std::size_t>(where.dim)] = where.whole;
+  return whole;
+}
+// The mask as tensor operations (any device): int64 indices of the whole tensor, hashed.
+inline at::Tensor keep_mask_by_tensors(at::IntArrayRef sizes, const Placement& where, std::uint32_t seed,
+                                       std::int64_t threshold, const at::Device& device) {
+  const auto whole = whole_sizes(sizes, where);
   const auto opts = at::TensorOptions().dtype(at::kLong).device(device);
   auto index = at::zeros({}, opts);
   std::int64_t stride = 1;
@@ -77,13 +103,58 @@ inline at::Tensor mix32(at::Tensor x) {
     index = index + (at::arange(off, off + sizes[static_cast<std::size_t>(d)], opts) * stride).view(shape);
     stride *= whole[static_cast<std::size_t>(d)];
   }
-  const auto seed = static_cast<std::int64_t>(
-      detail::mix32(static_cast<std::uint32_t>(key) ^ detail::mix32(static_cast<std::uint32_t>(key >> 32) ^
-                                                                     detail::mix32(static_cast<std::uint32_t>(call)))));
-  auto x = detail::mix32(index.bitwise_and(std::int64_t{0xffffffff}).bitwise_xor(seed));
-  x = detail::mix32(x.bitwise_xor(index.bitwise_right_shift(32)));
-  const auto threshold = static_cast<std::int64_t>(p * double(1 << 24));
+  auto x = mask_mix32(index.bitwise_and(std::int64_t{0xffffffff}).bitwise_xor(std::int64_t{seed}));
+  x = mask_mix32(x.bitwise_xor(index.bitwise_right_shift(32)));
   return x.bitwise_right_shift(8).ge(threshold);
+}
+// The mask on the CPU, one loop: `keep` (contiguous, of `sizes`) gets `scale` where an
+// element is kept and 0 where it drops.
+template <class T>
+void fill_keep_mask(at::Tensor& keep, const Placement& where, std::uint32_t seed, std::int64_t threshold, T scale) {
+  const auto sizes = keep.sizes();
+  const auto whole = whole_sizes(sizes, where);
+  const auto n = static_cast<std::int64_t>(sizes.size());
+  if (keep.numel() == 0) return;
+  T* out = keep.data_ptr<T>();
+  const std::int64_t inner = n == 0 ? 1 : sizes[n - 1];
+  const std::int64_t rows = keep.numel() / inner;
+  // Row r's first element: its multi-index over the outer dimensions, placed in the whole.
+  std::vector<std::int64_t> at_index(static_cast<std::size_t>(std::max<std::int64_t>(n - 1, 0)), 0);
+  const auto offset_of = [&](std::int64_t d) { return (where.whole > 0 && d == where.dim) ? where.offset : 0; };
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::uint64_t base = 0;
+    for (std::int64_t d = 0; d + 1 < n; ++d)
+      base = base * static_cast<std::uint64_t>(whole[static_cast<std::size_t>(d)]) +
+             static_cast<std::uint64_t>(at_index[static_cast<std::size_t>(d)] + offset_of(d));
+    if (n > 0) base = base * static_cast<std::uint64_t>(whole[static_cast<std::size_t>(n - 1)]) +
+                      static_cast<std::uint64_t>(offset_of(n - 1));
+    for (std::int64_t i = 0; i < inner; ++i)
+      out[r * inner + i] = kept(base + static_cast<std::uint64_t>(i), seed, threshold) ? scale : T(0);
+    for (std::int64_t d = n - 2; d >= 0; --d) {  // the next row's outer multi-index
+      if (++at_index[static_cast<std::size_t>(d)] < sizes[d]) break;
+      at_index[static_cast<std::size_t>(d)] = 0;
+    }
+  }
+}
+}  // namespace detail
+
+/// The keep-mask (1 kept, 0 dropped) of drop probability `p` for a tensor of `sizes` placed
+/// in the whole as `where` says (Note [Keyed dropout]): a function of (key, call, index).
+[[nodiscard]] inline at::Tensor keyed_keep_mask(at::IntArrayRef sizes, const Placement& where, std::uint64_t key,
+                                                std::uint64_t call, double p, const at::Device& device) {
+  const auto seed = detail::mask_seed(key, call);
+  const auto threshold = detail::mask_threshold(p);
+  if (!device.is_cpu()) return detail::keep_mask_by_tensors(sizes, where, seed, threshold, device);
+  auto keep = at::empty(sizes, at::TensorOptions().dtype(at::kBool));
+  detail::fill_keep_mask<bool>(keep, where, seed, threshold, true);
+  return keep;
+}
+
+/// The same mask made by tensor operations on `device` (what other devices than the CPU use).
+[[nodiscard]] inline at::Tensor keyed_keep_mask_by_tensors(at::IntArrayRef sizes, const Placement& where,
+                                                           std::uint64_t key, std::uint64_t call, double p,
+                                                           const at::Device& device) {
+  return detail::keep_mask_by_tensors(sizes, where, detail::mask_seed(key, call), detail::mask_threshold(p), device);
 }
 
 /// Dropout with a keyed mask (Note [Keyed dropout]): as torch::nn::Dropout(p) in what it
@@ -99,10 +170,27 @@ class DropoutImpl : public torch::nn::Module {
   /// `x` with dropout applied; `where` places it in the whole tensor (default: whole).
   at::Tensor forward(const at::Tensor& x, const Placement& where = {}) {
     if (!is_training() || p_ == 0) return x;
-    const auto keep = keyed_keep_mask(x.sizes(), where, key_, calls_++, p_, x.device());
-    return x * keep.to(x.scalar_type()) * (1.0 / (1.0 - p_));
+    const auto call = calls_++;
+    const double scale = 1.0 / (1.0 - p_);
+    // Float and double on the CPU: the mask holds 1/(1-p) where kept, written by one loop,
+    // and is all autograd keeps (x * mask rounds as x * 1 * scale did). Elsewhere, and for
+    // 16-bit types (whose product with a float scale rounds otherwise), 0/1 then the scale.
+    if (x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble)) {
+      auto keep = at::empty(x.sizes(), x.options().requires_grad(false));
+      const auto seed = detail::mask_seed(key_, call);
+      const auto threshold = detail::mask_threshold(p_);
+      if (x.scalar_type() == at::kFloat)
+        detail::fill_keep_mask<float>(keep, where, seed, threshold, static_cast<float>(scale));
+      else
+        detail::fill_keep_mask<double>(keep, where, seed, threshold, scale);
+      return x * keep;
+    }
+    const auto keep = keyed_keep_mask(x.sizes(), where, key_, call, p_, x.device());
+    return x * keep.to(x.scalar_type()) * scale;
   }
   [[nodiscard]] double p() const noexcept { return p_; }
+  /// The key its masks are drawn with (Note [Keyed dropout]).
+  [[nodiscard]] std::uint64_t key() const noexcept { return key_; }
   /// Training forwards so far: the count that keys the next mask.
   [[nodiscard]] std::uint64_t calls() const noexcept { return calls_; }
 

@@ -48,10 +48,10 @@ class SelfAttentionImpl : public torch::nn::Module {
 
   /// [batch, sequence, hidden] (under sequence parallelism, this rank's sequence shard) → the same.
   at::Tensor forward(const at::Tensor& x) {
-    const auto entered = q->enter(x);  // one region for q, k and v: Note [Regions]
-    const auto b = entered.size(0), s = entered.size(1);
+    const auto qkv = column_parallel({q.get(), k.get(), v.get()}, x);  // one region for the three: Note [Regions]
+    const auto b = qkv[0].size(0), s = qkv[0].size(1);
     const auto split = [&](const at::Tensor& t) { return t.view({b, s, local_heads_, head_dim_}).transpose(1, 2); };
-    const auto Q = split(q->local(entered)), K = split(k->local(entered)), V = split(v->local(entered));
+    const auto Q = split(qkv[0]), K = split(qkv[1]), V = split(qkv[2]);
     auto scores = at::matmul(Q, K.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
     const auto future = at::ones({s, s}, x.options().dtype(at::kBool)).triu(1);
     scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
