@@ -102,23 +102,24 @@ say "built ${targets[*]} in $(($(date +%s) - start)) s"
 # ---- 2. the equivalence suite on CUDA ---------------------------------------------------------
 rows=()
 row() { rows+=("$(printf '%-44s %-22s %-16s %s' "$@")"); }
+suite_cases="[gpu]*"  # the suite's cases a row runs (doctest's --test-case filter)
 suite() {  # $1: processes; the rest: environment
-  local n=$1
+  local n=$1 log=$out/suite.np$1${suite_log:-}.log
   shift
   if env "$@" OMP_NUM_THREADS=1 tests/launch/torchrun_style.sh --timeout 900 "$n" "$build/tests/paratrain_gloo_tests" \
-       --requires-gpu "--test-case=[gpu]*" >"$out/suite.np$n.log" 2>&1; then
+       --requires-gpu "--test-case=$suite_cases" >"$log" 2>&1; then
     # A case that cannot run here prints "skipped: why" once (tests/gpu/gpu_support.hpp) and
     # counts as passed in doctest's summary: counted apart (rank 0's lines), so that none hides.
     local cases skipped
-    cases=$(grep -a -m1 -oE 'test cases: +[0-9]+ \| +[0-9]+ passed' "$out/suite.np$n.log" | grep -oE '[0-9]+ passed$' |
+    cases=$(grep -a -m1 -oE 'test cases: +[0-9]+ \| +[0-9]+ passed' "$log" | grep -oE '[0-9]+ passed$' |
       grep -oE '^[0-9]+' || true)
-    skipped=$(grep -a '^\[rank 0\]' "$out/suite.np$n.log" | grep -c 'skipped: ' || true)
+    skipped=$(grep -a '^\[rank 0\]' "$log" | grep -c 'skipped: ' || true)
     echo "$((${cases:-0} - skipped)) passed, $skipped skipped"
   else
     local rc=$?
     # 77: the suite saw no GPU. Where PyTorch sees one, that is a failure (a LibTorch without
     # CUDA was linked, say), not a skip: no case ran.
-    ((rc == 77 && gpus == 0)) && echo "skipped (no GPU)" || echo "FAILED (see $out/suite.np$n.log)"
+    ((rc == 77 && gpus == 0)) && echo "skipped (no GPU)" || echo "FAILED (see $log)"
   fi
 }
 failed=0
@@ -133,6 +134,12 @@ if ((gpus > 0)); then
   check_suite "equivalence on CUDA, 1 process" "Gloo, NCCL alone" 1
   check_suite "equivalence on CUDA, 2 processes" \
     "$( ((gpus >= 2)) && echo "Gloo, NCCL alone and across" || echo "sharing the GPU: Gloo, NCCL alone")" 2
+  # Tensor parallelism at t = 2 (sequence-parallel, dropout on) against the single-device
+  # model: over Gloo with the processes sharing a GPU, over NCCL where each has its own
+  # (NCCL takes no two ranks on one GPU). Those cases of the run above, counted apart.
+  suite_cases="[gpu] tensor parallelism*" suite_log=.tensor_parallel \
+    check_suite "tensor parallelism on CUDA, t = 2" \
+    "$( ((gpus >= 2)) && echo "Gloo sharing a GPU, NCCL across two" || echo "Gloo sharing the GPU; NCCL needs 2 GPUs")" 2
 else
   check_suite "equivalence, the suite's checks on the CPU" "no GPU: not on CUDA" 2 PARATRAIN_TEST_DEVICE=cpu
 fi

@@ -33,6 +33,7 @@
 #include "support/equivalence.hpp"
 #include "support/fit_reference.hpp"
 #include "support/gloo_world.hpp"
+#include "support/gpt_reference.hpp"
 
 namespace {
 
@@ -317,6 +318,13 @@ TEST_CASE("[gpu] Recompute on the GPU redraws dropout's mask: the plain layer's 
   const auto recomputed = grads(paratrain::Recompute<Block>());
   REQUIRE(recomputed.size() == plain.size());
   for (std::size_t i = 0; i < plain.size(); ++i) CHECK(torch::equal(recomputed[i], plain[i]));
+}
+
+// Tensor parallelism at t = the processes, which share the GPU (Gloo moves CUDA tensors; NCCL
+// refuses two ranks on one GPU: nccl_gpu_test.cpp's case needs a GPU each).
+TEST_CASE("[gpu] tensor parallelism over comm::Gloo, the model on the GPU, equals the single-device model") {
+  const bool sequence_parallel = gloo_world().size() > 1;
+  CHECK(paratrain_test::gpt::tensor_parallel_against_reference(gloo_world(), sequence_parallel, gpu()) <= 1e-5);
 }
 
 TEST_CASE("[gpu] comm::Gloo's collectives and sends on CUDA tensors equal the formulas") {

@@ -143,17 +143,23 @@ inline std::pair<torch::Tensor, torch::Tensor> tokens_of_step(int step, std::int
 }
 
 /// Trains Gpt at tensor degree = the size of `world` (sequence-parallel where asked; dropout
-/// on) and the reference on the same 3 sequences per step, SGD with momentum, 3 steps;
-/// returns the worst relative difference of the parameters (compared on the CPU).
+/// on), its parameters and batches on `device`, and the reference on the CPU on the same 3
+/// sequences per step, SGD with momentum, 3 steps; returns the worst relative difference of
+/// the parameters (compared on the CPU).
 template <class Comm>
-double tensor_parallel_against_reference(Comm world, bool sequence_parallel) {
+double tensor_parallel_against_reference(Comm world, bool sequence_parallel, at::Device device = at::kCPU) {
   const Config c;
   torch::manual_seed(7);
   RefGpt ref(c);
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   torch::manual_seed(7);
   const int t = world.size();
-  paratrain::DataParallel<Gpt, Comm, torch::optim::SGD> s([&] { return Gpt(c); }, std::move(world),
+  paratrain::DataParallel<Gpt, Comm, torch::optim::SGD> s([&] {
+                                                            Gpt g(c);
+                                                            g->to(device);
+                                                            return g;
+                                                          },
+                                                          std::move(world),
                                                           torch::optim::SGDOptions(0.05).momentum(0.9),
                                                           {.tensor_parallel = t, .sequence_parallel = sequence_parallel});
   const tp::CrossEntropy loss{s.tensor_group()};
@@ -162,7 +168,7 @@ double tensor_parallel_against_reference(Comm world, bool sequence_parallel) {
     ref_opt.zero_grad();
     torch::nn::functional::cross_entropy(ref(ids).reshape({-1, c.vocabulary}), targets.reshape({-1})).backward();
     ref_opt.step();
-    s.step(paratrain::Batch(ids, targets), loss);
+    s.step(paratrain::Batch(ids.to(device), targets.to(device)), loss);
   }
   std::vector<torch::Tensor> got;
   for (const auto& p : s.full_parameters()) got.push_back(p.cpu());

@@ -359,6 +359,34 @@ TEST_CASE("tensor parallelism: the parameters per rank are plan::per_rank's at t
   CHECK(static_cast<double>(s.model_state_bytes().parameters) == 4 * ((psi - replicated) / world + replicated));
 }
 
+TEST_CASE("tp::Group gathers and reduce-scatters along any dimension, blocking and started (async), as the formulas say") {
+  paratrain::Mesh<comm::Mpi> mesh(comm::Mpi(), {.tensor = comm::Mpi().size()});
+  const tp::Group g(mesh);
+  const int t = g.size(), r = g.rank();
+  // Rank q's tensor, known to every rank without communicating.
+  const auto of = [](int q, at::IntArrayRef sizes) {
+    return torch::arange(static_cast<double>(c10::multiply_integers(sizes)), torch::kFloat).reshape(sizes) * 0.5f + q;
+  };
+  for (std::int64_t dim = 0; dim < 3; ++dim) {
+    CAPTURE(dim);
+    std::vector<std::int64_t> sizes{2, 3, 4};
+    std::vector<torch::Tensor> all;
+    for (int q = 0; q < t; ++q) all.push_back(of(q, sizes));
+    const auto gathered = torch::cat(all, dim);
+    CHECK(torch::equal(g.all_gather(of(r, sizes), dim), gathered));
+    auto started = g.all_gather_async(of(r, sizes), dim);
+    CHECK(torch::equal(started.wait(), gathered));
+    // Reduce-scatter: the sum of every rank's tensor, this rank's t-th part along dim.
+    sizes[static_cast<std::size_t>(dim)] *= t;
+    torch::Tensor sum = torch::zeros(sizes);
+    for (int q = 0; q < t; ++q) sum += of(q, sizes);
+    const auto mine = sum.chunk(t, dim)[static_cast<std::size_t>(r)];
+    CHECK(torch::allclose(g.reduce_scatter(of(r, sizes), dim), mine));
+    auto scatter = g.reduce_scatter_async(of(r, sizes), dim);
+    CHECK(torch::allclose(scatter.wait(), mine));
+  }
+}
+
 TEST_CASE("keyed dropout: a part's mask is the whole's slice, the CPU's loop and the tensor operations agree bit for "
           "bit, and a fraction p drops") {
   const std::vector<std::int64_t> whole{3, 8, 5, 6};

@@ -47,7 +47,17 @@ struct ColumnParallelLinearOptions {
 // of every linear reading that input (attention's q, k and v) are one autograd function that
 // keeps the shard and gathers it again in backward: per region one more all-gather of the
 // input's bytes backward, so a block moves 6 all-gathers and 4 reduce-scatters of b·s·h under
-// sequence parallelism instead of 4 and 4 (docs/tensor-parallelism.md, "Bytes").
+// sequence parallelism instead of 4 and 4 (docs/tensor-parallelism.md, "Bytes moved").
+//
+// Note [Overlapping the regions' exchanges]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Backward needs the gathered input only for the weights' gradients, and the input's gradient
+// only for the reduce-scatter: so the re-gather starts first (Group::all_gather_async), the
+// input's gradient (Σ grad_i · W_i) is computed meanwhile, and its reduce-scatter then runs
+// (reduce_scatter_async) while the weights' gradients are computed, as Megatron-LM's
+// LinearWithGradAccumulationAndAsyncCommunication orders them. Where the communicator
+// progresses on its own (NCCL's stream, Gloo's threads) the exchanges hide behind the
+// products; Open MPI 4.1 without an asynchronous progress thread moves them mostly at wait().
 namespace detail {
 
 struct GatheredLinears : torch::autograd::Function<GatheredLinears> {
@@ -78,10 +88,24 @@ struct GatheredLinears : torch::autograd::Function<GatheredLinears> {
     const auto& shard = saved[0];
     const auto n_biases = static_cast<std::size_t>(ctx->saved_data["biases"].toInt());
     const auto n = saved.size() - 1 - n_biases;
-    const auto whole = holder->group.all_gather(shard, dim);  // again: Note [Sequence-parallel inputs kept as shards]
+    // Note [Overlapping the regions' exchanges]: the input's gather runs while the input's
+    // gradient is computed, the gradient's reduce-scatter while the weights' are.
+    auto regather = holder->group.all_gather_async(shard, dim);  // Note [Sequence-parallel inputs kept as shards]
+    at::Tensor whole_grad;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!grads[i].defined()) continue;
+      // In the gradient's type (autocast's, when the forward ran under it), each result back
+      // in its tensor's type, as autograd's casts would give.
+      const auto g2 = grads[i].reshape({-1, grads[i].size(-1)});
+      auto part = g2.mm(saved[1 + i].to(g2.scalar_type()));
+      whole_grad = whole_grad.defined() ? whole_grad + part : part;
+    }
+    const auto whole = regather.wait();
+    Pending scatter;
+    if (whole_grad.defined())
+      scatter = holder->group.reduce_scatter_async(whole_grad.view(whole.sizes()).to(shard.scalar_type()), dim);
     const auto in = whole.size(-1);
     torch::autograd::variable_list weight_grads(n), bias_grads;
-    at::Tensor whole_grad;
     for (std::size_t i = 0; i < n; ++i) {
       const auto& w = saved[1 + i];
       const bool has_bias = (with_bias >> i) & 1;
@@ -89,18 +113,12 @@ struct GatheredLinears : torch::autograd::Function<GatheredLinears> {
         if (has_bias) bias_grads.emplace_back();
         continue;
       }
-      // In the gradient's type (autocast's, when the forward ran under it), each result back
-      // in its tensor's type, as autograd's casts would give.
       const auto g2 = grads[i].reshape({-1, grads[i].size(-1)});
-      const auto x2 = whole.reshape({-1, in}).to(g2.scalar_type());
-      auto part = g2.mm(w.to(g2.scalar_type()));
-      whole_grad = whole_grad.defined() ? whole_grad + part : part;
-      weight_grads[i] = g2.t().mm(x2).to(w.scalar_type());
+      weight_grads[i] = g2.t().mm(whole.reshape({-1, in}).to(g2.scalar_type())).to(w.scalar_type());
       if (has_bias) bias_grads.push_back(g2.sum(0).to(saved[1 + n + bias_grads.size()].scalar_type()));
     }
     at::Tensor shard_grad;
-    if (whole_grad.defined())
-      shard_grad = holder->group.reduce_scatter(whole_grad.view(whole.sizes()).to(shard.scalar_type()), dim);
+    if (whole_grad.defined()) shard_grad = scatter.wait();
     torch::autograd::variable_list out{shard_grad};
     out.insert(out.end(), weight_grads.begin(), weight_grads.end());
     out.insert(out.end(), bias_grads.begin(), bias_grads.end());

@@ -36,7 +36,10 @@ namespace paratrain::tensor_parallel {
 // 2(t−1)/t of an all-reduce, (t−1)/t of the others). In those units Megatron's count
 // holds: per Transformer block, two all-reduces of b·s·h elements forward and two backward
 // without sequence parallelism, and with it two all-gathers and two reduce-scatters each
-// way: twice the operations, the same bus bytes (Korthikanti et al. 2022, §4.2.2).
+// way, the same bus bytes (Korthikanti et al. 2022, §4.2.2), and two all-gathers more in
+// backward (Note [Sequence-parallel inputs kept as shards]). all_gather_async and
+// reduce_scatter_async start the same exchanges over the communicator's non-blocking calls
+// (Note [Overlapping the regions' exchanges]).
 
 /// Bytes a tensor group's collectives moved, by kind (Note [Tensor groups]).
 struct Traffic {
@@ -51,6 +54,62 @@ struct Traffic {
     return f * (2.0 * static_cast<double>(all_reduce_bytes) + static_cast<double>(all_gather_bytes) +
                 static_cast<double>(reduce_scatter_bytes));
   }
+};
+
+/// A collective along a dimension in flight (Group::all_gather_async, reduce_scatter_async):
+/// `wait()` completes it and returns its result, `test()` makes progress and says whether it
+/// is complete. Over a communicator without non-blocking collectives, or a group of one, the
+/// operation completed when it was started. Destroyed in flight, it waits.
+class Pending {
+ public:
+  Pending() = default;
+  Pending(Pending&&) noexcept = default;
+  Pending& operator=(Pending&& o) noexcept {
+    if (this != &o) {
+      finish();
+      request_ = std::move(o.request_);
+      input_ = std::move(o.input_);
+      out_ = std::move(o.out_);
+      dim_ = o.dim_;
+    }
+    return *this;
+  }
+  ~Pending() { finish(); }
+
+  /// The result, once the operation is complete (blocks until it is).
+  [[nodiscard]] at::Tensor wait() {
+    if (request_) request_->wait();
+    request_.reset();
+    input_.reset();
+    return out_.movedim(0, dim_);
+  }
+  [[nodiscard]] bool test() { return !request_ || request_->test(); }
+
+ private:
+  friend class Group;
+  struct Request {
+    virtual ~Request() = default;
+    virtual void wait() = 0;
+    virtual bool test() = 0;
+  };
+  template <class R>
+  struct Held final : Request {
+    explicit Held(R req) : r(std::move(req)) {}
+    void wait() override { r.wait(); }
+    bool test() override { return r.test(); }
+    R r;
+  };
+  void finish() noexcept {
+    try {
+      if (request_) request_->wait();
+    } catch (...) {  // the communicator reports its failure on its own (the watchdog); nothing to add here
+    }
+    request_.reset();
+  }
+  std::unique_ptr<Request> request_;
+  at::Tensor input_;  // kept alive until the operation completes
+  at::Tensor out_;    // the result, the exchanged dimension first
+  std::int64_t dim_ = 0;
 };
 
 /// The ranks that share a layer's matrices (Note [Tensor groups]). Copies share the
@@ -118,6 +177,41 @@ class Group {
     return x.narrow(dim, rank() * n, n);
   }
 
+  /// all_gather(x, dim), started: the caller computes meanwhile (Note [Overlapping the
+  /// regions' exchanges]) and takes the result from wait().
+  [[nodiscard]] Pending all_gather_async(const at::Tensor& x, std::int64_t dim) const {
+    Pending p;
+    if (!impl_) {
+      p.out_ = x;
+      return p;
+    }
+    p.dim_ = at::maybe_wrap_dim(dim, x.dim());
+    p.input_ = x.movedim(p.dim_, 0).contiguous();
+    auto sizes = p.input_.sizes().vec();
+    sizes[0] *= size();
+    p.out_ = at::empty(sizes, p.input_.options());
+    count(counters_->all_gather_bytes, p.out_);
+    p.request_ = impl_->iall_gather(p.input_, p.out_);
+    return p;
+  }
+  /// reduce_scatter(x, dim), started; the result from wait().
+  [[nodiscard]] Pending reduce_scatter_async(const at::Tensor& x, std::int64_t dim) const {
+    Pending p;
+    if (!impl_) {
+      p.out_ = x;
+      return p;
+    }
+    p.dim_ = at::maybe_wrap_dim(dim, x.dim());
+    check_divides("reduce_scatter_async", x, p.dim_);
+    p.input_ = x.movedim(p.dim_, 0).contiguous();
+    auto sizes = p.input_.sizes().vec();
+    sizes[0] /= size();
+    p.out_ = at::empty(sizes, p.input_.options());
+    count(counters_->reduce_scatter_bytes, p.input_);
+    p.request_ = impl_->ireduce_scatter(p.input_, p.out_);
+    return p;
+  }
+
   /// What this group's collectives moved since it was made (or reset_traffic()).
   [[nodiscard]] Traffic traffic() const {
     auto t = *counters_;
@@ -135,6 +229,9 @@ class Group {
     virtual void all_reduce(at::Tensor& t, reduce_op op) = 0;
     virtual void all_gather(const at::Tensor& in, at::Tensor& out) = 0;
     virtual void reduce_scatter(const at::Tensor& in, at::Tensor& out) = 0;
+    // Started; null where the communicator has no non-blocking form (then complete).
+    virtual std::unique_ptr<Pending::Request> iall_gather(const at::Tensor& in, at::Tensor& out) = 0;
+    virtual std::unique_ptr<Pending::Request> ireduce_scatter(const at::Tensor& in, at::Tensor& out) = 0;
   };
   template <class Comm>
   struct Model final : Concept {
@@ -146,6 +243,26 @@ class Group {
     void all_gather(const at::Tensor& in, at::Tensor& out) override { comm->all_gather(in, out); }
     void reduce_scatter(const at::Tensor& in, at::Tensor& out) override {
       comm->reduce_scatter(in, out, reduce_op::sum);
+    }
+    std::unique_ptr<Pending::Request> iall_gather(const at::Tensor& in, at::Tensor& out) override {
+      if constexpr (async_sharding_communicator<Comm>) {
+        return held(comm->iall_gather(in, out));
+      } else {
+        comm->all_gather(in, out);
+        return nullptr;
+      }
+    }
+    std::unique_ptr<Pending::Request> ireduce_scatter(const at::Tensor& in, at::Tensor& out) override {
+      if constexpr (async_sharding_communicator<Comm>) {
+        return held(comm->ireduce_scatter(in, out, reduce_op::sum));
+      } else {
+        comm->reduce_scatter(in, out, reduce_op::sum);
+        return nullptr;
+      }
+    }
+    template <class R>
+    static std::unique_ptr<Pending::Request> held(R r) {
+      return std::make_unique<Pending::Held<R>>(std::move(r));
     }
     Mesh<Comm> mesh;  // keeps the group alive
     Comm* comm;

@@ -22,7 +22,8 @@ namespace paratrain::tensor_parallel {
 // et al. 2022, §4.2.2) the activations between the regions are cut along the sequence: f
 // becomes an all-gather forward whose backward is a reduce-scatter, g a reduce-scatter forward
 // whose backward is an all-gather; the same bytes, and the layer norms and dropouts between
-// them work on 1/t of the tokens. Each pair is one autograd function below: the forward
+// them work on 1/t of the tokens. (The column-parallel linears fuse f with their products to
+// keep the input as its shard: Note [Sequence-parallel inputs kept as shards].) Each pair is one autograd function below: the forward
 // exchange and the backward exchange, over the layer's group, along one dimension.
 
 namespace detail {
