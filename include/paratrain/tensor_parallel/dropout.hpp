@@ -46,24 +46,18 @@ struct Placement {
 };
 
 namespace detail {
-inline std::uint32_t mix32(std::uint32_t x) {
+// Wellons' lowbias32 mix; its second constant is a parameter (see mask_mix32).
+inline std::uint32_t mix32(std::uint32_t x, std::uint32_t second = 0x846ca68bU) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
   x ^= x >> 15;
-  x *= 0x846ca68bU;
+  x *= second;
   x ^= x >> 16;
   return x;
 }
-// The mix of the masks: as mix32 with the second constant cut to 31 bits (0x046ca68b), so
-// that the tensor form below, over int64 values < 2^32, keeps its products under 2^63.
-inline std::uint32_t mask_mix32(std::uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x046ca68bU;
-  x ^= x >> 16;
-  return x;
-}
+// The mix of the masks: the second constant cut to 31 bits (0x046ca68b), so that the tensor
+// form below, over int64 values < 2^32, keeps its products under 2^63.
+inline std::uint32_t mask_mix32(std::uint32_t x) { return mix32(x, 0x046ca68bU); }
 inline at::Tensor mask_mix32(at::Tensor x) {
   constexpr std::int64_t m = 0xffffffff;
   x = x.bitwise_xor(x.bitwise_right_shift(16));

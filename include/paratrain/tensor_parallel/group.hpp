@@ -180,36 +180,11 @@ class Group {
   /// all_gather(x, dim), started: the caller computes meanwhile (Note [Overlapping the
   /// regions' exchanges]) and takes the result from wait().
   [[nodiscard]] Pending all_gather_async(const at::Tensor& x, std::int64_t dim) const {
-    Pending p;
-    if (!impl_) {
-      p.out_ = x;
-      return p;
-    }
-    p.dim_ = at::maybe_wrap_dim(dim, x.dim());
-    p.input_ = x.movedim(p.dim_, 0).contiguous();
-    auto sizes = p.input_.sizes().vec();
-    sizes[0] *= size();
-    p.out_ = at::empty(sizes, p.input_.options());
-    count(counters_->all_gather_bytes, p.out_);
-    p.request_ = impl_->iall_gather(p.input_, p.out_);
-    return p;
+    return start(x, dim, /*gather=*/true);
   }
   /// reduce_scatter(x, dim), started; the result from wait().
   [[nodiscard]] Pending reduce_scatter_async(const at::Tensor& x, std::int64_t dim) const {
-    Pending p;
-    if (!impl_) {
-      p.out_ = x;
-      return p;
-    }
-    p.dim_ = at::maybe_wrap_dim(dim, x.dim());
-    check_divides("reduce_scatter_async", x, p.dim_);
-    p.input_ = x.movedim(p.dim_, 0).contiguous();
-    auto sizes = p.input_.sizes().vec();
-    sizes[0] /= size();
-    p.out_ = at::empty(sizes, p.input_.options());
-    count(counters_->reduce_scatter_bytes, p.input_);
-    p.request_ = impl_->ireduce_scatter(p.input_, p.out_);
-    return p;
+    return start(x, dim, /*gather=*/false);
   }
 
   /// What this group's collectives moved since it was made (or reset_traffic()).
@@ -268,6 +243,24 @@ class Group {
     Comm* comm;
   };
 
+  // The exchange along `dim` started: its dimension moved first, flat, into a result that
+  // grows (all-gather) or shrinks (reduce-scatter) t times along it.
+  [[nodiscard]] Pending start(const at::Tensor& x, std::int64_t dim, bool gather) const {
+    Pending p;
+    if (!impl_) {
+      p.out_ = x;
+      return p;
+    }
+    p.dim_ = at::maybe_wrap_dim(dim, x.dim());
+    if (!gather) check_divides("reduce_scatter_async", x, p.dim_);
+    p.input_ = x.movedim(p.dim_, 0).contiguous();
+    auto sizes = p.input_.sizes().vec();
+    sizes[0] = gather ? sizes[0] * size() : sizes[0] / size();
+    p.out_ = at::empty(sizes, p.input_.options());
+    count(gather ? counters_->all_gather_bytes : counters_->reduce_scatter_bytes, gather ? p.out_ : p.input_);
+    p.request_ = gather ? impl_->iall_gather(p.input_, p.out_) : impl_->ireduce_scatter(p.input_, p.out_);
+    return p;
+  }
   void count(std::int64_t& bytes, const at::Tensor& t) const {
     bytes += static_cast<std::int64_t>(t.numel()) * static_cast<std::int64_t>(t.element_size());
     ++counters_->calls;
