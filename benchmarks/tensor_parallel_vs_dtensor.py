@@ -12,6 +12,9 @@ x + out(causal attention(q, k, v of ln1(x))), then + fc2(gelu(fc1(ln2(x)))) (exa
 Data: torch.manual_seed(seed + 1), x and target torch.randn(batch, seq, hidden), the same on
 every rank (tensor parallelism alone); loss mse_loss(model(x), target), SGD(lr, momentum).
 
+--device cuda: rank r on GPU r over NCCL (as many GPUs as ranks), the model built on the CPU
+from the seed and moved there, the data too; each step's time waits for the GPU.
+
 Each block is parallelize_module-d over a 1-D mesh of all ranks (init_device_mesh("cpu")):
 q, k, v and fc1 ColwiseParallel, out and fc2 RowwiseParallel (two all-reduces forward, two
 backward). --sequence-parallel: torchtitan's plan, ln1/ln2 SequenceParallel, the attention
@@ -67,7 +70,7 @@ def build(args):
 
             q, k, v = heads(self.q(a)), heads(self.k(a)), heads(self.v(a))
             scores = q @ k.transpose(-2, -1) / math.sqrt(self.d)
-            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool, device=a.device).triu(1), float("-inf"))
             mixed = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
             return self.out(mixed)
 
@@ -167,11 +170,15 @@ def run(rank, args):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    peer.join(rank, args.ranks, bind=args.bind)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)  # a GPU per rank: NCCL takes no two ranks on one
+    peer.join(rank, args.ranks, bind=args.bind, backend="nccl" if cuda else "gloo")
     t = dist.get_world_size()
-    model = build(args)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    model = build(args).to(device)  # built on the CPU from the seed, as paratrain builds its slices
     if not args.no_parallelize:
-        mesh = init_device_mesh("cpu", (t,))
+        mesh = init_device_mesh(device.type, (t,))
         for block in model.blocks:
             parallelize_module(block, mesh, plan(args.sequence_parallel))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -182,11 +189,14 @@ def run(rank, args):
     whole = target.numel()
     if args.sequence_parallel:  # this rank's sequence shard, as Shard(1) cuts it
         x, target = x.chunk(t, dim=1)[rank].contiguous(), target.chunk(t, dim=1)[rank].contiguous()
+    x, target = x.to(device), target.to(device)
 
     seconds, losses = [], []
     for step in range(args.steps):
         if step == args.warmup:
             dist.barrier()  # the timed steps start together
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         optimizer.zero_grad()
         y = model(x)
@@ -199,15 +209,17 @@ def run(rank, args):
             whole_grads(model)
         optimizer.step()
         losses.append(loss.item())  # as paratrain reads the loss every step
+        if cuda:
+            torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         if rank == 0 and args.verbose:
             print(f"step {step + 1}/{args.steps}: {1e3 * seconds[-1]:.1f} ms, loss {losses[-1]:.6f}",
                   file=sys.stderr, flush=True)
 
     measured = len(seconds) - args.warmup
-    timed = torch.tensor([sum(seconds[args.warmup:]) / max(measured, 1)], dtype=torch.float64)
+    timed = torch.tensor([sum(seconds[args.warmup:]) / max(measured, 1)], dtype=torch.float64, device=device)
     dist.all_reduce(timed, op=dist.ReduceOp.MAX)  # the slowest rank's mean
-    shares = torch.tensor([losses[0], losses[-1]], dtype=torch.float64)
+    shares = torch.tensor([losses[0], losses[-1]], dtype=torch.float64, device=device)
     if args.sequence_parallel:
         dist.all_reduce(shares)  # the ranks' shares of each loss
     if args.weights_out:
@@ -222,7 +234,7 @@ def run(rank, args):
             "ms_per_step": round(1e3 * timed.item(), 3) if measured > 0 else None,
             "parameters": sum(p.numel() for p in model.parameters()),  # DTensor: the whole's count
             "loss_first": shares[0].item(), "loss_last": shares[1].item(),
-            "threads": torch.get_num_threads(), "bind": args.bind}), flush=True)
+            "threads": torch.get_num_threads(), "bind": args.bind, "device": device.type}), flush=True)
     dist.destroy_process_group()
 
 
@@ -241,6 +253,8 @@ def main():
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--bind", action="store_true", help="pin rank r to core r")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (Gloo) or cuda (NCCL, rank r on GPU r: as many GPUs as ranks)")
     p.add_argument("--weights-out", metavar="PATH", help="write the final weights to PATH (and PATH.json)")
     p.add_argument("--sequence-parallel", action="store_true", help="torchtitan's sequence-parallel plan")
     p.add_argument("--no-parallelize", action="store_true", help="the plain model, no parallelize_module (one rank)")

@@ -16,6 +16,8 @@
 #     step time with its MFU (transformer_single --bf16 against transformer_vs_torch.py --bf16),
 #     and bench_zero's models at every ZeRO stage over NCCL (bench_zero_rendezvous against
 #     zero_vs_torch.py --device cuda: DDP, ZeroRedundancyOptimizer, FSDP), steps/s and peak memory;
+#     and, on two GPUs, tensor parallelism at t = 2 with and without sequence parallelism
+#     (bench_tensor_parallel_rendezvous against tensor_parallel_vs_dtensor.py --device cuda);
 #  5. prints one summary table (and writes it, with every log, to $out).
 #
 # Both sides run with the same allocator settings: glibc's MALLOC_MMAP_THRESHOLD_=67108864
@@ -92,7 +94,7 @@ export LD_LIBRARY_PATH=$torch_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 say "configuring in $build"
 cmake -S . -B "$build" "${cmake_args[@]}" >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log" >&2; exit 1; }
 grep -E '^-- paratrain:' "$out/configure.log" | sed 's/^-- /gpu-check: /' >&2 || true
-targets=(paratrain_gloo_tests fashion_mnist_single transformer_single bench_zero_rendezvous)
+targets=(paratrain_gloo_tests fashion_mnist_single transformer_single bench_zero_rendezvous bench_tensor_parallel_rendezvous)
 grep -q 'paratrain::nccl with' "$out/configure.log" && targets+=(fashion_mnist_ddp_nccl)
 grep -q 'paratrain::gloo with' "$out/configure.log" || { say "no paratrain::gloo (c10d Gloo or its headers missing): run scripts/gpu-deps.sh"; exit 1; }
 start=$(date +%s)
@@ -234,6 +236,31 @@ if ((gpus > 0)) && grep -q 'paratrain::nccl with' "$out/configure.log"; then
   done
 else
   row "bench_zero's models" "not run" "" "$( ((gpus > 0)) && echo "no paratrain::nccl" || echo "no GPU visible to PyTorch")"
+fi
+
+# Tensor parallelism at t = 2 beside PyTorch's DTensor (parallelize_module, Colwise/Rowwise;
+# torchtitan's sequence-parallel plan), both over NCCL with rank r on GPU r: the same stack of 4
+# GPT blocks (hidden 256, 8 heads, MLP 1024), batch 8 x 64 tokens, SGD with momentum, from the
+# same seed's weights; step time and the final weights against each other. NCCL takes no two
+# ranks on one GPU, so this needs two.
+if ((gpus >= 2)) && grep -q 'paratrain::nccl with' "$out/configure.log"; then
+  shape=(--steps "$((quick ? 8 : 30))" --warmup "$((quick ? 3 : 10))" --layers 4 --batch 8 --seq 64 --hidden 256
+         --heads 8 --ffn 1024)
+  for mode in tp sp; do
+    flag=()
+    [[ $mode == sp ]] && flag=(--sequence-parallel)
+    log=$out/tensor_parallel_$mode
+    tests/launch/torchrun_style.sh --timeout 900 2 "$build/benchmarks/bench_tensor_parallel_rendezvous" --device cuda \
+      "${shape[@]}" "${flag[@]}" --weights-out "$log.paratrain.weights" >"$log.paratrain.log" 2>&1 || failed=1
+    "$python" benchmarks/tensor_parallel_vs_dtensor.py --ranks 2 --device cuda "${shape[@]}" "${flag[@]}" \
+      --weights-out "$log.pytorch.weights" >"$log.pytorch.log" 2>&1 || failed=1
+    p=$(json "$log.paratrain.log") t=$(json "$log.pytorch.log")
+    w=$("$python" benchmarks/compare_weights.py "$log.paratrain.weights" "$log.pytorch.weights" 2>/dev/null || true)
+    row "tensor parallel t = 2$([[ $mode == sp ]] && echo " + sequence") ms/step" "$(field "$p" ms_per_step)" \
+        "$(field "$t" ms_per_step)" "PyTorch/paratrain $(ratio "$(field "$t" ms_per_step)" "$(field "$p" ms_per_step)") (goal >= 1.0x); weights max rel. diff $(field "$w" max_relative_difference)"
+  done
+else
+  row "tensor parallel vs DTensor, t = 2" "not run" "" "$( ((gpus >= 2)) && echo "no paratrain::nccl" || echo "needs 2 GPUs (NCCL: one rank per GPU)")"
 fi
 
 # ---- 5. the table -----------------------------------------------------------------------------
