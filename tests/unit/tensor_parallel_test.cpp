@@ -432,7 +432,10 @@ TEST_CASE("tensor parallelism: a step's peak is plan::peak with Korthikanti et a
   const Config c{.vocabulary = 96, .positions = 48, .hidden = 48, .heads = 12, .ffn = 192, .layers = 4, .dropout = 0.1};
   const std::int64_t batch = 8;
   std::vector<double> peaks;  // at t = world: without, then with sequence parallelism
-  for (const int t : {1, world}) {
+  std::vector<int> degrees{1};
+  if (world > 1) degrees.push_back(world);
+  int measured = 0;
+  for (const int t : degrees) {
     for (const bool sp : {false, true}) {
       if (sp && t == 1) continue;
       CAPTURE(t);
@@ -458,13 +461,16 @@ TEST_CASE("tensor parallelism: a step's peak is plan::peak with Korthikanti et a
       CAPTURE(peak);
       CAPTURE(planned.total());
       CAPTURE(planned.states.activations);
-      // Within 10% of the plan (measured: 3.7% at t = 1, 4.8-7.8% at t = 2-4; what is above is
-      // the transients of a step: attention's scores before the softmax, the logits' gradient).
+      // Within 10% of the plan (measured: 3.7% above at t = 1, 4.8-7.8% at t = 2-4): what is
+      // above is a step's transients the formula does not hold, such as attention's scores
+      // before the softmax and the logits' gradient.
       CHECK(peak <= 1.10 * planned.total());
       CHECK(peak >= 0.90 * planned.total());
       if (t > 1) peaks.push_back(peak);
+      ++measured;
     }
   }
+  CHECK(measured == (world > 1 ? 3 : 1));
   // Sequence parallelism cuts what the layers keep t ways: its peak is the lower one.
   if (world > 1) CHECK(peaks[1] < peaks[0]);
 }
