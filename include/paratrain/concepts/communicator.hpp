@@ -19,6 +19,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <concepts>
+#include <memory>
+#include <type_traits>
+#include <utility>
 
 #include "paratrain/core/reduce_op.hpp"
 
@@ -30,6 +33,37 @@ template <class R>
 concept request = std::movable<R> && requires(R& r) {
   r.wait();
   { r.test() } -> std::same_as<bool>;
+};
+
+/// Any request, behind one type: what a gradient hook that starts different collectives (or
+/// a chain of them) returns, and what a tensor group's started exchange waits on
+/// (tp::Pending). A default-constructed one is complete.
+class AnyRequest {
+ public:
+  AnyRequest() = default;
+  template <request R>
+    requires(!std::same_as<std::remove_cvref_t<R>, AnyRequest>)
+  AnyRequest(R r) : self_(std::make_unique<Model<R>>(std::move(r))) {}  // NOLINT: any request converts
+
+  void wait() {
+    if (self_) self_->wait();
+  }
+  [[nodiscard]] bool test() { return !self_ || self_->test(); }
+
+ private:
+  struct Base {
+    virtual ~Base() = default;
+    virtual void wait() = 0;
+    virtual bool test() = 0;
+  };
+  template <class R>
+  struct Model final : Base {
+    explicit Model(R r) : inner(std::move(r)) {}
+    void wait() override { inner.wait(); }
+    bool test() override { return inner.test(); }
+    R inner;
+  };
+  std::unique_ptr<Base> self_;
 };
 
 /// A group of ranks that can reduce and broadcast tensors in place.

@@ -91,31 +91,31 @@ struct GatheredLinears : torch::autograd::Function<GatheredLinears> {
     // Note [Overlapping the regions' exchanges]: the input's gather runs while the input's
     // gradient is computed, the gradient's reduce-scatter while the weights' are.
     auto regather = holder->group.all_gather_async(shard, dim);  // Note [Sequence-parallel inputs kept as shards]
+    // Each output's gradient as a matrix; computed in its type (autocast's, when the forward
+    // ran under it), each result back in its tensor's type, as autograd's casts would give.
+    std::vector<at::Tensor> g2(n);
     at::Tensor whole_grad;
     for (std::size_t i = 0; i < n; ++i) {
       if (!grads[i].defined()) continue;
-      // In the gradient's type (autocast's, when the forward ran under it), each result back
-      // in its tensor's type, as autograd's casts would give.
-      const auto g2 = grads[i].reshape({-1, grads[i].size(-1)});
-      auto part = g2.mm(saved[1 + i].to(g2.scalar_type()));
-      whole_grad = whole_grad.defined() ? whole_grad + part : part;
+      g2[i] = grads[i].reshape({-1, grads[i].size(-1)});
+      const auto w = saved[1 + i].to(g2[i].scalar_type());
+      whole_grad = whole_grad.defined() ? whole_grad.addmm_(g2[i], w) : g2[i].mm(w);
     }
     const auto whole = regather.wait();
     Pending scatter;
     if (whole_grad.defined())
       scatter = holder->group.reduce_scatter_async(whole_grad.view(whole.sizes()).to(shard.scalar_type()), dim);
-    const auto in = whole.size(-1);
+    at::Tensor x2;  // the gathered input as a matrix, in the gradients' type: once for every output
     torch::autograd::variable_list weight_grads(n), bias_grads;
     for (std::size_t i = 0; i < n; ++i) {
-      const auto& w = saved[1 + i];
       const bool has_bias = (with_bias >> i) & 1;
-      if (!grads[i].defined()) {
+      if (!g2[i].defined()) {
         if (has_bias) bias_grads.emplace_back();
         continue;
       }
-      const auto g2 = grads[i].reshape({-1, grads[i].size(-1)});
-      weight_grads[i] = g2.t().mm(whole.reshape({-1, in}).to(g2.scalar_type())).to(w.scalar_type());
-      if (has_bias) bias_grads.push_back(g2.sum(0).to(saved[1 + n + bias_grads.size()].scalar_type()));
+      if (!x2.defined()) x2 = whole.reshape({-1, whole.size(-1)}).to(g2[i].scalar_type());
+      weight_grads[i] = g2[i].t().mm(x2).to(saved[1 + i].scalar_type());
+      if (has_bias) bias_grads.push_back(g2[i].sum(0).to(saved[1 + n + bias_grads.size()].scalar_type()));
     }
     at::Tensor shard_grad;
     if (whole_grad.defined()) shard_grad = scatter.wait();

@@ -78,37 +78,25 @@ class Pending {
 
   /// The result, once the operation is complete (blocks until it is).
   [[nodiscard]] at::Tensor wait() {
-    if (request_) request_->wait();
-    request_.reset();
+    request_.wait();
+    request_ = {};
     input_.reset();
-    return out_.movedim(0, dim_);
+    return dim_ == 0 ? out_ : out_.movedim(0, dim_);
   }
-  [[nodiscard]] bool test() { return !request_ || request_->test(); }
+  [[nodiscard]] bool test() { return request_.test(); }
 
  private:
   friend class Group;
-  struct Request {
-    virtual ~Request() = default;
-    virtual void wait() = 0;
-    virtual bool test() = 0;
-  };
-  template <class R>
-  struct Held final : Request {
-    explicit Held(R req) : r(std::move(req)) {}
-    void wait() override { r.wait(); }
-    bool test() override { return r.test(); }
-    R r;
-  };
   void finish() noexcept {
     try {
-      if (request_) request_->wait();
+      request_.wait();
     } catch (...) {  // the communicator reports its failure on its own (the watchdog); nothing to add here
     }
-    request_.reset();
+    request_ = {};
   }
-  std::unique_ptr<Request> request_;
-  at::Tensor input_;  // kept alive until the operation completes
-  at::Tensor out_;    // the result, the exchanged dimension first
+  AnyRequest request_;  // default: complete
+  at::Tensor input_;    // kept alive until the operation completes
+  at::Tensor out_;      // the result, the exchanged dimension first
   std::int64_t dim_ = 0;
 };
 
@@ -145,28 +133,11 @@ class Group {
   }
   /// Every rank's `x`, concatenated along `dim` in rank order.
   [[nodiscard]] at::Tensor all_gather(const at::Tensor& x, std::int64_t dim) const {
-    if (!impl_) return x;
-    dim = at::maybe_wrap_dim(dim, x.dim());
-    const auto in = x.movedim(dim, 0).contiguous();
-    auto sizes = in.sizes().vec();
-    sizes[0] *= size();
-    auto out = at::empty(sizes, in.options());
-    count(counters_->all_gather_bytes, out);
-    impl_->all_gather(in, out);
-    return out.movedim(0, dim);
+    return exchange(x, dim, /*gather=*/true, /*started=*/false).wait();
   }
   /// The sum over the group of `x`, cut along `dim` into size() equal parts: this rank's part.
   [[nodiscard]] at::Tensor reduce_scatter(const at::Tensor& x, std::int64_t dim) const {
-    if (!impl_) return x;
-    dim = at::maybe_wrap_dim(dim, x.dim());
-    check_divides("reduce_scatter", x, dim);
-    const auto in = x.movedim(dim, 0).contiguous();
-    auto sizes = in.sizes().vec();
-    sizes[0] /= size();
-    auto out = at::empty(sizes, in.options());
-    count(counters_->reduce_scatter_bytes, in);
-    impl_->reduce_scatter(in, out);
-    return out.movedim(0, dim);
+    return exchange(x, dim, /*gather=*/false, /*started=*/false).wait();
   }
   /// This rank's part of `x` cut along `dim` into size() equal parts (no communication).
   [[nodiscard]] at::Tensor part(const at::Tensor& x, std::int64_t dim) const {
@@ -180,11 +151,11 @@ class Group {
   /// all_gather(x, dim), started: the caller computes meanwhile (Note [Overlapping the
   /// regions' exchanges]) and takes the result from wait().
   [[nodiscard]] Pending all_gather_async(const at::Tensor& x, std::int64_t dim) const {
-    return start(x, dim, /*gather=*/true);
+    return exchange(x, dim, /*gather=*/true, /*started=*/true);
   }
   /// reduce_scatter(x, dim), started; the result from wait().
   [[nodiscard]] Pending reduce_scatter_async(const at::Tensor& x, std::int64_t dim) const {
-    return start(x, dim, /*gather=*/false);
+    return exchange(x, dim, /*gather=*/false, /*started=*/true);
   }
 
   /// What this group's collectives moved since it was made (or reset_traffic()).
@@ -204,9 +175,9 @@ class Group {
     virtual void all_reduce(at::Tensor& t, reduce_op op) = 0;
     virtual void all_gather(const at::Tensor& in, at::Tensor& out) = 0;
     virtual void reduce_scatter(const at::Tensor& in, at::Tensor& out) = 0;
-    // Started; null where the communicator has no non-blocking form (then complete).
-    virtual std::unique_ptr<Pending::Request> iall_gather(const at::Tensor& in, at::Tensor& out) = 0;
-    virtual std::unique_ptr<Pending::Request> ireduce_scatter(const at::Tensor& in, at::Tensor& out) = 0;
+    // Started; complete already where the communicator has no non-blocking form.
+    virtual AnyRequest iall_gather(const at::Tensor& in, at::Tensor& out) = 0;
+    virtual AnyRequest ireduce_scatter(const at::Tensor& in, at::Tensor& out) = 0;
   };
   template <class Comm>
   struct Model final : Concept {
@@ -219,46 +190,40 @@ class Group {
     void reduce_scatter(const at::Tensor& in, at::Tensor& out) override {
       comm->reduce_scatter(in, out, reduce_op::sum);
     }
-    std::unique_ptr<Pending::Request> iall_gather(const at::Tensor& in, at::Tensor& out) override {
-      if constexpr (async_sharding_communicator<Comm>) {
-        return held(comm->iall_gather(in, out));
-      } else {
-        comm->all_gather(in, out);
-        return nullptr;
-      }
+    AnyRequest iall_gather(const at::Tensor& in, at::Tensor& out) override {
+      if constexpr (async_sharding_communicator<Comm>) return comm->iall_gather(in, out);
+      all_gather(in, out);
+      return {};
     }
-    std::unique_ptr<Pending::Request> ireduce_scatter(const at::Tensor& in, at::Tensor& out) override {
-      if constexpr (async_sharding_communicator<Comm>) {
-        return held(comm->ireduce_scatter(in, out, reduce_op::sum));
-      } else {
-        comm->reduce_scatter(in, out, reduce_op::sum);
-        return nullptr;
-      }
-    }
-    template <class R>
-    static std::unique_ptr<Pending::Request> held(R r) {
-      return std::make_unique<Pending::Held<R>>(std::move(r));
+    AnyRequest ireduce_scatter(const at::Tensor& in, at::Tensor& out) override {
+      if constexpr (async_sharding_communicator<Comm>) return comm->ireduce_scatter(in, out, reduce_op::sum);
+      reduce_scatter(in, out);
+      return {};
     }
     Mesh<Comm> mesh;  // keeps the group alive
     Comm* comm;
   };
 
-  // The exchange along `dim` started: its dimension moved first, flat, into a result that
-  // grows (all-gather) or shrinks (reduce-scatter) t times along it.
-  [[nodiscard]] Pending start(const at::Tensor& x, std::int64_t dim, bool gather) const {
+  // The exchange along `dim`, blocking or started: its dimension moved first, flat, into a
+  // result that grows (all-gather) or shrinks (reduce-scatter) t times along it.
+  [[nodiscard]] Pending exchange(const at::Tensor& x, std::int64_t dim, bool gather, bool started) const {
     Pending p;
     if (!impl_) {
       p.out_ = x;
       return p;
     }
     p.dim_ = at::maybe_wrap_dim(dim, x.dim());
-    if (!gather) check_divides("reduce_scatter_async", x, p.dim_);
+    if (!gather) check_divides("reduce_scatter", x, p.dim_);
     p.input_ = x.movedim(p.dim_, 0).contiguous();
     auto sizes = p.input_.sizes().vec();
     sizes[0] = gather ? sizes[0] * size() : sizes[0] / size();
     p.out_ = at::empty(sizes, p.input_.options());
     count(gather ? counters_->all_gather_bytes : counters_->reduce_scatter_bytes, gather ? p.out_ : p.input_);
-    p.request_ = gather ? impl_->iall_gather(p.input_, p.out_) : impl_->ireduce_scatter(p.input_, p.out_);
+    if (!started) {
+      gather ? impl_->all_gather(p.input_, p.out_) : impl_->reduce_scatter(p.input_, p.out_);
+    } else {
+      p.request_ = gather ? impl_->iall_gather(p.input_, p.out_) : impl_->ireduce_scatter(p.input_, p.out_);
+    }
     return p;
   }
   void count(std::int64_t& bytes, const at::Tensor& t) const {

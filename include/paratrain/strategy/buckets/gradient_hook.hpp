@@ -79,36 +79,6 @@ concept gradient_hook = std::movable<H> && requires(H& h, GradientBucket<Comm>& 
   { h.launch(b) } -> request;
 };
 
-/// Any request, behind one type: what a hook that starts different collectives (or a
-/// chain of them) returns. A default-constructed one is complete.
-class AnyRequest {
- public:
-  AnyRequest() = default;
-  template <request R>
-    requires(!std::same_as<std::remove_cvref_t<R>, AnyRequest>)
-  AnyRequest(R r) : self_(std::make_unique<Model<R>>(std::move(r))) {}  // NOLINT: any request converts
-
-  void wait() {
-    if (self_) self_->wait();
-  }
-  [[nodiscard]] bool test() { return !self_ || self_->test(); }
-
- private:
-  struct Base {
-    virtual ~Base() = default;
-    virtual void wait() = 0;
-    virtual bool test() = 0;
-  };
-  template <class R>
-  struct Model final : Base {
-    explicit Model(R r) : inner(std::move(r)) {}
-    void wait() override { inner.wait(); }
-    bool test() override { return inner.test(); }
-    R inner;
-  };
-  std::unique_ptr<Base> self_;
-};
-
 /// Any gradient hook over `Comm`, behind one type: what a strategy holds, so that a hook is
 /// chosen at run time (DataParallel::register_gradient_hook, deterministic mode).
 template <class Comm>
