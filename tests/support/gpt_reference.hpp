@@ -142,6 +142,18 @@ inline std::pair<torch::Tensor, torch::Tensor> tokens_of_step(int step, std::int
   return {ids.narrow(1, 0, length).contiguous(), ids.narrow(1, 1, length).contiguous()};
 }
 
+/// Steps [first, last) of the single-device reference with `opt`: each on tokens_of_step's
+/// `sequences` sequences, the mean cross-entropy over every token.
+inline void train_reference(RefGpt& ref, torch::optim::Optimizer& opt, const Config& c, std::int64_t sequences,
+                            int first, int last) {
+  for (int step = first; step < last; ++step) {
+    const auto [ids, targets] = tokens_of_step(step, sequences, c, c.positions);
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(ref(ids).reshape({-1, c.vocabulary}), targets.reshape({-1})).backward();
+    opt.step();
+  }
+}
+
 /// Trains Gpt at tensor degree = the size of `world` (sequence-parallel where asked; dropout
 /// on), its parameters and batches on `device`, and the reference on the CPU on the same 3
 /// sequences per step, SGD with momentum, 3 steps; returns the worst relative difference of
@@ -165,9 +177,7 @@ double tensor_parallel_against_reference(Comm world, bool sequence_parallel, at:
   const tp::CrossEntropy loss{s.tensor_group()};
   for (int step = 0; step < 3; ++step) {
     const auto [ids, targets] = tokens_of_step(step, 3, c, c.positions);
-    ref_opt.zero_grad();
-    torch::nn::functional::cross_entropy(ref(ids).reshape({-1, c.vocabulary}), targets.reshape({-1})).backward();
-    ref_opt.step();
+    train_reference(ref, ref_opt, c, 3, step, step + 1);
     s.step(paratrain::Batch(ids.to(device), targets.to(device)), loss);
   }
   std::vector<torch::Tensor> got;

@@ -46,6 +46,7 @@ using paratrain_test::gpt::max_relative_difference;
 using paratrain_test::gpt::RefGpt;
 using paratrain_test::gpt::reference_slices;
 using paratrain_test::gpt::tokens_of_step;
+using paratrain_test::gpt::train_reference;
 
 struct Run {
   int tensor = 1;
@@ -159,9 +160,7 @@ double pipeline_both(int tensor, bool sequence_parallel) {
   const std::int64_t micro = 2, per_micro = 2, replicas = s.replicas();
   for (int step = 0; step < 3; ++step) {
     const auto [ids, targets] = tokens_of_step(step, replicas * micro * per_micro, c, c.positions);
-    ref_opt.zero_grad();
-    torch::nn::functional::cross_entropy(ref(ids).reshape({-1, c.vocabulary}), targets.reshape({-1})).backward();
-    ref_opt.step();
+    train_reference(ref, ref_opt, c, replicas * micro * per_micro, step, step + 1);
     std::vector<paratrain::Batch> mine;
     for (std::int64_t m = 0; m < micro; ++m) {
       const auto row = (s.replica() * micro + m) * per_micro;
@@ -223,12 +222,7 @@ TEST_CASE("data x pipeline x tensor checkpoints (2 x 2 x 2) reshard: 3-D -> DDP 
   torch::manual_seed(21);
   RefGpt ref(c, /*back_seed=*/22);
   torch::optim::Adam ref_opt(ref->parameters(), torch::optim::AdamOptions(0.01).eps(1e-3));
-  for (int step = 0; step < 6; ++step) {
-    const auto [ids, targets] = tokens_of_step(step, 8, c, c.positions);
-    ref_opt.zero_grad();
-    torch::nn::functional::cross_entropy(ref(ids).reshape({-1, c.vocabulary}), targets.reshape({-1})).backward();
-    ref_opt.step();
-  }
+  train_reference(ref, ref_opt, c, 8, 0, 6);
   const auto a = paratrain_test::shared_dir(world, "tp_ckpt_3d_a"), b = paratrain_test::shared_dir(world, "tp_ckpt_3d_b");
   three_d_leg(c, ref, {}, a, 0, 2);
   {
@@ -284,12 +278,7 @@ TEST_CASE("tensor-parallel checkpoints reshard: t = 2 -> 1 -> world with Adam, a
   torch::manual_seed(11);
   RefGpt ref(c);
   torch::optim::Adam opt(ref->parameters(), torch::optim::AdamOptions(0.01).eps(1e-3));
-  for (int step = 0; step < 6; ++step) {
-    const auto [ids, targets] = tokens_of_step(step, 4, c, c.positions);
-    opt.zero_grad();
-    torch::nn::functional::cross_entropy(ref(ids).reshape({-1, c.vocabulary}), targets.reshape({-1})).backward();
-    opt.step();
-  }
+  train_reference(ref, opt, c, 4, 0, 6);
   const auto compare = [&](int tensor, const std::vector<torch::Tensor>& got) {
     // A strategy at this degree only to know which slice of each parameter this rank holds.
     using Strategy = paratrain::DataParallel<Gpt, comm::Mpi, torch::optim::SGD>;
