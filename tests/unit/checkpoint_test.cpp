@@ -12,6 +12,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -390,6 +393,202 @@ TEST_CASE("fit resumed at another world size with the same global batch equals t
     fs::remove_all(dir);
   }
   c.barrier();
+}
+
+namespace {
+
+// Note [The elastic scenario]
+// One job that loses ranks and gets them back, in one mpirun: the world's first W ranks
+// train and are interrupted (every rank at the same step, as a lost rank ends a job), then
+// W - 1 of them resume from the newest checkpoint, then W - 2 (at least 1), then all W
+// again to the end; the first start sets the global batch (12: every world size here
+// divides it) and the resumes keep the checkpoint's, each rank taking 12 / world per step
+// in micro-batches of at most 4. Which samples each step trained on is logged from the
+// loss (its targets carry the sample's id); a step trained again after a resume counts as
+// the resumed run trained it.
+constexpr std::int64_t elastic_samples = 96, elastic_global = 12, elastic_epochs = 3;
+constexpr std::uint64_t elastic_seed = 3;
+
+const paratrain::data::TensorDataset& elastic_data() {
+  static const Data d;
+  static const paratrain::data::TensorDataset set(
+      d.x.narrow(0, 0, elastic_samples),
+      torch::stack({d.y.narrow(0, 0, elastic_samples), torch::arange(elastic_samples, torch::kLong)}, 1));
+  return set;
+}
+
+// Cross-entropy over column 0 of the targets; column 1, the samples' ids, is noted down.
+struct LoggingLoss {
+  std::vector<std::int64_t>* seen;
+  torch::Tensor operator()(const torch::Tensor& out, const torch::Tensor& target) const {
+    const auto ids = target.select(1, 1).contiguous();
+    seen->insert(seen->end(), ids.data_ptr<std::int64_t>(), ids.data_ptr<std::int64_t>() + ids.numel());
+    return loss_fn(out, target.select(1, 0));
+  }
+};
+
+using StepLog = std::map<std::int64_t, std::vector<std::int64_t>>;  // step -> sample ids
+
+// One start of the job on `s`: fit until `stop_after` (-1: the end), each step's samples
+// written to `log` (this rank's part) as it ends.
+template <class Strategy>
+void elastic_start(Strategy& s, const fs::path& dir, std::int64_t global_batch, std::int64_t stop_after,
+                   const fs::path& log) {
+  std::vector<std::int64_t> seen;
+  std::ofstream out(log);
+  const auto note = [&](const paratrain::StepInfo& i) {
+    out << i.step;
+    for (const auto id : seen) out << ' ' << id;
+    out << '\n' << std::flush;
+    seen.clear();
+    if (i.step == stop_after) throw Interrupt{};
+  };
+  paratrain::fit(s, elastic_data(),
+                 {.epochs = static_cast<int>(elastic_epochs),
+                  .batch_size = 4,
+                  .global_batch_size = global_batch,
+                  .seed = elastic_seed,
+                  .progress = false,
+                  .on_step = note,
+                  .checkpoint = {.directory = dir, .every_steps = 3, .async = false}},
+                 LoggingLoss{&seen});
+}
+
+// The steps of every start's logs in `files` (each start's, in order), a later start's
+// record of a step replacing an earlier one's.
+StepLog merged_steps(const std::vector<std::vector<fs::path>>& starts) {
+  StepLog all;
+  for (const auto& files : starts) {
+    StepLog now;
+    for (const auto& f : files) {
+      std::ifstream in(f);
+      for (std::string line; std::getline(in, line);) {
+        std::istringstream fields(line);
+        std::int64_t step = 0, id = 0;
+        fields >> step;
+        auto& ids = now[step];
+        while (fields >> id) ids.push_back(id);
+      }
+    }
+    for (auto& [step, ids] : now) all[step] = std::move(ids);
+  }
+  return all;
+}
+
+// Plain LibTorch on one device: SGD with momentum over the logged global batches.
+// From the strategies' first parameters (rank 0's, broadcast).
+std::vector<torch::Tensor> reference_over(const StepLog& steps, torch::optim::SGDOptions opts) {
+  auto model = other_model(0);
+  torch::optim::SGD optim(model->parameters(), opts);
+  const auto& d = elastic_data();
+  for (const auto& [step, ids] : steps) {
+    optim.zero_grad();
+    const auto b = d.get(torch::tensor(ids, torch::kLong));
+    loss_fn(model->forward(b.input()), b.target.select(1, 0)).backward();
+    optim.step();
+  }
+  return model->parameters();
+}
+
+// Runs the scenario on strategies built by `make(communicator)`; returns the merged log and
+// leaves the last start's parameters in `got` (on rank 0), the uninterrupted run's in `want`.
+template <class Make>
+StepLog elastic_scenario(comm::Mpi& world, const std::string& name, Make make, std::vector<torch::Tensor>& got,
+                         std::vector<torch::Tensor>& want) {
+  const int w = world.size(), rank = world.rank();
+  const auto dir = shared_dir(world, name);
+  const auto log_of = [&](const std::string& start, int r) { return dir / (start + "-" + std::to_string(r) + ".log"); };
+  {
+    auto whole = make(world);
+    elastic_start(*whole, dir / "whole", elastic_global, -1, log_of("whole", rank));
+    want = whole->full_parameters();
+  }
+  // Starts at W, W - 1, max(W - 2, 1) and W ranks, interrupted after steps 5, 11 and 17
+  // (8 steps an epoch: mid-epoch each time); checkpoints after every third step.
+  const int sizes[] = {w, std::max(w - 1, 1), std::max(w - 2, 1), w};
+  const std::int64_t stops[] = {5, 11, 17, -1};
+  std::vector<std::vector<fs::path>> starts;
+  for (int k = 0; k < 4; ++k) {
+    const bool in = rank < sizes[k];
+    auto part = world.split(in ? 0 : 1, rank);
+    const auto start = "start" + std::to_string(k);
+    if (in) {
+      auto s = make(part);
+      try {
+        elastic_start(*s, dir / "ckpt", k == 0 ? elastic_global : 0, stops[k], log_of(start, rank));
+      } catch (const Interrupt&) {
+      }
+      if (k == 3) got = s->full_parameters();
+    }
+    starts.emplace_back();
+    for (int r = 0; r < sizes[k]; ++r) starts.back().push_back(log_of(start, r));
+    world.barrier();
+  }
+  StepLog whole;
+  if (rank == 0) whole = merged_steps({[&] {
+    std::vector<fs::path> files;
+    for (int r = 0; r < w; ++r) files.push_back(log_of("whole", r));
+    return files;
+  }()});
+  const auto steps = rank == 0 ? merged_steps(starts) : StepLog{};
+  if (rank == 0) {
+    // Every step's samples are the uninterrupted run's, and those of DistributedSampler's
+    // formula: the epoch's order, randperm(n) seeded with seed + epoch, cut into global
+    // batches; so each epoch trains each sample exactly once.
+    const auto per_epoch = elastic_samples / elastic_global;
+    REQUIRE(steps.size() == static_cast<std::size_t>(per_epoch * elastic_epochs));
+    for (const auto& [step, ids] : steps) {
+      CAPTURE(step);
+      const auto epoch = step / per_epoch;
+      auto g = at::detail::createCPUGenerator(elastic_seed + static_cast<std::uint64_t>(epoch));
+      const torch::Tensor order = torch::randperm(elastic_samples, g, torch::kLong);
+      const torch::Tensor want_ids = order.narrow(0, (step % per_epoch) * elastic_global, elastic_global);
+      std::vector<std::int64_t> expected(want_ids.data_ptr<std::int64_t>(),
+                                         want_ids.data_ptr<std::int64_t>() + elastic_global);
+      auto sorted = ids;
+      std::ranges::sort(sorted);
+      std::ranges::sort(expected);
+      CHECK(sorted == expected);
+      auto uninterrupted = whole.at(step);
+      std::ranges::sort(uninterrupted);
+      CHECK(sorted == uninterrupted);
+    }
+  }
+  world.barrier();
+  if (rank == 0) fs::remove_all(dir);
+  return steps;
+}
+
+}  // namespace
+
+TEST_CASE("An elastic job (W, W-1, W-2, W ranks) trains each sample of each epoch once, as one device does") {
+  comm::Mpi world;
+  const auto opts = torch::optim::SGDOptions(0.05).momentum(0.9);
+  using Strategy = paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage2>>;
+  std::vector<torch::Tensor> got, want;
+  const auto steps = elastic_scenario(world, "elastic", [&](comm::Mpi& c) {
+    return std::make_unique<Strategy>(other_model(c.rank()), c, opts);
+  }, got, want);
+  if (world.rank() == 0) {
+    CHECK(max_relative_difference(got, reference_over(steps, opts)) <= 1e-5);
+    CHECK(max_relative_difference(got, want) <= 1e-5);
+  }
+}
+
+TEST_CASE("An elastic job in deterministic mode ends with the uninterrupted run's bytes, through fit") {
+  comm::Mpi world;
+  const auto opts = torch::optim::SGDOptions(0.05).momentum(0.9);
+  using Strategy = paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>>;
+  std::vector<torch::Tensor> got, want;
+  const auto steps = elastic_scenario(world, "elastic-deterministic", [&](comm::Mpi& c) {
+    return std::make_unique<Strategy>(other_model(c.rank()), c, opts,
+                                      paratrain::DataParallelOptions{.deterministic = {.shards = 12, .seed = 7}});
+  }, got, want);
+  if (world.rank() == 0) {
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) CHECK(torch::equal(got[i], want[i]));
+    CHECK(max_relative_difference(got, reference_over(steps, opts)) <= 1e-5);
+  }
 }
 
 namespace {

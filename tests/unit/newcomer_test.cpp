@@ -13,6 +13,7 @@
 
 #include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/comm/single_device.hpp"
+#include "paratrain/data/sequential_sampler.hpp"
 #include "paratrain/data/torch_dataset.hpp"
 #include "paratrain/fit/fit.hpp"
 #include "paratrain/pipeline/chain.hpp"
@@ -118,17 +119,24 @@ TEST_CASE("fit's sample order defaults to paratrain::main's seed") {
     CHECK(((got[i] - want[i]).abs().max() / want[i].abs().max()).item<double>() <= 1e-5);
 }
 
-TEST_CASE("fit refuses deterministic mode on every rank, saying why") {
+TEST_CASE("fit refuses a global batch it cannot deal, and deterministic mode's misuses, on every rank") {
   comm::Mpi c;
-  paratrain::DataParallel<Net, comm::Mpi, torch::optim::SGD> s(make_net(), std::move(c), torch::optim::SGDOptions(0.1),
-                                                               {.deterministic = {.shards = 12}});
+  const int world = c.size();
   const auto train = make_data(48, 1);
-  CHECK_THROWS_WITH_AS(paratrain::fit(s, train, {.batch_size = 4, .progress = false}),
-                       doctest::Contains("deterministic mode, whose promise"), paratrain::error);
+  paratrain::DataParallel<Net, comm::Mpi, torch::optim::SGD> plain(make_net(), c, torch::optim::SGDOptions(0.1));
+  const auto undealt = "cannot be dealt over " + std::to_string(world) + " data-parallel replicas";
+  if (world > 1)  // world + 1 samples a step: no world size above 1 divides it
+    CHECK_THROWS_WITH_AS(paratrain::fit(plain, train, {.batch_size = 4, .global_batch_size = world + 1, .progress = false}),
+                         doctest::Contains(undealt.c_str()), paratrain::error);
   // A negative accumulation is the options' one check's (0 is automatic).
-  paratrain::DataParallel<Net, comm::Mpi, torch::optim::SGD> plain(make_net(), comm::Mpi(), torch::optim::SGDOptions(0.1));
   CHECK_THROWS_WITH_AS(paratrain::fit(plain, train, {.batch_size = 4, .accumulation = -1, .progress = false}),
                        doctest::Contains("accumulation >= 0 (0: automatic)"), paratrain::error);
+  paratrain::DataParallel<Net, comm::Mpi, torch::optim::SGD> s(make_net(), c, torch::optim::SGDOptions(0.1),
+                                                               {.deterministic = {.shards = 12}});
+  CHECK_THROWS_WITH_AS(paratrain::fit(s, train, {.batch_size = 4, .accumulation = 2, .progress = false}),
+                       doctest::Contains("one batch a step: set global_batch_size instead"), paratrain::error);
+  CHECK_THROWS_WITH_AS(paratrain::fit<paratrain::data::SequentialSampler>(s, train, {.batch_size = 4, .progress = false}),
+                       doctest::Contains("leave fit's Sampler at its default"), paratrain::error);
 }
 
 TEST_CASE("fit refuses training data that differs across ranks, on every rank") {

@@ -229,25 +229,42 @@ inline bool chunk_fits(const Chunk& chunk, const std::vector<std::int64_t>& shap
 
 }  // namespace detail
 
-/// Reads and checks the index and chunk tables of the checkpoint directory `path`.
-inline Contents read_contents(const fs::path& path) {
-  using detail::field;
-  using detail::file_error;
-  Contents c;
-  c.path = path;
+namespace detail {
+
+/// The index of the checkpoint directory `path`, its format and version checked.
+inline Dict read_index(const fs::path& path) {
   if (!fs::is_directory(path)) throw file_error(path, "is not a checkpoint directory", ENOENT);
-  const auto index_path = path / detail::index_name;
+  const auto index_path = path / index_name;
   if (!fs::exists(index_path))
     throw file_error(path, "has no index.pt: the checkpoint is incomplete (still being written, or its writer was "
                            "killed); load an earlier one",
                      0);
-  const auto index = detail::read_dict(index_path, detail::read_file(index_path));
+  auto index = read_dict(index_path, read_file(index_path));
   if (field<std::string>(index_path, index, "format") != format_name)
     throw file_error(index_path, "is not a paratrain checkpoint index", 0);
   if (const auto v = field<std::int64_t>(index_path, index, "version"); v != format_version)
     throw file_error(index_path, "has format version " + std::to_string(v) + "; this paratrain reads version " +
                                      std::to_string(format_version),
                      0);
+  return index;
+}
+
+}  // namespace detail
+
+/// What the saver added to the index of the checkpoint directory `path` (Checkpointer::save's
+/// `extra`), read without its tensors: fit's loop position, for one.
+inline Dict read_extra(const fs::path& path) {
+  return detail::field<Dict>(path / detail::index_name, detail::read_index(path), "extra");
+}
+
+/// Reads and checks the index and chunk tables of the checkpoint directory `path`.
+inline Contents read_contents(const fs::path& path) {
+  using detail::field;
+  using detail::file_error;
+  Contents c;
+  c.path = path;
+  const auto index_path = path / detail::index_name;
+  const auto index = detail::read_index(path);
   c.step = field<std::int64_t>(index_path, index, "step");
   c.world_size = static_cast<int>(field<std::int64_t>(index_path, index, "world_size"));
   c.optimizer = field<std::string>(index_path, index, "optimizer");

@@ -17,6 +17,8 @@
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/collectives/agree.hpp"
 #include "paratrain/core/error.hpp"
+#include "paratrain/core/message.hpp"
+#include "paratrain/core/reduce_op.hpp"
 #include "paratrain/fit/callback.hpp"
 #include "paratrain/fit/metrics.hpp"
 #include "paratrain/fit/monitor.hpp"
@@ -64,6 +66,9 @@ struct FitPosition {
   /// The data-parallel replicas that visited `position` (0 in checkpoints from before it
   /// was recorded): a sampler without set_epoch(epoch, start) resumes only at as many.
   std::int64_t replicas = 0;
+  /// The samples of each optimizer step over all replicas (0 in checkpoints from before it
+  /// was recorded): a resume keeps it, at any number of replicas (Note [The global batch]).
+  std::int64_t global_batch = 0;
   /// What the loop's callbacks keep (Note [Loop callbacks]): early stopping's and the best
   /// checkpoint's values seen, reduce-on-plateau's cut, ..., so that a resumed run stops,
   /// keeps the best and schedules as the uninterrupted one would.
@@ -84,6 +89,7 @@ inline checkpoint::Dict to_dict(const FitPosition& p) {
   d.insert("shuffle", p.shuffle);
   d.insert("drop_last", p.drop_last);
   d.insert("replicas", p.replicas);
+  d.insert("global_batch", p.global_batch);
   auto callbacks = checkpoint::make_dict();
   for (const auto& [key, value] : p.callbacks) callbacks.insert(key, value);
   d.insert("callbacks", callbacks);
@@ -116,6 +122,7 @@ inline FitPosition position_from(const std::filesystem::path& path, const checkp
   p.shuffle = d.at("shuffle").toBool();
   p.drop_last = d.at("drop_last").toBool();
   if (d.contains("replicas")) p.replicas = field<std::int64_t>(index, d, "replicas");
+  if (d.contains("global_batch")) p.global_batch = field<std::int64_t>(index, d, "global_batch");
   // Absent from checkpoints saved before they were recorded: nothing seen yet.
   const auto number = [&](const char* key, double& out) {
     if (!d.contains(key)) return;
@@ -150,6 +157,40 @@ inline checkpoint::Dict metrics_dict(const Metrics& m) {
   auto d = checkpoint::make_dict();
   for (const auto& [name, sw] : m.sums()) d.insert(name, c10::List<double>({sw.first, sw.second}));
   return d;
+}
+
+/// The checkpoint a run resumes from, and where the loop stood in it.
+struct ResumePoint {
+  std::filesystem::path path;
+  FitPosition position;
+};
+
+/// The checkpoint to resume from under `options` (CheckpointOptions::resume_from, else the
+/// newest complete one in the directory as rank 0 sees it, so every rank takes the same one
+/// even if one is published while they look), with its loop position read from its index;
+/// none for a fresh start. Collective; a malformed index throws on every rank.
+template <strategy S>
+std::optional<ResumePoint> resume_point(S& s, const CheckpointOptions& options) {
+  std::optional<std::filesystem::path> path;
+  if (!options.resume_from.empty()) {
+    path = options.resume_from;
+  } else if (options.resume && !options.directory.empty()) {
+    auto step = at::full({1}, -1, at::kLong);
+    if (s.rank() == 0)
+      if (const auto newest = checkpoint::latest(options.directory)) step[0] = *checkpoint::step_of(*newest);
+    s.all_reduce(step, reduce_op::max);
+    if (const auto chosen = step.item<std::int64_t>(); chosen >= 0) path = checkpoint::path_of(options.directory, chosen);
+  }
+  if (!path) return std::nullopt;
+  ResumePoint out{*path, {}};
+  std::string problem;
+  try {
+    out.position = position_from(*path, checkpoint::read_extra(*path));
+  } catch (const std::exception& e) {
+    problem = message_of(e);
+  }
+  agree(s, "fit", problem);
+  return out;
 }
 
 template <class S, bool Possible>
@@ -193,17 +234,12 @@ class FitCheckpoints {
     }
   }
 
-  /// Loads the checkpoint to resume from, if any, into the strategy and `metrics`, and
-  /// says where the loop stands in it. Collective.
-  std::optional<FitPosition> resume(Metrics& metrics) {
+  /// Loads the checkpoint `from` (resume_point's) into the strategy and `metrics`. Collective.
+  void load(const ResumePoint& from, Metrics& metrics) {
     if constexpr (possible) {
-      std::optional<std::filesystem::path> path;
-      if (!options_.resume_from.empty()) path = options_.resume_from;
-      else if (options_.resume && !options_.directory.empty()) path = agreed_latest();
-      if (!path) return std::nullopt;
-      const auto loaded = checkpoint::load(*s_, *path);
-      auto p = position_from(*path, loaded.extra);  // the same on every rank: from the same index
-      // Each rank's own metric sums: a malformed entry is reported on every rank.
+      const auto loaded = checkpoint::load(*s_, from.path);
+      // Each rank's own metric sums, where the world is the one that saved them (at another
+      // size the epoch's running metrics start afresh): a malformed entry is reported on every rank.
       std::string malformed;
       if (const auto it = loaded.rank_extra.find("metrics"); it != loaded.rank_extra.end()) {
         if (!it->value().isGenericDict()) malformed = "its metrics are not a dict";
@@ -217,12 +253,10 @@ class FitCheckpoints {
             metrics.add_sums(item.key().toStringRef(), sw[0], sw[1]);
           }
       }
-      paratrain::detail::agree(*s_, "fit", malformed.empty() ? "" : path->string() + ": " + malformed + " (corrupt)");
-      resumed_from_ = *path;
-      return p;
+      paratrain::detail::agree(*s_, "fit", malformed.empty() ? "" : from.path.string() + ": " + malformed + " (corrupt)");
+      resumed_from_ = from.path;
     } else {
-      static_cast<void>(metrics);
-      return std::nullopt;
+      static_cast<void>(from), static_cast<void>(metrics);
     }
   }
 
@@ -270,18 +304,6 @@ class FitCheckpoints {
   [[nodiscard]] const std::optional<std::filesystem::path>& resumed_from() const noexcept { return resumed_from_; }
 
  private:
-  // Rank 0's view of the directory, so that every rank resumes from the same checkpoint
-  // even if one is published while they look.
-  std::optional<std::filesystem::path> agreed_latest() {
-    const auto mine = checkpoint::latest(options_.directory);
-    auto step = at::full({1}, -1, at::kLong);
-    if (s_->rank() == 0 && mine) step[0] = *checkpoint::step_of(*mine);
-    s_->all_reduce(step, reduce_op::max);
-    const auto chosen = step.item<std::int64_t>();
-    if (chosen < 0) return std::nullopt;
-    return checkpoint::path_of(options_.directory, chosen);
-  }
-
   S* s_;
   CheckpointOptions options_;
   std::unique_ptr<Saver> saver_;

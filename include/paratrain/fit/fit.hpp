@@ -4,15 +4,20 @@
 /// (what it is told and reports), evaluate.hpp, lr_schedule.hpp, checkpoints.hpp,
 /// progress.hpp, metrics.hpp, trainer.hpp (the loop).
 
+#include <concepts>
+#include <cstdint>
+#include <string>
 #include <utility>
 
 #include "paratrain/concepts/dataset.hpp"
 #include "paratrain/concepts/sampler.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/core/error.hpp"
+#include "paratrain/data/deterministic_sampler.hpp"
 #include "paratrain/data/distributed_sampler.hpp"
 #include "paratrain/data/tensor_dataset.hpp"
 #include "paratrain/fit/evaluate.hpp"
+#include "paratrain/fit/global_batch.hpp"
 #include "paratrain/fit/options.hpp"
 #include "paratrain/fit/preflight.hpp"
 #include "paratrain/fit/trainer.hpp"
@@ -53,11 +58,28 @@ FitResult fit(S& s, const D& train, const FitOptions& options, Loss loss = {}) {
                 "it that constructor, or build the sampler yourself and pass it: fit(strategy, train, sampler, options)");
   if constexpr (dataset<D> && sampler<Sampler> && detail::loss_of_strategy<Loss, S> && std::constructible_from<Sampler, std::int64_t, data::SamplerOptions>)
   {
-    const FitOptions resolved = detail::resolved(s, options);  // Note [fit's defaults]
+    FitOptions o = detail::resolved(s, options);  // Note [fit's defaults]
     detail::check_same_data(s, train);
-    return detail::Trainer<S, D, Sampler, Loss>(s, train, Sampler(static_cast<std::int64_t>(train.size()),
-                                                                  detail::sampler_options(s, resolved)),
-                                                resolved, loss)
+    auto from = detail::resume_point(s, o.checkpoint);
+    o = detail::dealt(s, o, from, detail::deterministic_mode(s));  // Note [The global batch]
+    const auto n = static_cast<std::int64_t>(train.size());
+    if constexpr (detail::deterministic_strategy<S>) {
+      if (detail::deterministic_mode(s)) {
+        if constexpr (!std::same_as<Sampler, data::DistributedSampler>) {
+          throw error("fit", s.rank(),
+                      "the strategy is in deterministic mode, whose global batches fit deals itself "
+                      "(data::DeterministicSampler); leave fit's Sampler at its default");
+        } else {
+          auto order = detail::deterministic_sampler(s, n, o);
+          o.batch_size = order.batch_size();
+          return detail::Trainer<S, D, data::DeterministicSampler, Loss>(s, train, std::move(order), o, loss,
+                                                                         std::move(from))
+              .run();
+        }
+      }
+    }
+    return detail::Trainer<S, D, Sampler, Loss>(s, train, Sampler(n, detail::sampler_options(s, o)), o, loss,
+                                                std::move(from))
         .run();
   }
   else
@@ -84,10 +106,30 @@ FitResult fit(S& s, const D& train, Sampler order, const FitOptions& options, Lo
                 "paratrain::fit: the third argument is not a paratrain::sampler; give it `indices() const` (a range "
                 "of integers), `size() const` and `set_epoch(std::int64_t)`");
   if constexpr (dataset<D> && sampler<Sampler> && detail::loss_of_strategy<Loss, S>) {
-    const FitOptions resolved = detail::resolved(s, options);  // Note [fit's defaults]
+    FitOptions o = detail::resolved(s, options);  // Note [fit's defaults]
     detail::check_same_data(s, train);
     detail::agree(s, "fit", detail::sampler_mismatch(s, train, order));
-    return detail::Trainer<S, D, Sampler, Loss>(s, train, std::move(order), resolved, loss).run();
+    if constexpr (std::same_as<Sampler, data::DeterministicSampler>) {
+      // Its global batch is the run's; each rank takes its shards' samples in one batch.
+      if (o.global_batch_size == 0) o.global_batch_size = order.options().global_batch;
+      o.accumulation = 1;
+    } else if (detail::deterministic_mode(s)) {
+      throw error("fit", s.rank(),
+                  "the strategy is in deterministic mode, whose steps cut each global batch into virtual shards: "
+                  "give fit no sampler (it deals them itself) or a data::DeterministicSampler");
+    }
+    auto from = detail::resume_point(s, o.checkpoint);
+    constexpr bool sharded = std::same_as<Sampler, data::DeterministicSampler>;
+    o = detail::dealt(s, o, from, sharded);  // Note [The global batch]
+    if constexpr (sharded) {
+      if (o.global_batch_size != order.options().global_batch)
+        throw error("fit", s.rank(),
+                    "the DeterministicSampler deals global batches of " +
+                        std::to_string(order.options().global_batch) + ", but the run's is " +
+                        std::to_string(o.global_batch_size) + " (FitOptions::global_batch_size or the checkpoint's)");
+      o.batch_size = order.batch_size();
+    }
+    return detail::Trainer<S, D, Sampler, Loss>(s, train, std::move(order), o, loss, std::move(from)).run();
   } else {
     return {};  // unreachable: the assertions above failed
   }

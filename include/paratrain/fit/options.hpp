@@ -153,7 +153,14 @@ struct FitResult {
 
 struct FitOptions {
   int epochs = 1;
-  std::int64_t batch_size = 32;  ///< per data-parallel replica, per micro-batch
+  /// Samples per data-parallel replica per micro-batch; with a global batch (below), the
+  /// largest micro-batch a replica's share of a step is cut into.
+  std::int64_t batch_size = 32;
+  /// Samples of each optimizer step over all replicas, the same at any world size: each of R
+  /// replicas takes global_batch_size / R (R must divide it) in the fewest micro-batches of at
+  /// most batch_size. 0: batch_size x accumulation x replicas. A resumed run keeps the global
+  /// batch its checkpoint was saved with, at any number of replicas (Note [The global batch]).
+  std::int64_t global_batch_size = 0;
   /// Micro-batches per optimizer step (a pipeline's M); 0: 1, but 2K for a pipeline of K
   /// ranks, enough to fill it (Note [fit's defaults]).
   int accumulation = 0;

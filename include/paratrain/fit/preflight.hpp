@@ -1,8 +1,8 @@
 #pragma once
 /// \file
 /// What fit settles before its first step: the options' defaults that depend on the
-/// strategy (the seed, a pipeline's micro-batches), what it refuses (deterministic mode),
-/// and that every rank was given the same training data.
+/// strategy (the seed, a pipeline's micro-batches), and that every rank was given the same
+/// training data.
 
 #include <ATen/ATen.h>
 
@@ -29,10 +29,8 @@ namespace paratrain::detail {
 //   (rank 0 says so once): with one micro-batch a pipeline runs one stage at a time, and
 //   2K keeps the bubble of 1F1B at (K - 1) / (3K - 1) of the step, under a third, and is a
 //   multiple of K as interleaved 1F1B needs.
-// - deterministic mode (DataParallelOptions::deterministic) is refused: fit deals samples
-//   with a DistributedSampler, one replica's samples per rank, while the deterministic
-//   promise needs each step's whole batch cut into its virtual shards (docs/deterministic.md
-//   shows the loop that keeps it).
+// - FitOptions::global_batch_size unset: batch_size x accumulation x replicas, unless a
+//   checkpoint resumed from says otherwise (Note [The global batch]).
 
 /// The pipeline ranks of `s`'s mesh; 1 for a strategy without one.
 template <strategy S>
@@ -41,20 +39,12 @@ int pipeline_ranks_of(S& s) {
   else return 1;
 }
 
-/// `options` with the defaults that depend on `s` filled in (Note [fit's defaults]); throws
-/// on every rank alike for what fit refuses. Out-of-range values (a negative accumulation)
+/// `options` with the defaults that depend on `s` filled in (Note [fit's defaults]).
+/// Out-of-range values (a negative accumulation)
 /// are left as given, for the Trainer's one check of the options.
 template <strategy S>
 FitOptions resolved(S& s, const FitOptions& options) {
   FitOptions o = options;
-  if constexpr (requires { s.options().deterministic.on(); }) {
-    if (s.options().deterministic.on())
-      throw error("fit", s.rank(),
-                  "the strategy is in deterministic mode, whose promise (the same bits at every world size) fit "
-                  "cannot keep: fit deals each replica its own samples (DistributedSampler), while deterministic "
-                  "training cuts each step's whole batch into virtual shards; train with strategy.step on "
-                  "DeterministicSampler's batches (docs/deterministic.md), or turn the mode off");
-  }
   if (!o.seed) o.seed = paratrain::seed();
   if (o.accumulation == 0) {
     const int K = pipeline_ranks_of(s);

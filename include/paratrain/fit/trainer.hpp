@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -51,7 +52,10 @@ class Trainer {
   using clock = std::chrono::steady_clock;
 
  public:
-  Trainer(S& s, const D& train, Sampler sampler, const FitOptions& options, Loss& loss)
+  /// `options` as fit resolved and dealt them (global_batch_size set); `from`: the checkpoint
+  /// to resume from (resume_point's), if any.
+  Trainer(S& s, const D& train, Sampler sampler, const FitOptions& options, Loss& loss,
+          std::optional<ResumePoint> from)
       : s_(s),
         train_(train),
         options_(validated(options, s.rank())),
@@ -62,8 +66,8 @@ class Trainer {
         base_lrs_(LrSchedule::rates(s.optimizer())),
         observer_(s, options.observe),
         checkpoints_(s, options.checkpoint),
-        lr_(options.lr_scaling, options.lr_schedule,
-            double(options.batch_size) * options.accumulation * shard_.count),
+        lr_(options.lr_scaling, options.lr_schedule, double(options.global_batch_size)),
+        from_(std::move(from)),
         callbacks_(loop_callbacks(options, checkpoints_.saving(), s.rank())) {
     // Whether to agree after every step, agreed itself: a rank given on_step where another
     // is not must still take part.
@@ -75,7 +79,8 @@ class Trainer {
               .seed = static_cast<std::int64_t>(options.seed.value_or(0)),
               .shuffle = options.shuffle,
               .drop_last = options.drop_last,
-              .replicas = shard_.count};
+              .replicas = shard_.count,
+              .global_batch = options.global_batch_size};
   }
 
   FitResult run() {
@@ -155,8 +160,9 @@ class Trainer {
   };
 
   void resume() {
-    const auto resumed = checkpoints_.resume(metrics_);
-    if (!resumed) return;
+    if (!from_) return;
+    checkpoints_.load(*from_, metrics_);
+    const auto* resumed = &from_->position;
     if (resumed->dataset_size != start_.dataset_size || resumed->seed != start_.seed ||
         resumed->shuffle != start_.shuffle || resumed->drop_last != start_.drop_last)
       throw error("fit", s_.rank(),
@@ -174,6 +180,7 @@ class Trainer {
     }
     start_ = *resumed;
     start_.replicas = shard_.count;
+    start_.global_batch = options_.global_batch_size;  // the checkpoint's, or its first record (dealt())
     base_lrs_ = start_.base_lrs;  // the loaded optimizer holds the scheduled rates of its step
     step_ = start_.step;
     result_.resumed_from = checkpoints_.resumed_from();
@@ -184,11 +191,11 @@ class Trainer {
 
   // Note [Resuming mid-epoch]
   // A checkpoint records how many places of the epoch's order all replicas together had
-  // visited (FitPosition::position: steps x accumulation x batch_size x replicas). A
-  // sampler that can start part-way (set_epoch(epoch, start): DistributedSampler,
-  // WeightedSampler) deals out only what remains, so the next global batches are the
-  // same samples at any number of replicas: the order is the same, and so is the cut
-  // into global batches when the global batch is. Any other sampler gives each replica
+  // visited (FitPosition::position: steps x the global batch). A sampler that can start
+  // part-way (set_epoch(epoch, start): DistributedSampler, WeightedSampler,
+  // DeterministicSampler) deals out only what remains, so the next global batches are the
+  // same samples at any number of replicas: the order is the same, and so is the cut into
+  // global batches, which a resume keeps (Note [The global batch]). Any other sampler gives each replica
   // its whole share again, and fit skips the first position / replicas indices of it:
   // position then counts steps x accumulation x batch_size per replica, unclipped, since
   // shares may differ in length (SequentialSampler's blocks) and each replica took that
@@ -311,12 +318,14 @@ class Trainer {
     if (due && last) {
       e.save_at_end = true;  // after the epoch's evaluation, as the next epoch's start
     } else if (due && checkpoints_.saving()) {
-      // Mid-epoch, with the epoch's running metrics. Indices each replica took in this
-      // epoch's steps so far (fewer where its share ran out, which matters only to a
-      // sampler that starts part-way: Note [Resuming mid-epoch]).
-      const auto taken = (k + 1 - e.done) * options_.accumulation * options_.batch_size;
-      const auto visited = resumable_sampler<Sampler> ? std::min<std::int64_t>(e.visiting, taken) : taken;
-      save(position(step_ + 1, e.index, k + 1, e.begin + visited * shard_.count), metrics_);
+      // Mid-epoch, with the epoch's running metrics: the places of the epoch's order its
+      // steps so far visited, whole global batches of them (Note [The global batch]); for a
+      // sampler that cannot start part-way, what each replica took (Note [Resuming mid-epoch]).
+      const auto steps = k + 1 - e.done;
+      const auto visited = resumable_sampler<Sampler>
+                               ? steps * options_.global_batch_size
+                               : steps * options_.accumulation * options_.batch_size * shard_.count;
+      save(position(step_ + 1, e.index, k + 1, e.begin + visited), metrics_);
     }
     if (!stopped_.empty() && !last) e.complete = false;
     const auto loss_text = [&](double loss) {
@@ -465,6 +474,7 @@ class Trainer {
   observe::Observer<S> observer_;
   FitCheckpoints<S> checkpoints_;
   LrSchedule lr_;
+  std::optional<ResumePoint> from_;
   FitPosition start_;
   FitResult result_;
   Metrics metrics_;  // the epoch's: reduced at its end into EpochInfo::metrics
