@@ -1,0 +1,177 @@
+#!/usr/bin/python3
+"""An elastic job under torchrun's elastic agent that loses ranks and gets them back.
+
+usage: torchrun_kills.py PROGRAM DATA_DIR [--seed N]
+
+PROGRAM is examples/elastic/train.cpp's binary. Four agents ("nodes" of one worker each,
+--nnodes 2:4, rendezvous c10d) train it in deterministic mode; at checkpoints past random
+steps the test kills, each with SIGKILL by process id or process group, never by name:
+  1. a random agent with its worker (a lost node): 4 -> 3 ranks,
+  2. another: 3 -> 2,
+  3. the worker of rank 0, which serves the ranks' store (MASTER_ADDR:MASTER_PORT); its agent
+     restarts it: 2 ranks again,
+then starts two new agents: back to 4. The job must finish, with every surviving agent's
+status 0, no process left, and the final parameters' bytes equal to those of one process
+trained without interruption (deterministic mode: the same bits at every world size).
+Prints the time from each kill to the next checkpoint written after it.
+"""
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+COMMON = ["--train-samples", "12000", "--global-batch", "48", "--batch", "48", "--epochs", "2",
+          "--deterministic-shards", "12", "--checkpoint-every", "4"]
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkpoints(directory):
+    """Steps of the complete checkpoints (with an index) in `directory`."""
+    out = []
+    if directory.is_dir():
+        for p in directory.iterdir():
+            if p.name.startswith("step-") and (p / "index.pt").exists():
+                out.append(int(p.name[5:]))
+    return sorted(out)
+
+
+def children(pid):
+    """Process ids whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("program")
+    ap.add_argument("data")
+    ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument("--deadline", type=float, default=240)
+    a = ap.parse_args()
+    rng = random.Random(a.seed)
+    print(f"torchrun_kills: seed {a.seed}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="paratrain-elastic-"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARATRAIN_TIMEOUT="30")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PARATRAIN_STORE_FILE"):
+        env.pop(k, None)
+    agents = []  # (Popen, log file)
+    try:
+        # The uninterrupted run: one process.
+        ref = subprocess.run([a.program, "--data", a.data, "--checkpoint-dir", str(work / "ref"),
+                              "--save-parameters", str(work / "ref.bin")] + COMMON,
+                             env=env, capture_output=True, text=True, timeout=a.deadline)
+        if ref.returncode != 0:
+            print(ref.stdout, ref.stderr)
+            return 1
+        port = free_port()
+        ckpt = work / "ckpt"
+
+        def start_agent(n):
+            log = open(work / f"agent{n}.log", "w")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2:4", "--nproc_per_node", "1",
+                   "--max_restarts", "10", "--monitor_interval", "1", "--redirects", "2", "--tee", "1",
+                   "--log_dir", str(work / f"logs{n}"), "--rdzv_backend", "c10d",
+                   "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "elastic",
+                   "--rdzv_conf", "last_call_timeout=1", "--no_python", a.program, "--data", a.data,
+                   "--checkpoint-dir", str(ckpt), "--save-parameters", str(work / "elastic.bin")] + COMMON
+            agents.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True), log))
+
+        start = time.monotonic()
+
+        def wait_for_checkpoint(past):
+            """Waits for a complete checkpoint after step `past`; returns its step."""
+            while time.monotonic() - start < a.deadline:
+                done = checkpoints(ckpt)
+                if done and done[-1] > past:
+                    return done[-1]
+                if all(p.poll() is not None for p, _ in agents):
+                    raise RuntimeError("every agent ended before a checkpoint after step %d" % past)
+                time.sleep(0.05)
+            raise RuntimeError("no checkpoint after step %d within the deadline" % past)
+
+        start_agent(0)
+        time.sleep(1)  # agent 0 serves the rendezvous (at the endpoint): started first, never killed
+        for n in (1, 2, 3):
+            start_agent(n)
+        step = wait_for_checkpoint(rng.randrange(4, 16))
+        alive = [1, 2, 3]
+        for what in ("lose a node", "lose a node", "kill rank 0's worker"):
+            if what == "lose a node":
+                victim = alive.pop(rng.randrange(len(alive)))
+                os.killpg(agents[victim][0].pid, signal.SIGKILL)
+                agents[victim][0].wait()
+            else:
+                workers = children(agents[0][0].pid)
+                for pid in workers:
+                    os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            print(f"torchrun_kills: {what} after checkpoint {step}", flush=True)
+            step = wait_for_checkpoint(step + rng.randrange(0, 12))
+            print(f"torchrun_kills:   checkpoint {step} written {time.monotonic() - killed:.1f} s later", flush=True)
+        start_agent(4)
+        start_agent(5)
+        print("torchrun_kills: two new agents join", flush=True)
+        for p, _ in agents:
+            if p.returncode is None or p.returncode == 0:
+                p.wait(timeout=max(1, a.deadline - (time.monotonic() - start)))
+        failed = [n for n, (p, _) in enumerate(agents) if p.returncode != 0 and n not in (1, 2, 3)]
+        lost = [n for n in (1, 2, 3) if n not in alive]
+        failed += [n for n in alive if agents[n][0].returncode != 0]
+        if failed:
+            for n in failed:
+                print(f"== agent {n}: status {agents[n][0].returncode}")
+                print((work / f"agent{n}.log").read_text()[-4000:])
+            return 1
+        print(f"torchrun_kills: agents {lost} lost; the others ended with status 0 after "
+              f"{time.monotonic() - start:.1f} s", flush=True)
+        # The last start ran at 4 ranks: the new agents joined (rank 0's line, in its agent's log).
+        ends = [line for n in range(len(agents)) for line in (work / f"agent{n}.log").read_text().splitlines()
+                if "steps in all" in line]
+        print("torchrun_kills: the last start: " + (ends[-1] if ends else "(no summary line)"), flush=True)
+        if len(ends) != 1 or "4 rank(s)" not in ends[0]:
+            print("torchrun_kills: FAIL: the job did not end at 4 ranks")
+            return 1
+        got, want = (work / "elastic.bin").read_bytes(), (work / "ref.bin").read_bytes()
+        if got != want:
+            print(f"torchrun_kills: FAIL: the final parameters differ from the uninterrupted run's "
+                  f"({len(got)} and {len(want)} bytes)")
+            return 1
+        print(f"torchrun_kills: the final parameters equal the uninterrupted run's, byte for byte ({len(got)} bytes)")
+        return 0
+    finally:
+        for p, log in agents:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            log.close()
+        for p, _ in agents:  # nothing of a session may outlive the test (a worker the agent left)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["rm", "-rf", str(work)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
