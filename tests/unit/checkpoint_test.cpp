@@ -454,6 +454,40 @@ void elastic_start(Strategy& s, const fs::path& dir, std::int64_t global_batch, 
                  LoggingLoss{&seen});
 }
 
+// One start of the job in an own loop: checkpoint::resume, then the global batches from the
+// step it returns (DistributedSampler dealing what remains of the epoch), each rank taking
+// its G / R of each; checkpoints after every third step, as the fit starts save them.
+template <class Strategy>
+void own_loop_start(Strategy& s, const fs::path& dir, std::int64_t, std::int64_t stop_after, const fs::path& log) {
+  const auto from = ckpt::resume(s, dir);
+  const auto per_epoch = elastic_samples / elastic_global;
+  const auto shard = s.data_shard();
+  const auto share = elastic_global / shard.count;
+  paratrain::data::DistributedSampler sampler(elastic_samples,
+                                              {.num_replicas = shard.count, .rank = shard.index, .seed = elastic_seed});
+  ckpt::Checkpointer saver(s, {.directory = dir});
+  std::vector<std::int64_t> seen, mine;
+  std::ofstream out(log);
+  LoggingLoss loss{&seen};
+  std::int64_t first = 0;  // the step `mine` begins with
+  for (auto step = from ? from->step : 0; step < per_epoch * elastic_epochs; ++step) {
+    if (step % per_epoch == 0 || mine.empty()) {
+      sampler.set_epoch(step / per_epoch, (step % per_epoch) * elastic_global);
+      mine = sampler.indices();
+      first = step;
+    }
+    const auto at = static_cast<std::ptrdiff_t>((step - first) * share);
+    const std::vector<std::int64_t> ids(mine.begin() + at, mine.begin() + at + share);
+    s.step(elastic_data().get(torch::tensor(ids, torch::kLong)), loss);
+    out << step;
+    for (const auto id : seen) out << ' ' << id;
+    out << '\n' << std::flush;
+    seen.clear();
+    if ((step + 1) % 3 == 0) saver.save(step + 1);
+    if (step == stop_after) throw Interrupt{};
+  }
+}
+
 // The steps of every start's logs in `files` (each start's, in order), a later start's
 // record of a step replacing an earlier one's.
 StepLog merged_steps(const std::vector<std::vector<fs::path>>& starts) {
@@ -492,15 +526,15 @@ std::vector<torch::Tensor> reference_over(const StepLog& steps, torch::optim::SG
 
 // Runs the scenario on strategies built by `make(communicator)`; returns the merged log and
 // leaves the last start's parameters in `got` (on rank 0), the uninterrupted run's in `want`.
-template <class Make>
-StepLog elastic_scenario(comm::Mpi& world, const std::string& name, Make make, std::vector<torch::Tensor>& got,
-                         std::vector<torch::Tensor>& want) {
+template <class Make, class Start>
+StepLog elastic_scenario(comm::Mpi& world, const std::string& name, Make make, Start start_job,
+                         std::vector<torch::Tensor>& got, std::vector<torch::Tensor>& want) {
   const int w = world.size(), rank = world.rank();
   const auto dir = shared_dir(world, name);
   const auto log_of = [&](const std::string& start, int r) { return dir / (start + "-" + std::to_string(r) + ".log"); };
   {
     auto whole = make(world);
-    elastic_start(*whole, dir / "whole", elastic_global, -1, log_of("whole", rank));
+    start_job(*whole, dir / "whole", elastic_global, -1, log_of("whole", rank));
     want = whole->full_parameters();
   }
   // Starts at W, W - 1, max(W - 2, 1) and W ranks, interrupted after steps 5, 11 and 17
@@ -515,7 +549,7 @@ StepLog elastic_scenario(comm::Mpi& world, const std::string& name, Make make, s
     if (in) {
       auto s = make(part);
       try {
-        elastic_start(*s, dir / "ckpt", k == 0 ? elastic_global : 0, stops[k], log_of(start, rank));
+        start_job(*s, dir / "ckpt", k == 0 ? elastic_global : 0, stops[k], log_of(start, rank));
       } catch (const Interrupt&) {
       }
       if (k == 3) got = s->full_parameters();
@@ -568,7 +602,21 @@ TEST_CASE("An elastic job (W, W-1, W-2, W ranks) trains each sample of each epoc
   std::vector<torch::Tensor> got, want;
   const auto steps = elastic_scenario(world, "elastic", [&](comm::Mpi& c) {
     return std::make_unique<Strategy>(other_model(c.rank()), c, opts);
-  }, got, want);
+  }, elastic_start<Strategy>, got, want);
+  if (world.rank() == 0) {
+    CHECK(max_relative_difference(got, reference_over(steps, opts)) <= 1e-5);
+    CHECK(max_relative_difference(got, want) <= 1e-5);
+  }
+}
+
+TEST_CASE("An own loop resumed with checkpoint::resume at W, W-1, W-2, W ranks trains each sample once, as one device") {
+  comm::Mpi world;
+  const auto opts = torch::optim::SGDOptions(0.05).momentum(0.9);
+  using Strategy = paratrain::DataParallel<Mlp, comm::Mpi, torch::optim::SGD>;
+  std::vector<torch::Tensor> got, want;
+  const auto steps = elastic_scenario(world, "elastic-own-loop", [&](comm::Mpi& c) {
+    return std::make_unique<Strategy>(other_model(c.rank()), c, opts);
+  }, own_loop_start<Strategy>, got, want);
   if (world.rank() == 0) {
     CHECK(max_relative_difference(got, reference_over(steps, opts)) <= 1e-5);
     CHECK(max_relative_difference(got, want) <= 1e-5);
@@ -583,7 +631,7 @@ TEST_CASE("An elastic job in deterministic mode ends with the uninterrupted run'
   const auto steps = elastic_scenario(world, "elastic-deterministic", [&](comm::Mpi& c) {
     return std::make_unique<Strategy>(other_model(c.rank()), c, opts,
                                       paratrain::DataParallelOptions{.deterministic = {.shards = 12, .seed = 7}});
-  }, got, want);
+  }, elastic_start<Strategy>, got, want);
   if (world.rank() == 0) {
     REQUIRE(got.size() == want.size());
     for (std::size_t i = 0; i < got.size(); ++i) CHECK(torch::equal(got[i], want[i]));
@@ -820,12 +868,16 @@ TEST_CASE("Checkpoint writer for the kill test" * doctest::skip()) {
   REQUIRE(out != nullptr);
   comm::Mpi c;
   std::ofstream(fs::path(out) / ("pid-" + std::to_string(c.rank()))) << ::getpid();
+  // PARATRAIN_CHECKPOINT_KILL_ASYNC=1: saved in the background (a Checkpointer with async),
+  // as fit saves; a save waits for the one in flight, which it publishes, before it begins.
+  const bool async = std::getenv("PARATRAIN_CHECKPOINT_KILL_ASYNC") != nullptr;
   const auto write = [&](auto& s) {
     const auto x = torch::randn({4, 2048});
     const auto mse = [](const torch::Tensor& a, const torch::Tensor& b) { return torch::mse_loss(a, b); };
+    ckpt::Checkpointer saver(s, {.directory = fs::path(out) / "ckpt", .async = async});
     for (std::int64_t k = 1;; ++k) {
       s.step({x, x}, mse);
-      ckpt::save(s, fs::path(out) / "ckpt", k);
+      saver.save(k);
     }
   };
   const std::string strategy = std::getenv("PARATRAIN_CHECKPOINT_KILL_STRATEGY") ? std::getenv("PARATRAIN_CHECKPOINT_KILL_STRATEGY") : "zero2";
@@ -851,7 +903,7 @@ TEST_CASE("Checkpoint after the kill test" * doctest::skip()) {
   comm::Mpi c;
   const auto latest = ckpt::latest(fs::path(out) / "ckpt");
   REQUIRE(latest.has_value());
-  // Saves are synchronous: step N was begun only once N - 1 was published.
+  // Step N's save was begun only once N - 1 was published (in the background too).
   CHECK(ckpt::step_of(*latest) == std::atoll(killed) - 1);
   paratrain::DataParallel<Big, comm::Mpi, Sharded<torch::optim::Adam, zero::stage1>> s(Big(), c,
                                                                                        torch::optim::AdamOptions(1e-3));

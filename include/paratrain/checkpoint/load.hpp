@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "paratrain/checkpoint/detail/model_names.hpp"
@@ -18,6 +19,7 @@
 #include "paratrain/checkpoint/checkpointer.hpp"
 #include "paratrain/checkpoint/format.hpp"
 #include "paratrain/concepts/optimizer_state.hpp"
+#include "paratrain/core/reduce_op.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/concepts/checkpointable.hpp"
 
@@ -221,6 +223,36 @@ Loaded load(S& s, const fs::path& path, LoadOptions options = {}) {
   // Deterministic mode keys random draws on the steps taken: Note [Deterministic training].
   if constexpr (step_counted_strategy<S>) s.set_step_count(out.step);
   return out;
+}
+
+/// The newest complete checkpoint in `directory` as rank 0 sees it, the same on every rank
+/// even if one is published while they look; none when there is none. Collective.
+template <strategy S>
+std::optional<fs::path> agreed_latest(S& s, const fs::path& directory) {
+  auto step = at::full({1}, -1, at::kLong);
+  if (s.rank() == 0)
+    if (const auto newest = latest(directory)) step[0] = *step_of(*newest);
+  s.all_reduce(step, reduce_op::max);
+  const auto chosen = step.item<std::int64_t>();
+  if (chosen < 0) return std::nullopt;
+  return path_of(directory, chosen);
+}
+
+/// Loads into `s` the newest complete checkpoint in `directory` (agreed_latest's), whatever
+/// strategy and world size saved it: the one call an own loop makes to continue where the
+/// job stopped after a restart, at any world size (docs/elastic.md). Returns what load()
+/// returns (`step`: the optimizer steps the checkpoint was saved after), or none where there
+/// is no checkpoint yet: a fresh start. Collective; a problem throws on every rank.
+///
+/// \code
+///   const auto from = paratrain::checkpoint::resume(strategy, "ckpt");
+///   for (std::int64_t step = from ? from->step : 0; step < steps; ++step) { ... }
+/// \endcode
+template <checkpointable S>
+std::optional<Loaded> resume(S& s, const fs::path& directory, LoadOptions options = {}) {
+  const auto path = agreed_latest(s, directory);
+  if (!path) return std::nullopt;
+  return load(s, *path, options);
 }
 
 }  // namespace paratrain::checkpoint

@@ -18,7 +18,6 @@
 #include "paratrain/collectives/agree.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/core/message.hpp"
-#include "paratrain/core/reduce_op.hpp"
 #include "paratrain/fit/callback.hpp"
 #include "paratrain/fit/metrics.hpp"
 #include "paratrain/fit/monitor.hpp"
@@ -175,11 +174,7 @@ std::optional<ResumePoint> resume_point(S& s, const CheckpointOptions& options) 
   if (!options.resume_from.empty()) {
     path = options.resume_from;
   } else if (options.resume && !options.directory.empty()) {
-    auto step = at::full({1}, -1, at::kLong);
-    if (s.rank() == 0)
-      if (const auto newest = checkpoint::latest(options.directory)) step[0] = *checkpoint::step_of(*newest);
-    s.all_reduce(step, reduce_op::max);
-    if (const auto chosen = step.item<std::int64_t>(); chosen >= 0) path = checkpoint::path_of(options.directory, chosen);
+    path = checkpoint::agreed_latest(s, options.directory);
   }
   if (!path) return std::nullopt;
   ResumePoint out{*path, {}};

@@ -195,8 +195,8 @@ class Trainer {
   // part-way (set_epoch(epoch, start): DistributedSampler, WeightedSampler,
   // DeterministicSampler) deals out only what remains, so the next global batches are the
   // same samples at any number of replicas: the order is the same, and so is the cut into
-  // global batches, which a resume keeps (Note [The global batch]). Any other sampler gives each replica
-  // its whole share again, and fit skips the first position / replicas indices of it:
+  // global batches, which a resume keeps (Note [The global batch]). Any other sampler gives
+  // each replica its whole share again, and fit skips the first position / replicas indices of it:
   // position then counts steps x accumulation x batch_size per replica, unclipped, since
   // shares may differ in length (SequentialSampler's blocks) and each replica took that
   // many or all of its share. They are the indices that replica visited only when the
