@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist
+# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The benchmarks' own build, at -O3 (the tests' build/ is at -O0: scripts/build.sh).
@@ -81,7 +81,17 @@ case "${1:-}" in
     PARATRAIN_WITH_PEER=1 scripts/deps.sh
     scripts/build.sh --target fashion_mnist_ddp >&2
     benchmarks/fashion_mnist_vs_torch.sh ;;
+  checkpoint_cost)
+    scripts/deps.sh
+    scripts/build.sh --target transformer_ddp >&2
+    shift
+    benchmarks/checkpoint_cost.sh "$@" ;;
+  elastic_restart)
+    PARATRAIN_WITH_PEER=1 scripts/deps.sh  # torchrun: python3-torch
+    scripts/build.sh --target transformer_ddp fashion_mnist_ddp_gloo >&2
+    shift
+    /usr/bin/python3 benchmarks/elastic_restart.py "$build" "$@" ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist" >&2
+    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart" >&2
     exit 2 ;;
 esac

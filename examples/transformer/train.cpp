@@ -109,6 +109,7 @@ struct Args {
   std::string data;        // an HDF5 file with datasets "src" and "tgt"; empty: made in memory
   std::string write_data;  // write the in-memory data to this HDF5 file, and stop
   std::string checkpoint_dir;  // checkpoints here, and resume from the newest
+  std::int64_t checkpoint_every = 0;  // steps between checkpoints (0: after each epoch only)
   double time_limit = 0;       // seconds; 0: none (and SLURM's job end, where Slurm says it)
   int workers = paratrain::data::LoaderOptions{}.workers;
   bool bf16 = false;  // forward under bf16 autocast, gradients summed in bf16
@@ -202,6 +203,9 @@ std::optional<int> parse(int argc, char** argv, Args& a) {
   app.add_option("--time-limit", a.time_limit, "seconds: stop before they run out, with a checkpoint (also before "
                                                "SLURM_JOB_END_TIME, where Slurm sets it)")
       ->check(positive_real);
+  app.add_option("--checkpoint-every", a.checkpoint_every,
+                 "also save a checkpoint after every N steps, in the background (0: after each epoch only)")
+      ->check(counted)->capture_default_str();
   app.add_flag("--bf16", a.bf16, "mixed precision: bf16 autocast, gradients summed in bf16; fp32 parameters and Adam");
   app.add_flag("--recompute", m.recompute, "recompute each layer's activations in backward (paratrain::Recompute)");
   app.add_option("--device", a.device, "cpu or cuda (transformer_single; default: cuda where LibTorch sees a GPU)")
@@ -535,7 +539,7 @@ int run(int argc, char** argv) {
              }
            },
        .observe = {.trace_file = a.trace},
-       .checkpoint = {.directory = a.checkpoint_dir, .every_epoch = true}},
+       .checkpoint = {.directory = a.checkpoint_dir, .every_steps = a.checkpoint_every, .every_epoch = true}},
       paratrain::CrossEntropy{});  // float targets: class probabilities over dim 1, as the reference's
 
   // Step time and the wait for data in it: the slowest rank's means over the steps after

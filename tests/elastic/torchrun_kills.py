@@ -8,11 +8,13 @@ PROGRAM is examples/elastic/train.cpp's binary. Four agents ("nodes" of one work
 steps the test kills, each with SIGKILL by process id or process group, never by name:
   1. a random agent with its worker (a lost node): 4 -> 3 ranks,
   2. another: 3 -> 2,
-  3. the worker of rank 0, which serves the ranks' store (MASTER_ADDR:MASTER_PORT); its agent
-     restarts it: 2 ranks again,
-then starts two new agents: back to 4. The job must finish, with every surviving agent's
-status 0, no process left, and the final parameters' bytes equal to those of one process
-trained without interruption (deterministic mode: the same bits at every world size).
+  3. (two new agents join: back to 4)
+  4. a random worker is stopped (SIGSTOP: hung, not dead): the others' watchdog names it and
+     ends them, its agent ends it; the job goes on at 4,
+  5. the worker of rank 0 is killed,
+and the job must finish at 4 ranks, with every surviving agent's status 0, the stopped worker
+gone, no process left, and the final parameters' bytes equal to those of one process trained
+without interruption (deterministic mode: the same bits at every world size).
 Prints the time from each kill to the next checkpoint written after it.
 """
 import argparse
@@ -66,12 +68,12 @@ def main():
     ap.add_argument("program")
     ap.add_argument("data")
     ap.add_argument("--seed", type=int, default=int(time.time()))
-    ap.add_argument("--deadline", type=float, default=240)
+    ap.add_argument("--deadline", type=float, default=270)
     a = ap.parse_args()
     rng = random.Random(a.seed)
     print(f"torchrun_kills: seed {a.seed}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="paratrain-elastic-"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PARATRAIN_TIMEOUT="30")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PARATRAIN_TIMEOUT="8")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PARATRAIN_STORE_FILE"):
         env.pop(k, None)
     agents = []  # (Popen, log file)
@@ -116,28 +118,41 @@ def main():
             start_agent(n)
         step = wait_for_checkpoint(rng.randrange(4, 16))
         alive = [1, 2, 3]
-        for what in ("lose a node", "lose a node", "kill rank 0's worker"):
+        stopped = None
+        for what in ("lose a node", "lose a node", "add two nodes", "hang a rank", "kill rank 0's worker"):
+            killed = time.monotonic()
             if what == "lose a node":
                 victim = alive.pop(rng.randrange(len(alive)))
                 os.killpg(agents[victim][0].pid, signal.SIGKILL)
                 agents[victim][0].wait()
+            elif what == "add two nodes":
+                alive += [len(agents), len(agents) + 1]
+                start_agent(len(agents))
+                start_agent(len(agents))
+                # Grown once every agent has a worker again (they start them after the round).
+                while not all(children(agents[n][0].pid) for n in [0] + alive):
+                    if time.monotonic() - start > a.deadline:
+                        raise RuntimeError("the new agents were not admitted within the deadline")
+                    time.sleep(0.05)
+                done = checkpoints(ckpt)
+                step = max(step, done[-1] if done else step)
+            elif what == "hang a rank":
+                # SIGSTOP: alive but silent. The others' watchdog names it and ends them; its
+                # agent, seeing the others wait for it, ends it (SIGTERM, then SIGKILL).
+                stopped = children(agents[rng.choice(alive)][0].pid)[0]
+                os.kill(stopped, signal.SIGSTOP)
             else:
-                workers = children(agents[0][0].pid)
-                for pid in workers:
+                for pid in children(agents[0][0].pid):
                     os.kill(pid, signal.SIGKILL)
-            killed = time.monotonic()
-            print(f"torchrun_kills: {what} after checkpoint {step}", flush=True)
+            print(f"torchrun_kills: {what}" + (" (admitted)" if what == "add two nodes" else "") +
+                  f" after checkpoint {step}", flush=True)
             step = wait_for_checkpoint(step + rng.randrange(0, 12))
             print(f"torchrun_kills:   checkpoint {step} written {time.monotonic() - killed:.1f} s later", flush=True)
-        start_agent(4)
-        start_agent(5)
-        print("torchrun_kills: two new agents join", flush=True)
         for p, _ in agents:
             if p.returncode is None or p.returncode == 0:
                 p.wait(timeout=max(1, a.deadline - (time.monotonic() - start)))
-        failed = [n for n, (p, _) in enumerate(agents) if p.returncode != 0 and n not in (1, 2, 3)]
-        lost = [n for n in (1, 2, 3) if n not in alive]
-        failed += [n for n in alive if agents[n][0].returncode != 0]
+        lost = [n for n in range(len(agents)) if n != 0 and n not in alive]
+        failed = [n for n in [0] + alive if agents[n][0].returncode != 0]
         if failed:
             for n in failed:
                 print(f"== agent {n}: status {agents[n][0].returncode}")
@@ -145,6 +160,13 @@ def main():
             return 1
         print(f"torchrun_kills: agents {lost} lost; the others ended with status 0 after "
               f"{time.monotonic() - start:.1f} s", flush=True)
+        named = [f for f in work.rglob("stderr.log") if "watchdog on rank" in f.read_text(errors="replace")]
+        if stopped is not None and not named:
+            print("torchrun_kills: FAIL: no rank's watchdog named the stopped rank")
+            return 1
+        if stopped is not None and Path(f"/proc/{stopped}").exists():
+            print(f"torchrun_kills: FAIL: the stopped worker {stopped} is still there")
+            return 1
         # The last start ran at 4 ranks: the new agents joined (rank 0's line, in its agent's log).
         ends = [line for n in range(len(agents)) for line in (work / f"agent{n}.log").read_text().splitlines()
                 if "steps in all" in line]
