@@ -72,14 +72,13 @@ FitResult fit(S& s, const D& train, const FitOptions& options, Loss loss = {}) {
         } else {
           auto order = detail::deterministic_sampler(s, n, o);
           o.batch_size = order.batch_size();
-          return detail::Trainer<S, D, data::DeterministicSampler, Loss>(s, train, std::move(order), o, loss,
-                                                                         std::move(from))
+          return detail::Trainer<S, D, Loss>(s, train, detail::AnySampler(std::move(order)), o, loss, std::move(from))
               .run();
         }
       }
     }
-    return detail::Trainer<S, D, Sampler, Loss>(s, train, Sampler(n, detail::sampler_options(s, o)), o, loss,
-                                                std::move(from))
+    return detail::Trainer<S, D, Loss>(s, train, detail::AnySampler(Sampler(n, detail::sampler_options(s, o))), o,
+                                       loss, std::move(from))
         .run();
   }
   else
@@ -129,7 +128,7 @@ FitResult fit(S& s, const D& train, Sampler order, const FitOptions& options, Lo
                         std::to_string(o.global_batch_size) + " (FitOptions::global_batch_size or the checkpoint's)");
       o.batch_size = order.batch_size();
     }
-    return detail::Trainer<S, D, Sampler, Loss>(s, train, std::move(order), o, loss, std::move(from)).run();
+    return detail::Trainer<S, D, Loss>(s, train, detail::AnySampler(std::move(order)), o, loss, std::move(from)).run();
   } else {
     return {};  // unreachable: the assertions above failed
   }

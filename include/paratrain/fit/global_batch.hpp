@@ -78,7 +78,8 @@ template <strategy S>
 FitOptions dealt(S& s, FitOptions o, const std::optional<ResumePoint>& from, bool sharded) {
   const auto replicas = static_cast<std::int64_t>(s.data_shard().count);
   const std::int64_t saved = from ? from->position.global_batch : 0;
-  if (o.global_batch_size < 0) throw error("fit", s.rank(), "global_batch_size must be >= 0 (0: batch_size x accumulation x replicas)");
+  if (o.global_batch_size < 0)
+    throw error("fit", s.rank(), "global_batch_size must be >= 0 (0: batch_size x accumulation x replicas)");
   if (o.global_batch_size > 0 && saved > 0 && o.global_batch_size != saved)
     throw error("fit", s.rank(),
                 "global_batch_size is " + std::to_string(o.global_batch_size) + ", but the checkpoint " +
@@ -92,38 +93,37 @@ FitOptions dealt(S& s, FitOptions o, const std::optional<ResumePoint>& from, boo
                     "; deterministic mode computes each step's global batch in its virtual shards, one batch a "
                     "step: set global_batch_size instead");
   const bool given = o.global_batch_size > 0 || saved > 0;
-  const std::int64_t g = o.global_batch_size > 0 ? o.global_batch_size : saved > 0 ? saved : o.batch_size * o.accumulation * replicas;
-  o.global_batch_size = g;
-  if (!given || sharded) {
-    if (saved > 0 && from->position.replicas != replicas && s.rank() == 0)
-      std::printf("fit: resuming at %lld data-parallel replicas, with the checkpoint's global batch of %lld\n",
-                  static_cast<long long>(replicas), static_cast<long long>(g));
-    return o;
+  o.global_batch_size = o.global_batch_size > 0 ? o.global_batch_size
+                        : saved > 0             ? saved
+                                                : o.batch_size * o.accumulation * replicas;
+  const auto g = o.global_batch_size;
+  if (given && !sharded) {
+    if (g % replicas != 0)
+      throw error("fit", s.rank(),
+                  "the global batch of " + std::to_string(g) + " samples cannot be dealt over " +
+                      std::to_string(replicas) +
+                      " data-parallel replicas (each takes G / replicas of a step); run at a number of replicas that "
+                      "divides it (" + dividing_world_sizes(g) +
+                      " up to 8), or choose a global_batch_size that every world size of the job divides (24: 1, 2, "
+                      "3, 4, 6, 8)");
+    const auto share = g / replicas;
+    if (share < o.accumulation)
+      throw error("fit", s.rank(),
+                  "the global batch of " + std::to_string(g) + " samples gives each of " + std::to_string(replicas) +
+                      " replicas " + std::to_string(share) + " per step, fewer than the " +
+                      std::to_string(o.accumulation) + " micro-batches a step needs here (FitOptions::accumulation)");
+    auto a = static_cast<std::int64_t>(o.accumulation);
+    while (share % a != 0 || share / a > o.batch_size) ++a;  // ends: a == share gives micro-batches of 1
+    o.accumulation = static_cast<int>(a);
+    o.batch_size = share / a;
   }
-  if (g % replicas != 0)
-    throw error("fit", s.rank(),
-                "the global batch of " + std::to_string(g) + " samples cannot be dealt over " + std::to_string(replicas) +
-                    " data-parallel replicas (each takes G / replicas of a step); run at a number of replicas that "
-                    "divides it (" + dividing_world_sizes(g) +
-                    " up to 8), or choose a global_batch_size that every world size of the job divides (24: 1, 2, "
-                    "3, 4, 6, 8)");
-  const auto share = g / replicas;
-  if (share < o.accumulation)
-    throw error("fit", s.rank(),
-                "the global batch of " + std::to_string(g) + " samples gives each of " + std::to_string(replicas) +
-                    " replicas " + std::to_string(share) + " per step, fewer than the " +
-                    std::to_string(o.accumulation) + " micro-batches a step needs here (FitOptions::accumulation)");
-  auto a = static_cast<std::int64_t>(o.accumulation);
-  while (share % a != 0 || share / a > o.batch_size) ++a;  // ends: a == share gives micro-batches of 1
-  if (a != o.accumulation || share / a != o.batch_size) {
-    if (s.rank() == 0 && saved > 0 && from->position.replicas != replicas)
-      std::printf("fit: resuming at %lld data-parallel replicas, with the checkpoint's global batch of %lld: "
-                  "%lld micro-batch(es) of %lld per replica per step\n",
-                  static_cast<long long>(replicas), static_cast<long long>(g), static_cast<long long>(a),
-                  static_cast<long long>(share / a));
-  }
-  o.accumulation = static_cast<int>(a);
-  o.batch_size = share / a;
+  if (saved > 0 && from->position.replicas != replicas && s.rank() == 0)
+    std::printf("fit: resuming at %lld data-parallel replicas, with the checkpoint's global batch of %lld%s\n",
+                static_cast<long long>(replicas), static_cast<long long>(g),
+                sharded ? ""
+                        : (": " + std::to_string(o.accumulation) + " micro-batch(es) of " +
+                           std::to_string(o.batch_size) + " per replica per step")
+                              .c_str());
   return o;
 }
 

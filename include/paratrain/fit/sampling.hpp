@@ -4,8 +4,12 @@
 /// of a sampler built by the caller, and which samplers resume part-way through an epoch.
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "paratrain/concepts/sampler.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/data/sampler_options.hpp"
 #include "paratrain/fit/options.hpp"
@@ -46,5 +50,49 @@ std::string sampler_mismatch(S& s, const D& train, const Sampler& order) {
 /// of replicas (Note [Resuming mid-epoch]).
 template <class T>
 concept resumable_sampler = requires(T& t, std::int64_t n) { t.set_epoch(n, n); };
+
+/// fit's view of any sampler: an epoch's indices, their count, and whether an epoch can
+/// begin part-way (resumable_sampler). The loop is compiled once per strategy, data set and
+/// loss, whatever sampler feeds it (the default, deterministic mode's, one of one's own).
+class AnySampler {
+ public:
+  template <sampler T>
+  explicit AnySampler(T t) : self_(std::make_unique<Model<T>>(std::move(t))) {}
+
+  /// Epoch `epoch` from place `start` of its order; `start` must be 0 unless resumable().
+  void set_epoch(std::int64_t epoch, std::int64_t start) { self_->set_epoch(epoch, start); }
+  /// This replica's indices of the epoch, without the first `skip`.
+  [[nodiscard]] std::vector<std::int64_t> indices(std::int64_t skip) const { return self_->indices(skip); }
+  [[nodiscard]] std::int64_t size() const { return self_->size(); }
+  [[nodiscard]] bool resumable() const { return self_->resumable(); }
+
+ private:
+  struct Concept {
+    virtual ~Concept() = default;
+    virtual void set_epoch(std::int64_t epoch, std::int64_t start) = 0;
+    [[nodiscard]] virtual std::vector<std::int64_t> indices(std::int64_t skip) const = 0;
+    [[nodiscard]] virtual std::int64_t size() const = 0;
+    [[nodiscard]] virtual bool resumable() const = 0;
+  };
+  template <class T>
+  struct Model final : Concept {
+    explicit Model(T t) : t(std::move(t)) {}
+    void set_epoch(std::int64_t epoch, std::int64_t start) override {
+      if constexpr (resumable_sampler<T>) t.set_epoch(epoch, start);
+      else t.set_epoch(epoch);
+    }
+    [[nodiscard]] std::vector<std::int64_t> indices(std::int64_t skip) const override {
+      std::vector<std::int64_t> out;
+      std::int64_t seen = 0;
+      for (auto&& i : t.indices())  // whatever range type the sampler returns them in
+        if (seen++ >= skip) out.push_back(static_cast<std::int64_t>(i));
+      return out;
+    }
+    [[nodiscard]] std::int64_t size() const override { return static_cast<std::int64_t>(t.size()); }
+    [[nodiscard]] bool resumable() const override { return resumable_sampler<T>; }
+    T t;
+  };
+  std::unique_ptr<Concept> self_;
+};
 
 }  // namespace paratrain::detail

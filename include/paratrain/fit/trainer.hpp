@@ -47,14 +47,14 @@ namespace paratrain::detail {
 // over real samples; nothing is averaged in as 0.
 
 /// fit, in named steps: the loop over epochs, an epoch's steps, a step, what follows a step.
-template <strategy S, dataset D, sampler Sampler, class Loss>
+template <strategy S, dataset D, class Loss>
 class Trainer {
   using clock = std::chrono::steady_clock;
 
  public:
   /// `options` as fit resolved and dealt them (global_batch_size set); `from`: the checkpoint
   /// to resume from (resume_point's), if any.
-  Trainer(S& s, const D& train, Sampler sampler, const FitOptions& options, Loss& loss,
+  Trainer(S& s, const D& train, AnySampler sampler, const FitOptions& options, Loss& loss,
           std::optional<ResumePoint> from)
       : s_(s),
         train_(train),
@@ -169,7 +169,7 @@ class Trainer {
                   "the checkpoint " + checkpoints_.resumed_from()->string() +
                       " was saved with another data set size, seed, shuffle or drop_last, so its place in the sample "
                       "order means nothing here; resume with the options it was saved with");
-    if constexpr (!resumable_sampler<Sampler>) {
+    if (!sampler_.resumable()) {
       if (resumed->epoch_step > 0 && resumed->replicas != shard_.count)
         throw error("fit", s_.rank(),
                     "the checkpoint " + checkpoints_.resumed_from()->string() + " was saved mid-epoch by " +
@@ -207,16 +207,12 @@ class Trainer {
             .begin = resumed ? start_.position : 0,
             .done = resumed ? start_.epoch_step : 0,
             .save_at_end = options_.checkpoint.every_epoch};
-    std::int64_t skip = 0;
-    if constexpr (resumable_sampler<Sampler>) {
-      sampler_.set_epoch(index, e.begin);
-    } else {
-      sampler_.set_epoch(index);
-      skip = e.begin / shard_.count;
-    }
+    // Where it can, the sampler starts part-way; otherwise this replica skips what it visited.
+    sampler_.set_epoch(index, sampler_.resumable() ? e.begin : 0);
+    const std::int64_t skip = sampler_.resumable() ? 0 : e.begin / shard_.count;
     std::vector<at::Tensor> micro;
     {
-      const auto indices = this_epoch(skip);
+      const auto indices = sampler_.indices(skip);
       e.visiting = static_cast<std::int64_t>(indices.size());
       for (auto&& chunk : data::batches(indices, options_.batch_size)) micro.push_back(data::to_tensor(chunk));
     }
@@ -242,16 +238,6 @@ class Trainer {
       }
     }
     end_epoch(e);
-  }
-
-  /// This replica's indices of the epoch, less the first `skip`, whatever range type the
-  /// sampler returns them in.
-  std::vector<std::int64_t> this_epoch(std::int64_t skip) const {
-    std::vector<std::int64_t> out;
-    std::int64_t seen = 0;
-    for (auto&& i : sampler_.indices())
-      if (seen++ >= skip) out.push_back(static_cast<std::int64_t>(i));
-    return out;
   }
 
   /// Step k of the epoch: its micro-batches, from the loader (the data phase: what of
@@ -322,7 +308,7 @@ class Trainer {
       // steps so far visited, whole global batches of them (Note [The global batch]); for a
       // sampler that cannot start part-way, what each replica took (Note [Resuming mid-epoch]).
       const auto steps = k + 1 - e.done;
-      const auto visited = resumable_sampler<Sampler>
+      const auto visited = sampler_.resumable()
                                ? steps * options_.global_batch_size
                                : steps * options_.accumulation * options_.batch_size * shard_.count;
       save(position(step_ + 1, e.index, k + 1, e.begin + visited), metrics_);
@@ -469,7 +455,7 @@ class Trainer {
   Loss& loss_;
   Progress progress_;
   DataShard shard_;
-  Sampler sampler_;
+  AnySampler sampler_;
   std::vector<double> base_lrs_;
   observe::Observer<S> observer_;
   FitCheckpoints<S> checkpoints_;
