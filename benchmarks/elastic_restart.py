@@ -97,14 +97,20 @@ def run_round(cmd, pattern, every, rng, env, kill_one, relaunch):
         seen = 0
     else:
         seen = len(w.steps)
-    while len(w.steps) <= seen:
-        if proc.poll() is not None and len(w.steps) <= seen:
+    # Under torchrun the surviving worker may still report a step it finished before the
+    # kill: the restarted workers' first step is the one at or below the step killed after
+    # (they resume from the checkpoint before it).
+    def restarted():
+        return [(at, step) for at, step in w.steps[seen:] if relaunch or step <= killed_after]
+
+    while not restarted():
+        if proc.poll() is not None:
             w.thread.join()
-            if len(w.steps) > seen:
+            if restarted():
                 break
             raise RuntimeError("no step after the kill:\n" + "\n".join(w.lines[-30:]))
         time.sleep(0.002)
-    first_at, first_step = w.steps[seen]
+    first_at, first_step = restarted()[0]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     # The first step after the restart is checkpoint + 1: the steps after it up to the kill
