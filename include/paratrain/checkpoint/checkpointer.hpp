@@ -102,9 +102,11 @@ using optimizer_t = std::remove_cvref_t<decltype(std::declval<S&>().optimizer())
 
 /// What this rank writes of `s`'s state (Note [Checkpoint format]). Replicated slices are
 /// shared out greedily by bytes, in the order every rank lists them alike. `copy`: a
-/// snapshot that training may go on changing underneath.
+/// snapshot that training may go on changing underneath. `held`: every slice this rank
+/// holds, replicated or not, and without communicating (elastic::fit's survivors, whose
+/// copies are sorted out afterwards: Note [A snapshot of the survivors]).
 template <checkpointable S>
-std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
+std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy, bool held = false) {
   using Schema = schema_of<optimizer_t<S>>;
   const int rank = s.rank();
   std::vector<std::int64_t> load(static_cast<std::size_t>(s.world_size()), 0);
@@ -112,7 +114,7 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
   const auto add = [&](std::string key, bool replicated, int writer, const at::Tensor& t,
                        std::vector<std::int64_t> shape, std::int64_t begin) {
     if (!t.defined() || t.numel() == 0) return;
-    if (replicated) {
+    if (replicated && !held) {
       const auto owner = writer >= 0 ? writer : std::min_element(load.begin(), load.end()) - load.begin();
       load[static_cast<std::size_t>(owner)] += t.numel() * static_cast<std::int64_t>(t.element_size());
       if (owner != rank) return;
@@ -137,10 +139,10 @@ std::vector<Entry> collect(S& s, const CheckpointLayout& layout, bool copy) {
     }
   };
   for (const auto& sl : layout.model)
-    if (sl.saved) add_slice(detail::model_key(sl.name), sl, sl.tensor);
+    if (sl.saved || held) add_slice(detail::model_key(sl.name), sl, sl.tensor);
   auto& state = s.optimizer().state();
   for (const auto& sl : layout.optimized) {
-    if (!sl.saved) continue;  // another rank writes the same elements: Note [Hybrid sharding]
+    if (!sl.saved && !held) continue;  // another rank writes the same elements: Note [Hybrid sharding]
     const auto it = state.find(optimizer_state_key(sl.tensor));
     if (it == state.end()) continue;
     const auto t = Schema::get(static_cast<const typename Schema::state_type&>(*it->second));
@@ -221,6 +223,45 @@ inline Written write_rank(const fs::path& dir, int rank, int world, std::int64_t
   return {paratrain::detail::crc32c_extend(0, bytes.data(), bytes.size()), static_cast<std::int64_t>(bytes.size()), offset};
 }
 
+/// The last of a save, on rank 0 once every rank's files are durable: the index of the
+/// `table.size(0)` rank files (a row each: the table's CRC-32C and bytes, the data's bytes),
+/// written into `partial`, which is then published as `final_path`.
+inline void write_index(const fs::path& partial, const fs::path& final_path, std::int64_t step, const at::Tensor& table,
+                        const std::string& optimizer, const c10::impl::GenericList& group_options, const Dict& extra) {
+  const auto world = table.size(0);
+  auto ranks = c10::impl::GenericList(c10::AnyType::get());
+  for (std::int64_t r = 0; r < world; ++r) {
+    auto e = make_dict();
+    e.insert("meta", rank_meta_name(static_cast<int>(r)));
+    e.insert("meta_bytes", table[r][1].item<std::int64_t>());
+    e.insert("meta_crc32c", table[r][0].item<std::int64_t>());
+    e.insert("data", rank_data_name(static_cast<int>(r)));
+    e.insert("data_bytes", table[r][2].item<std::int64_t>());
+    ranks.push_back(std::move(e));
+  }
+  auto index = make_dict();
+  index.insert("format", std::string(format_name));
+  index.insert("version", format_version);
+  index.insert("step", step);
+  index.insert("world_size", world);
+  index.insert("optimizer", optimizer);
+  index.insert("param_groups", group_options);
+  index.insert("ranks", ranks);
+  index.insert("extra", extra);
+  write_file_atomically(partial / index_name, torch::pickle_save(index));
+  sync_directory(partial);
+  publish_directory(partial, final_path);
+  sync_directory(final_path.parent_path());
+}
+
+/// Each parameter group's options, as a checkpoint's index records them.
+template <class Optim>
+c10::impl::GenericList group_options(Optim& optimizer) {
+  c10::impl::GenericList out(c10::AnyType::get());
+  for (auto& g : optimizer.param_groups()) out.push_back(schema_of<Optim>::options(g.options()));
+  return out;
+}
+
 }  // namespace detail
 
 /// Saves the training state of strategy `s` (parameters, buffers, optimizer state and
@@ -270,7 +311,7 @@ class Checkpointer {
       const auto layout = s_->checkpoint_layout();
       job.entries = detail::collect(*s_, layout, options_.async);
       job.groups = detail::groups_of(s_->optimizer(), layout);
-      job.options = group_options();
+      job.options = detail::group_options(s_->optimizer());
       std::uint64_t bytes = 1 << 20;  // the chunk table, roughly
       for (const auto& e : job.entries) bytes += static_cast<std::uint64_t>(e.data.nbytes()) + alignment;
       if (const auto free = detail::free_bytes(partial); free < bytes)
@@ -339,13 +380,6 @@ class Checkpointer {
     std::string error;
   };
 
-  c10::impl::GenericList group_options() {
-    using Schema = schema_of<detail::optimizer_t<S>>;
-    c10::impl::GenericList out(c10::AnyType::get());
-    for (auto& g : s_->optimizer().param_groups()) out.push_back(Schema::options(g.options()));
-    return out;
-  }
-
   // Every rank's files are durable (or failed): rank 0 writes the index into the partial
   // directory and renames it into place, then removes what `keep` lets go.
   void publish() {
@@ -372,29 +406,8 @@ class Checkpointer {
       detail::raise_everywhere(*s_, "checkpoint::save", job.error);
     }
     if (rank == 0) try {
-        auto ranks = c10::impl::GenericList(c10::AnyType::get());
-        for (int r = 0; r < world; ++r) {
-          auto e = make_dict();
-          e.insert("meta", detail::rank_meta_name(r));
-          e.insert("meta_bytes", table[r][1].item<std::int64_t>());
-          e.insert("meta_crc32c", table[r][0].item<std::int64_t>());
-          e.insert("data", detail::rank_data_name(r));
-          e.insert("data_bytes", table[r][2].item<std::int64_t>());
-          ranks.push_back(std::move(e));
-        }
-        auto index = make_dict();
-        index.insert("format", std::string(format_name));
-        index.insert("version", format_version);
-        index.insert("step", job.step);
-        index.insert("world_size", static_cast<std::int64_t>(world));
-        index.insert("optimizer", std::string(schema_of<detail::optimizer_t<S>>::name));
-        index.insert("param_groups", job.options);
-        index.insert("ranks", ranks);
-        index.insert("extra", job.extra);
-        detail::write_file_atomically(job.partial / detail::index_name, torch::pickle_save(index));
-        detail::sync_directory(job.partial);
-        detail::publish_directory(job.partial, job.final_path);
-        detail::sync_directory(options_.directory);
+        detail::write_index(job.partial, job.final_path, job.step, table,
+                            std::string(schema_of<detail::optimizer_t<S>>::name), job.options, job.extra);
         prune();
       } catch (const std::exception& e) {
         err = detail::message_of(e);

@@ -38,4 +38,12 @@ class error : public std::runtime_error {
   int rank_;
 };
 
+/// Thrown by a communicator built to survive a lost rank (elastic::Membership's): a peer
+/// died or stopped answering, or another rank said so. The group is then unusable; the
+/// survivors meet again without the lost rank (docs/elastic.md, Note [Recoverable groups]).
+class peer_lost : public error {
+ public:
+  using error::error;
+};
+
 }  // namespace paratrain

@@ -188,6 +188,15 @@ std::optional<ResumePoint> resume_point(S& s, const CheckpointOptions& options) 
   return out;
 }
 
+/// The loop's position after the last step this rank completed, as a checkpoint of it would
+/// record it: what elastic::fit's survivors save when a rank is lost (Note [A snapshot of the
+/// survivors]). fit keeps one only when asked (Trainer's `journal`).
+struct Journal {
+  std::int64_t step = -1;  ///< optimizer steps done; -1: none completed yet
+  checkpoint::Dict extra = checkpoint::make_dict();
+  checkpoint::Dict rank_extra = checkpoint::make_dict();
+};
+
 template <class S, bool Possible>
 struct saver_of {
   struct type {};
@@ -259,12 +268,20 @@ class FitCheckpoints {
   void save(const FitPosition& p, const Metrics& metrics) {
     if constexpr (possible) {
       if (!saver_) return;
-      auto extra = checkpoint::make_dict();
-      extra.insert("fit", to_dict(p));
-      auto rank_extra = checkpoint::make_dict();
-      rank_extra.insert("metrics", metrics_dict(metrics));
-      saver_->save(p.step, std::move(extra), std::move(rank_extra));
+      saver_->save(p.step, extra_of(p), rank_extra_of(metrics));
     }
+  }
+
+  /// What a checkpoint at `p` records in its index, and in this rank's table.
+  static checkpoint::Dict extra_of(const FitPosition& p) {
+    auto extra = checkpoint::make_dict();
+    extra.insert("fit", to_dict(p));
+    return extra;
+  }
+  static checkpoint::Dict rank_extra_of(const Metrics& metrics) {
+    auto rank_extra = checkpoint::make_dict();
+    rank_extra.insert("metrics", metrics_dict(metrics));
+    return rank_extra;
   }
 
   /// Saves the strategy and the loop's position as the best checkpoint, in best/, in place
@@ -272,9 +289,7 @@ class FitCheckpoints {
   void save_best(const FitPosition& p) {
     if constexpr (possible) {
       if (!best_) return;
-      auto extra = checkpoint::make_dict();
-      extra.insert("fit", to_dict(p));
-      best_->save(p.step, std::move(extra), checkpoint::make_dict());
+      best_->save(p.step, extra_of(p), checkpoint::make_dict());
     }
   }
 

@@ -24,6 +24,36 @@
 
 namespace paratrain {
 
+namespace detail {
+
+/// fit's loop with the sampler fit builds (deterministic mode's, or `Sampler`), keeping
+/// `journal` where given (elastic::fit's).
+template <class Sampler, strategy S, class D, class Loss>
+FitResult fit_built(S& s, const D& train, const FitOptions& options, Loss& loss, Journal* journal) {
+  FitOptions o = resolved(s, options);  // Note [fit's defaults]
+  check_same_data(s, train);
+  auto from = resume_point(s, o.checkpoint);
+  o = dealt(s, o, from, deterministic_mode(s));  // Note [The global batch]
+  const auto n = static_cast<std::int64_t>(train.size());
+  if constexpr (deterministic_strategy<S>) {
+    if (deterministic_mode(s)) {
+      if constexpr (!std::same_as<Sampler, data::DistributedSampler>) {
+        throw error("fit", s.rank(),
+                    "the strategy is in deterministic mode, whose global batches fit deals itself "
+                    "(data::DeterministicSampler); leave fit's Sampler at its default");
+      } else {
+        auto order = deterministic_sampler(s, n, o);
+        o.batch_size = order.batch_size();
+        return Trainer<S, D, Loss>(s, train, AnySampler(std::move(order)), o, loss, std::move(from), journal).run();
+      }
+    }
+  }
+  return Trainer<S, D, Loss>(s, train, AnySampler(Sampler(n, sampler_options(s, o))), o, loss, std::move(from), journal)
+      .run();
+}
+
+}  // namespace detail
+
 /// Trains `s` on `train`, any paratrain::dataset, for `options.epochs` epochs: the same
 /// loop for every strategy (Note [One loop for every strategy]).
 ///
@@ -56,31 +86,9 @@ FitResult fit(S& s, const D& train, const FitOptions& options, Loss loss = {}) {
   static_assert(std::constructible_from<Sampler, std::int64_t, data::SamplerOptions>,
                 "paratrain::fit<Sampler>: fit builds the sampler as Sampler(dataset_size, data::SamplerOptions); give "
                 "it that constructor, or build the sampler yourself and pass it: fit(strategy, train, sampler, options)");
-  if constexpr (dataset<D> && sampler<Sampler> && detail::loss_of_strategy<Loss, S> && std::constructible_from<Sampler, std::int64_t, data::SamplerOptions>)
-  {
-    FitOptions o = detail::resolved(s, options);  // Note [fit's defaults]
-    detail::check_same_data(s, train);
-    auto from = detail::resume_point(s, o.checkpoint);
-    o = detail::dealt(s, o, from, detail::deterministic_mode(s));  // Note [The global batch]
-    const auto n = static_cast<std::int64_t>(train.size());
-    if constexpr (detail::deterministic_strategy<S>) {
-      if (detail::deterministic_mode(s)) {
-        if constexpr (!std::same_as<Sampler, data::DistributedSampler>) {
-          throw error("fit", s.rank(),
-                      "the strategy is in deterministic mode, whose global batches fit deals itself "
-                      "(data::DeterministicSampler); leave fit's Sampler at its default");
-        } else {
-          auto order = detail::deterministic_sampler(s, n, o);
-          o.batch_size = order.batch_size();
-          return detail::Trainer<S, D, Loss>(s, train, detail::AnySampler(std::move(order)), o, loss, std::move(from))
-              .run();
-        }
-      }
-    }
-    return detail::Trainer<S, D, Loss>(s, train, detail::AnySampler(Sampler(n, detail::sampler_options(s, o))), o,
-                                       loss, std::move(from))
-        .run();
-  }
+  if constexpr (dataset<D> && sampler<Sampler> && detail::loss_of_strategy<Loss, S> &&
+                std::constructible_from<Sampler, std::int64_t, data::SamplerOptions>)
+    return detail::fit_built<Sampler>(s, train, options, loss, nullptr);
   else
     return {};  // unreachable: the assertions above failed
 }

@@ -53,9 +53,10 @@ class Trainer {
 
  public:
   /// `options` as fit resolved and dealt them (global_batch_size set); `from`: the checkpoint
-  /// to resume from (resume_point's), if any.
+  /// to resume from (resume_point's), if any; `journal`, where kept, the position after each
+  /// step (elastic::fit's).
   Trainer(S& s, const D& train, AnySampler sampler, const FitOptions& options, Loss& loss,
-          std::optional<ResumePoint> from)
+          std::optional<ResumePoint> from, Journal* journal = nullptr)
       : s_(s),
         train_(train),
         options_(validated(options, s.rank())),
@@ -68,6 +69,7 @@ class Trainer {
         checkpoints_(s, options.checkpoint),
         lr_(options.lr_scaling, options.lr_schedule, double(options.global_batch_size)),
         from_(std::move(from)),
+        journal_(journal),
         callbacks_(loop_callbacks(options, checkpoints_.saving(), s.rank())) {
     // Whether to agree after every step, agreed itself: a rank given on_step where another
     // is not must still take part.
@@ -281,6 +283,8 @@ class Trainer {
   /// Reports the step, saves a checkpoint when one is due, logs; true after the epoch's last step.
   bool after_step(Epoch& e, std::int64_t k, const StepResult& r, clock::time_point begin, clock::time_point end,
                   double data_seconds) {
+    const bool last = r.ranks_with_next == 0;
+    if (journal_ != nullptr) record(e, k, last);  // before any collective that could fail
     e.samples += r.global_samples;
     e.skipped += r.skipped ? 1 : 0;
     const bool has_loss = r.has_loss && !r.skipped;  // a skipped step's loss is usually NaN
@@ -295,7 +299,6 @@ class Trainer {
                         .has_loss = has_loss,
                         .stop = &stop_request_};
     observer_.step(step_, begin, end, info.loss, has_loss ? r.samples : 0);
-    const bool last = r.ranks_with_next == 0;
     longest_step_ = std::max(longest_step_, info.seconds);
     checkpoints_.poll();
     stopped_ = stop_after_step(info, e, k, last);
@@ -304,14 +307,8 @@ class Trainer {
     if (due && last) {
       e.save_at_end = true;  // after the epoch's evaluation, as the next epoch's start
     } else if (due && checkpoints_.saving()) {
-      // Mid-epoch, with the epoch's running metrics: the places of the epoch's order its
-      // steps so far visited, whole global batches of them (Note [The global batch]); for a
-      // sampler that cannot start part-way, what each replica took (Note [Resuming mid-epoch]).
-      const auto steps = k + 1 - e.done;
-      const auto visited = sampler_.resumable()
-                               ? steps * options_.global_batch_size
-                               : steps * options_.accumulation * options_.batch_size * shard_.count;
-      save(position(step_ + 1, e.index, k + 1, e.begin + visited), metrics_);
+      // Mid-epoch, with the epoch's running metrics and the places its steps visited.
+      save(position(step_ + 1, e.index, k + 1, visited(e, k)), metrics_);
     }
     if (!stopped_.empty() && !last) e.complete = false;
     const auto loss_text = [&](double loss) {
@@ -430,6 +427,25 @@ class Trainer {
     return {"another rank asked", best};
   }
 
+  /// The places of the epoch's order visited after step k of `e`: whole global batches of them
+  /// (Note [The global batch]); for a sampler that cannot start part-way, what each replica
+  /// took (Note [Resuming mid-epoch]).
+  std::int64_t visited(const Epoch& e, std::int64_t k) const {
+    const auto steps = k + 1 - e.done;
+    return e.begin + (sampler_.resumable() ? steps * options_.global_batch_size
+                                           : steps * options_.accumulation * options_.batch_size * shard_.count);
+  }
+
+  /// The journal's entry after step k of `e`: the position a checkpoint saved now would
+  /// hold. After an epoch's last step, the next epoch's start: a resume from it does not
+  /// evaluate the epoch again (its evaluation is lost with the rank, its training is not).
+  void record(const Epoch& e, std::int64_t k, bool last) {
+    const auto p = last ? position(step_ + 1, e.index + 1, 0, 0) : position(step_ + 1, e.index, k + 1, visited(e, k));
+    journal_->step = p.step;
+    journal_->extra = FitCheckpoints<S>::extra_of(p);
+    journal_->rank_extra = FitCheckpoints<S>::rank_extra_of(last ? Metrics{} : metrics_);
+  }
+
   /// Saves a checkpoint of the loop at `p`, timing it for the time limit.
   void save(const FitPosition& p, const Metrics& metrics) {
     const auto begin = clock::now();
@@ -461,6 +477,7 @@ class Trainer {
   FitCheckpoints<S> checkpoints_;
   LrSchedule lr_;
   std::optional<ResumePoint> from_;
+  Journal* journal_;  // kept by elastic::fit: the position after each step
   FitPosition start_;
   FitResult result_;
   Metrics metrics_;  // the epoch's: reduced at its end into EpochInfo::metrics

@@ -340,6 +340,9 @@ class DataParallel {
   /// checkpoint's step, so that a resumed run draws what the uninterrupted one drew.
   [[nodiscard]] std::int64_t step_count() const noexcept { return steps_->step_count(); }
   void set_step_count(std::int64_t steps) noexcept { steps_->set_step_count(steps); }
+  /// Whether this rank's state is that of some step: false while an update is under way, and
+  /// after a step failed part-way through one (a lost peer): Note [A snapshot of the survivors].
+  [[nodiscard]] bool settled() const noexcept { return steps_->settled(); }
 
   /// Reports each step's phases and each bucket's all-reduce into `timeline` (fit's
   /// trace does this); null, the default, times nothing. Note [Zero-cost timeline].

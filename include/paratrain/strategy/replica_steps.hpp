@@ -230,9 +230,13 @@ class ReplicaSteps {
         grads_->scale(std::min(options_.max_grad_norm / (norm + 1e-6), 1.0));  // as clip_grad_norm_
       }
       PhaseTimer step(timeline_, Phase::optimizer);
+      // Until the update and what follows it (ZeRO's gathers of the new shards) are done,
+      // this rank's state is neither the last step's nor this one's: Note [A snapshot of the survivors].
+      updating_ = true;
       store_->step(*grads_);
     }
     if (!joined) store_->end_step();
+    updating_ = false;
     if (!finite && !skipped) stop_on_nonfinite();
     return {loss, samples, status.samples, status.ranks_with_next, norm, /*has_loss=*/samples > 0, skipped};
   }
@@ -275,6 +279,9 @@ class ReplicaSteps {
   [[nodiscard]] LossScaler& loss_scaler() noexcept { return scaler_; }
   [[nodiscard]] const LossScaler& loss_scaler() const noexcept { return scaler_; }
   [[nodiscard]] std::int64_t step_count() const noexcept { return steps_; }
+  /// False while a step's update is under way, and after one failed part-way (a lost peer):
+  /// this rank's state is then no step's.
+  [[nodiscard]] bool settled() const noexcept { return !updating_; }
   void set_step_count(std::int64_t steps) noexcept { steps_ = steps; }
   [[nodiscard]] std::size_t bucket_count() const noexcept { return grads_->bucket_count(); }
   [[nodiscard]] std::vector<std::string> bucket_names(std::size_t i) const { return store_->layout().names(i); }
@@ -487,6 +494,7 @@ class ReplicaSteps {
   double pending_samples_ = 0;
   std::string pending_problem_;  // a batch accumulate() could not use: Note [Unusable batches]
   std::int64_t steps_ = 0;       // optimizer steps taken or skipped, for messages and shard seeds
+  bool updating_ = false;        // between an update's start and its step's end: settled()
   double exposed_seconds_ = 0;
   StepTimeline* timeline_ = nullptr;
 };

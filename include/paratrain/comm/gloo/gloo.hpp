@@ -33,6 +33,7 @@
 #include "paratrain/reliability/collective_signature.hpp"
 #include "paratrain/comm/gloo/watchdog.hpp"
 #include "paratrain/util/torch_compat.hpp"
+#include "paratrain/comm/detail/peer_loss.hpp"
 #include "paratrain/comm/detail/skeleton.hpp"
 #include "paratrain/comm/detail/tensor_checks.hpp"
 #include "paratrain/reliability/watchdog.hpp"
@@ -112,6 +113,10 @@ class Gloo {
     /// As comm::Mpi::Options::validate: check that every rank calls the same collective with
     /// the same dtype, element count and root, and throw on every rank if not.
     bool validate = detail::env_flag("PARATRAIN_VALIDATE");
+    /// Set by elastic::Membership, whose groups survive a lost rank: a failed or timed-out
+    /// operation then throws paratrain::peer_lost on every rank instead of ending the job
+    /// (Note [Recoverable groups]). Splits and duplicates share it. Null: the watchdog's way.
+    std::shared_ptr<detail::PeerLoss> peer_loss;
   };
 
   // c10d's handles on one operation, for detail::BasicRequest (comm/detail/request.hpp).
@@ -122,15 +127,20 @@ class Gloo {
     Handles() noexcept : can_poll(true) {}
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     bool can_poll;
+    std::shared_ptr<detail::PeerLoss> loss;  // Options::peer_loss
+    std::chrono::milliseconds limit{};       // Options::timeout, where `loss` is set
 
     [[nodiscard]] bool pending() const noexcept { return !works.empty(); }
     void wait(const char* op, int rank) {
       const auto all = std::exchange(works, {});
-      for (const auto& w : all) {
+      for (std::size_t i = 0; i < all.size(); ++i) {
         try {
-          w->wait();
+          if (loss && can_poll) detail::await_work(*all[i], *loss, limit, op, rank);
+          else all[i]->wait();
         } catch (...) {
-          rethrow_as_error(op, rank);
+          // What is still pending may run on Gloo's threads: Note [Recoverable groups].
+          if (loss) new std::vector<c10::intrusive_ptr<c10d::Work>>(all.begin() + static_cast<std::ptrdiff_t>(i), all.end());
+          rethrow_as_error(op, rank, loss.get());
         }
       }
     }
@@ -160,6 +170,12 @@ class Gloo {
   /// (at most Options::timeout), and throws paratrain::error naming the variables otherwise.
   Gloo() : Gloo(Options{}) {}
   explicit Gloo(Options options) : state_(join(std::move(options))) {}
+  /// The group of `size` ranks that meet in `store`, a c10d store every one of them reaches
+  /// (under a prefix of this group's own: the ranks' addresses go there), this one as `rank`;
+  /// Options' rank, size and address fields are not used. elastic::Membership makes its
+  /// generations so. Collective: blocks until every rank has joined (at most Options::timeout).
+  Gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int size, Options options)
+      : state_(join_store(std::move(store), rank, size, std::move(options))) {}
 
   [[nodiscard]] int rank() const noexcept { return state_->skeleton.rank(); }
   [[nodiscard]] int size() const noexcept { return state_->skeleton.size(); }
@@ -186,7 +202,7 @@ class Gloo {
   [[nodiscard]] Request ibroadcast(at::Tensor& t, int root) {
     detail::check_buffer("broadcast", rank(), t);
     skeleton().check_peer("broadcast", root);
-    Request r("broadcast", rank(), {t});
+    auto r = request("broadcast", {t});
     r.watch_ = begin("broadcast", t, root);
     c10d::BroadcastOptions o;
     o.rootRank = root;
@@ -203,7 +219,7 @@ class Gloo {
     detail::check_reduce_scatter(rank(), size(), in, out, op);
     auto watch = begin("reduce_scatter", in, static_cast<int>(op));
     auto whole = in.reshape({-1}).to(reduced_type(in), /*non_blocking=*/false, /*copy=*/true);
-    Request r("reduce_scatter", rank(), {in, out, whole});
+    auto r = request("reduce_scatter", {in, out, whole});
     r.watch_ = std::move(watch);
     std::vector<at::Tensor> v{whole};
     r.native_.works.push_back(run("reduce_scatter", [&] { return group().allreduce(v, all_reduce_options(op)); }));
@@ -221,7 +237,7 @@ class Gloo {
 
   [[nodiscard]] Request iall_gather(const at::Tensor& in, at::Tensor& out) {
     detail::check_all_gather(rank(), size(), in, out);
-    Request r("all_gather", rank(), {in, out});
+    auto r = request("all_gather", {in, out});
     r.watch_ = begin("all_gather", in, 0);
     const auto n = in.numel();
     if (n == 0) return r;  // Gloo's all-gather divides by the size (SIGFPE); every rank has 0 here
@@ -245,7 +261,7 @@ class Gloo {
     header.data_ptr<std::int64_t>()[0] = t.numel() * t.element_size();
     // c10d's Gloo sends from host memory only: a GPU tensor goes through a host copy.
     const auto wire = t.is_cpu() ? t : t.cpu();
-    Request r("send", rank(), {wire, header});
+    auto r = request("send", {wire, header});
     r.watch_ = skeleton().point_to_point("send", peer, tag);
     r.native_.can_poll = false;
     std::vector<at::Tensor> h{header}, payload{wire};
@@ -282,7 +298,7 @@ class Gloo {
   }
 
   void barrier() {
-    Request r("barrier", rank(), {});
+    auto r = request("barrier", {});
     r.watch_ = skeleton().collective("barrier");
     r.native_.works.push_back(run("barrier", [&] { return group().barrier(); }));
     r.wait();
@@ -290,6 +306,14 @@ class Gloo {
 
  private:
   struct State {
+    State() = default;
+    State(const State&) = delete;
+    State& operator=(const State&) = delete;
+    // A lost generation's group may have work stuck on its threads, which its destructor
+    // would join: it is leaked (Note [Recoverable groups]).
+    ~State() {
+      if (options.peer_loss && options.peer_loss->lost() && group) static_cast<void>(group.release());
+    }
     Options options;
     std::string where;                        // "host:port", "file <path>", or "" for a world of one
     std::string host;                         // MASTER_ADDR where the ranks met over TCP, else ""
@@ -356,11 +380,36 @@ class Gloo {
                                           paratrain::detail::message_of(e));
     }
     s->options = std::move(o);
+    s->skeleton = world_skeleton(rank, size, s->options);
+    return s;
+  }
+
+  static std::shared_ptr<State> join_store(c10::intrusive_ptr<c10d::Store> store, int rank, int size, Options o) {
+    if (size < 1 || rank < 0 || rank >= size)
+      throw error("comm::Gloo", rank, "rank " + std::to_string(rank) + " is not in a world of " + std::to_string(size));
+    auto s = std::make_shared<State>();
+    s->where = "a store of the caller's";
+    s->store = std::move(store);
+    try {
+      s->group = make_group(s->store, rank, size, o, "");
+    } catch (const std::exception& e) {
+      throw error("comm::Gloo", rank, "joining a group of " + std::to_string(size) + " ranks failed: " +
+                                          paratrain::detail::message_of(e));
+    }
+    s->options = std::move(o);
+    s->skeleton = world_skeleton(rank, size, s->options);
+    return s;
+  }
+
+  // The watchdog's limit: a recoverable group's waits give up first (Note [Recoverable groups]).
+  static std::chrono::milliseconds watch_limit(const Options& o) {
+    return o.peer_loss ? o.timeout + std::chrono::seconds(60) : o.timeout;
+  }
+
+  static detail::Skeleton world_skeleton(int rank, int size, const Options& o) {
     std::vector<int> members(static_cast<std::size_t>(size));
     for (int r = 0; r < size; ++r) members[static_cast<std::size_t>(r)] = r;
-    s->skeleton = detail::Skeleton(rank, size, s->options.validate,
-                                   detail::Watched("world", std::move(members), rank, s->options.timeout));
-    return s;
+    return detail::Skeleton(rank, size, o.validate, detail::Watched("world", std::move(members), rank, watch_limit(o)));
   }
 
   Gloo split_with(int color, int key, Options o) const {
@@ -391,7 +440,7 @@ class Gloo {
       for (const auto& [k, r] : members) world.push_back(parent.members()[static_cast<std::size_t>(r)]);
       s->skeleton = detail::Skeleton(new_rank, new_size, s->options.validate,
                                      detail::Watched("split " + std::to_string(color) + " of " + parent.name(),
-                                                     std::move(world), new_rank, s->options.timeout));
+                                                     std::move(world), new_rank, watch_limit(s->options)));
     }
     const auto watch = skeleton().collective("split");
     const auto prefix = "paratrain/split/" + std::to_string(state_->splits++) + "/" + std::to_string(color);
@@ -406,14 +455,26 @@ class Gloo {
 
   [[nodiscard]] c10d::ProcessGroupGloo& group() const noexcept { return *state_->group; }
 
-  // Inside a catch block: the exception in flight, as a paratrain::error of `op`.
-  [[noreturn]] static void rethrow_as_error(const char* op, int rank) {
+  // A request of this group: with its peer-loss flag where it has one.
+  [[nodiscard]] Request request(const char* op, std::vector<at::Tensor> keep) const {
+    Request r(op, rank(), std::move(keep));
+    r.native_.loss = options().peer_loss;
+    r.native_.limit = options().timeout;
+    return r;
+  }
+
+  // Inside a catch block: the exception in flight, as a paratrain::error of `op`; in a
+  // recoverable group, a Gloo failure is a lost peer (Note [Recoverable groups]).
+  [[noreturn]] static void rethrow_as_error(const char* op, int rank, detail::PeerLoss* loss = nullptr) {
     try {
       throw;
     } catch (const error&) {
       throw;
     } catch (const std::exception& e) {
-      throw error(op, rank, "Gloo failed: " + paratrain::detail::message_of(e));
+      const auto why = "Gloo failed: " + paratrain::detail::message_of(e);
+      if (loss == nullptr) throw error(op, rank, why);
+      loss->raise(std::string(op) + " on rank " + std::to_string(rank) + ": " + why);
+      throw peer_lost(op, rank, why);
     } catch (...) {
       throw error(op, rank, "Gloo failed with an unknown exception");
     }
@@ -424,7 +485,7 @@ class Gloo {
     try {
       return start();
     } catch (...) {
-      rethrow_as_error(op, rank());
+      rethrow_as_error(op, rank(), options().peer_loss.get());
     }
   }
 
@@ -460,7 +521,7 @@ class Gloo {
     detail::check_reduction(op, rank(), t, r);
     auto watch = begin(op, t, static_cast<int>(r));
     const auto wire = t.scalar_type() == reduced_type(t) ? t : t.to(reduced_type(t));
-    Request request(op, rank(), {t, wire});
+    auto request = this->request(op, {t, wire});
     request.watch_ = std::move(watch);
     std::vector<at::Tensor> v{wire};
     request.native_.works.push_back(run(op, [&] { return group().allreduce(v, all_reduce_options(r)); }));
@@ -496,10 +557,13 @@ class Gloo {
   };
 
   void wait_for(const char* op, const c10::intrusive_ptr<c10d::Work>& work) const {
+    const auto& loss = options().peer_loss;
     try {
-      work->wait();
+      if (loss) detail::await_work(*work, *loss, options().timeout, op, rank());
+      else work->wait();
     } catch (...) {
-      rethrow_as_error(op, rank());
+      if (loss) new c10::intrusive_ptr<c10d::Work>(work);  // Note [Recoverable groups]
+      rethrow_as_error(op, rank(), loss.get());
     }
   }
 
