@@ -1,15 +1,18 @@
 #!/usr/bin/python3
-"""What a lost rank costs by restart (issue #39): the time from a SIGKILL of one rank to the
-next completed step, and the steps trained again.
+"""What a lost rank costs (issue #39), by restart and without one: the time from a SIGKILL of
+one rank to the next completed step, and the steps trained again.
 
 usage: elastic_restart.py BUILD_DIR [--rounds 3] [--every 50]
 
-Two programs, each trained with a checkpoint every --every steps (in the background):
+Three programs, each trained with a checkpoint every --every steps (in the background):
 - the Transformer example over MPI (transformer_ddp, 2 ranks): rank 1 is killed a random
   number of steps after a checkpoint; the watchdog or Open MPI ends the job, and the same
   mpirun command starts it again, resuming from the newest checkpoint;
 - the Fashion-MNIST demo over Gloo (fashion_mnist_ddp_gloo, 2 ranks) under torchrun's agent
-  (one node, --max_restarts 1), which restarts both workers itself.
+  (one node, --max_restarts 1), which restarts both workers itself;
+- the elastic example (elastic_train --recover, an MLP on Fashion-MNIST over Gloo, 2 ranks
+  meeting in a store file): rank 1 is killed and rank 0 goes on alone, in-process
+  (elastic::fit), from the state it holds; its first step after its "ranks go on" line counts.
 A step is completed when its line appears (the Transformer's "step N/M" lines; the demo's
 progress bar, PARATRAIN_PROGRESS=bar, redrawn after a step at most every 0.1 s). Kill -> next step includes the job's end,
 the new processes' start (LibTorch's load), the meeting, the load of the checkpoint, and
@@ -56,6 +59,7 @@ class Watch:
 
     def __init__(self, proc, pattern):
         self.proc, self.pattern, self.steps, self.lines = proc, re.compile(pattern), [], []
+        self.regrouped = []  # when elastic::fit's survivors said they go on
         self.thread = threading.Thread(target=self.read, daemon=True)
         self.thread.start()
 
@@ -72,12 +76,14 @@ class Watch:
                     break
                 line, buf = buf[:cut].decode(errors="replace"), buf[cut + 1:]
                 self.lines.append(line)
+                if "ranks go on" in line:
+                    self.regrouped.append(time.monotonic())
                 m = self.pattern.search(line)
                 if m:
                     self.steps.append((time.monotonic(), int(m.group(1))))
 
 
-def run_round(cmd, pattern, every, rng, env, kill_one, relaunch):
+def run_round(cmd, pattern, every, rng, env, kill_one, relaunch, in_process=False):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     w = Watch(proc, pattern)
     target = every + rng.randrange(5, every - 5)
@@ -101,6 +107,8 @@ def run_round(cmd, pattern, every, rng, env, kill_one, relaunch):
     # kill: the restarted workers' first step is the one at or below the step killed after
     # (they resume from the checkpoint before it).
     def restarted():
+        if in_process:  # the survivor's steps once it has gone on
+            return [(at, step) for at, step in w.steps[seen:] if w.regrouped and at > w.regrouped[0]]
         return [(at, step) for at, step in w.steps[seen:] if relaunch or step <= killed_after]
 
     while not restarted():
@@ -114,8 +122,10 @@ def run_round(cmd, pattern, every, rng, env, kill_one, relaunch):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     # The first step after the restart is checkpoint + 1: the steps after it up to the kill
-    # are trained again.
-    return first_at - killed, killed_after - (first_step - 1)
+    # are trained again. In-process, the survivors go on from the step they completed: none
+    # but the one in flight (the progress bar, redrawn at most every 0.1 s, may show an
+    # earlier step than the last before the kill: never below 0).
+    return first_at - killed, max(0, killed_after - (first_step - 1))
 
 
 def main():
@@ -130,7 +140,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1", PARATRAIN_TIMEOUT="10",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     rows = []
-    for name in ("transformer_ddp", "fashion_mnist_ddp_gloo"):
+    for name in ("transformer_ddp", "fashion_mnist_ddp_gloo", "elastic_train"):
         program = Path(a.build) / "examples" / name
         if not program.exists():
             sys.exit(f"{program} is missing; build it: cmake --build {a.build} --target {name}")
@@ -151,6 +161,19 @@ def main():
                                  os.path.basename(os.readlink(f"/proc/{p}/exe")) == "transformer_ddp"]
                         os.kill(sorted(ranks)[-1], signal.SIGKILL)
                     relaunch = True
+                elif name == "elastic_train":
+                    store = work / "store"
+                    cmd = ["/bin/bash", "-c", "for r in 0 1; do RANK=$r WORLD_SIZE=2 \"$@\" & done; wait", "ranks",
+                           str(program), "--recover", "--epochs", "100", "--train-samples", "60000",
+                           "--global-batch", "128", "--batch", "64", "--checkpoint-dir", str(work / "ckpt"),
+                           "--checkpoint-every", str(a.every)]
+                    pattern = r"\] (\d+)/\d+"
+
+                    def kill_one(proc):  # rank 1, the second one started
+                        ranks = [p for p in children(proc.pid)
+                                 if os.path.basename(os.readlink(f"/proc/{p}/exe")) == "elastic_train"]
+                        os.kill(sorted(ranks)[-1], signal.SIGKILL)
+                    relaunch = False
                 else:
                     with socket.socket() as s:
                         s.bind(("127.0.0.1", 0))
@@ -167,9 +190,11 @@ def main():
                         workers = children(proc.pid)
                         os.kill(sorted(workers)[-1], signal.SIGKILL)
                     relaunch = False
-                seconds, steps = run_round(cmd, pattern, a.every, rng,
-                                           dict(env, PARATRAIN_PROGRESS="bar") if not relaunch else env, kill_one,
-                                           relaunch)
+                in_process = name == "elastic_train"
+                round_env = dict(env, PARATRAIN_PROGRESS="bar") if not relaunch else env
+                if in_process:
+                    round_env = dict(round_env, PARATRAIN_STORE_FILE=str(store), GLOO_SOCKET_IFNAME="lo")
+                seconds, steps = run_round(cmd, pattern, a.every, rng, round_env, kill_one, relaunch, in_process)
                 times.append(seconds)
                 lost.append(steps)
                 print(f"{name} round {r + 1}: kill -> next step {seconds:.2f} s, {steps} steps trained again",
@@ -181,7 +206,8 @@ def main():
     print(f"| program | restart by | kill -> next completed step, s (median; min-max) | steps trained again (median) |")
     print("|---|---|---:|---:|")
     for name, times, lost in rows:
-        by = "a new mpirun" if name == "transformer_ddp" else "torchrun's agent"
+        by = {"transformer_ddp": "a new mpirun", "fashion_mnist_ddp_gloo": "torchrun's agent",
+              "elastic_train": "no restart: elastic::fit"}[name]
         print(f"| {name} | {by} | {statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f}) | "
               f"{statistics.median(lost):.0f} |")
     print()

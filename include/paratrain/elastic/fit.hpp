@@ -119,7 +119,8 @@ auto fit(Make make, const D& train, const FitOptions& options, Options elastic =
         const auto seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
         detail::say(0, "generation " + std::to_string(members.generation()) + ": " + std::to_string(members.size()) +
                            " of " + std::to_string(before) + " ranks go on, " +
-                           (saved.snapshot ? "from the survivors' state at step " + std::to_string(saved.step)
+                           (saved.snapshot ? "from the survivors' state at step " + std::to_string(saved.step) +
+                                                 (saved.on_disk ? ", its checkpoint saved before the loss" : "")
                                            : "from the newest checkpoint on disk (" + saved.why_not + ")") +
                            " (met and saved in " + std::to_string(seconds).substr(0, 4) + " s)");
       }

@@ -49,9 +49,10 @@ namespace paratrain::elastic::detail {
 
 /// What save_survivors did: `from` is the step the next generation resumes from.
 struct Saved {
-  bool snapshot = false;   ///< a checkpoint of the survivors' state was written (or was on disk)
+  bool snapshot = false;   ///< a checkpoint of the survivors' state was written, or was on disk
   std::int64_t step = -1;  ///< its step; -1 without one
   std::string why_not;     ///< why not, for the report
+  bool on_disk = false;    ///< the checkpoint of that step was saved before the loss
 };
 
 /// Saves the survivors' state of `old` (the strategy of the lost generation) as the
@@ -82,7 +83,7 @@ Saved save_survivors(S& old, comm::Gloo& group, const std::filesystem::path& dir
   auto on_disk = at::zeros({1}, at::kLong);
   if (rank == 0 && ck::latest(directory) == ck::path_of(directory, m)) on_disk[0] = 1;
   group.all_reduce(on_disk, reduce_op::max);
-  if (on_disk.item<std::int64_t>() != 0) return {true, m, ""};
+  if (on_disk.item<std::int64_t>() != 0) return {true, m, "", true};
 
   // What each contributor holds; the first holder of a slice writes it.
   const auto layout = old.checkpoint_layout();
