@@ -29,16 +29,15 @@
 #include <optional>
 #include <string>
 
-#include "paratrain/elastic.hpp"
 #include "paratrain/paratrain.hpp"
 
 namespace {
 
 // Each layer a unit: what ZeRO-3 gathers at a time (--shard-group); DDP does not look.
 struct MlpImpl : torch::nn::Module {
-  MlpImpl() {
-    fc1 = register_module("fc1", paratrain::Unit<torch::nn::Linear>(28 * 28, 128));
-    fc2 = register_module("fc2", paratrain::Unit<torch::nn::Linear>(128, 10));
+  explicit MlpImpl(std::int64_t hidden = 128) {
+    fc1 = register_module("fc1", paratrain::Unit<torch::nn::Linear>(28 * 28, hidden));
+    fc2 = register_module("fc2", paratrain::Unit<torch::nn::Linear>(hidden, 10));
   }
   torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(fc1(x.flatten(1)))); }
   paratrain::Unit<torch::nn::Linear> fc1{nullptr}, fc2{nullptr};
@@ -61,6 +60,7 @@ struct Args {
   std::string save_parameters;         // rank 0 writes the final parameters' bytes here
   bool recover = false;                // survive a lost rank in-process (elastic::fit)
   int shard_group = 0;                 // ZeRO-3 over groups of this many ranks; 0: DDP
+  std::int64_t hidden = 128;           // the MLP's width
   std::uint64_t seed = 0;
 };
 
@@ -88,6 +88,8 @@ std::optional<int> parse(int argc, char** argv, Args& a) {
                  "ZeRO-3 over groups of this many ranks, replicated across the groups (all ranks where the group "
                  "does not divide the world); 0: DDP")
       ->check(CLI::Range(0, 1 << 10))->capture_default_str();
+  app.add_option("--hidden", a.hidden, "the MLP's hidden width (128: 101,770 parameters; 4096: 3.3M)")
+      ->check(CLI::Range(1, 1 << 20))->capture_default_str();
   app.add_option("--seed", a.seed, "initial weights and sample order")->capture_default_str();
   try {
     app.parse(argc, argv);
@@ -133,7 +135,8 @@ template <class S, class D>
 int train_restartable(const D& data, const Args& args) {
   // The ranks meet where the launcher says (torchrun's MASTER_ADDR:MASTER_PORT); a new
   // start is a new meeting, at the world size it was given.
-  S s(torch::optim::SGDOptions(0.05).momentum(0.9), strategy_options(args, paratrain::detect_placement().world_size));
+  S s([&args] { return Mlp(args.hidden); }, torch::optim::SGDOptions(0.05).momentum(0.9),
+      strategy_options(args, paratrain::detect_placement().world_size));
   report(s, paratrain::fit(s, data, fit_options(args)), args);
   return 0;
 }
@@ -143,7 +146,8 @@ int train_restartable(const D& data, const Args& args) {
 template <class S, class D>
 int train_recovering(const D& data, const Args& args) {
   auto make = [&args](paratrain::comm::Gloo& group) {
-    return S(Mlp(), group, torch::optim::SGDOptions(0.05).momentum(0.9), strategy_options(args, group.size()));
+    return S(Mlp(args.hidden), group, torch::optim::SGDOptions(0.05).momentum(0.9),
+             strategy_options(args, group.size()));
   };
   auto [result, s] = paratrain::elastic::fit(make, data, fit_options(args));
   report(*s, result, args);

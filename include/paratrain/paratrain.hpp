@@ -113,6 +113,7 @@
 
 #if PARATRAIN_HAS_GLOO
 #include "paratrain/comm/gloo/gloo.hpp"
+#include "paratrain/elastic/fit.hpp"  // elastic::fit, elastic::Membership: recovery without a restart
 #endif
 
 #if PARATRAIN_HAS_HDF5

@@ -11,8 +11,10 @@ is some steps newer than the checkpoint), the test, by process id, never by name
          hold ("from the survivors' state" in the new rank 0's line);
   stop   SIGSTOPs a random rank (hung, not dead): the others' waits give up after
          PARATRAIN_TIMEOUT (3 s) and they go on without it; once they have ended, it is woken
-         (SIGCONT) and must end at once with status 1, saying it was left out.
-The survivors must all end with status 0, at 4 minus the events' ranks, with the final
+         (SIGCONT) and must end at once with status 1, saying it was left out;
+  join   starts a new rank (as a launcher restarts a lost one): the job must let it in at its
+         next checkpoint and go on at one rank more, every rank from that checkpoint.
+The ranks must all end with status 0, at 4 minus the ranks lost plus those joined, with the final
 parameters' bytes equal to those of one process trained without interruption (deterministic
 mode: the same bits at every world size), and no process may be left.
 --shard-group G trains ZeRO-3 sharded over groups of G ranks and replicated across them: a
@@ -81,13 +83,13 @@ def main():
         start = time.monotonic()
 
         def text():
-            return "".join((work / f"rank{r}.log").read_text(errors="replace") for r in range(4))
+            return "".join((work / f"rank{r}.log").read_text(errors="replace") for r in range(len(ranks)))
 
         def wait_for(what, ready):
             while not ready():
                 if time.monotonic() - start > a.deadline:
                     raise RuntimeError(f"{what}: not within the deadline")
-                if all(p.poll() is not None for p in ranks):
+                if all(ranks[r].poll() is not None for r in alive):  # a stopped one never ends
                     raise RuntimeError(f"{what}: every rank ended first")
                 time.sleep(0.02)
 
@@ -99,8 +101,25 @@ def main():
             wait_for(f"a checkpoint after step {past}", lambda: (checkpoints(ckpt) or [0])[-1] > past)
             step = checkpoints(ckpt)[-1]
             time.sleep(rng.uniform(0.02, 0.3))  # a step takes 10-40 ms here: a few steps later
-            victim = alive.pop(rng.randrange(len(alive)))
             hit = time.monotonic()
+            if what == "join":
+                r = len(ranks)
+                logs.append(open(work / f"rank{r}.log", "w"))
+                ranks.append(subprocess.Popen(args, env=dict(env, RANK="0", WORLD_SIZE="1",
+                                                             PARATRAIN_STORE_FILE=str(work / "store")),
+                                              stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True))
+                alive.append(r)
+                print(f"in_process: start rank {r} after checkpoint {step}", flush=True)
+                line = re.compile(rf"generation {generation}: (\d+) ranks go on with (\d+) joined.*from ([^(]*)")
+                wait_for(f"generation {generation}", lambda: line.search(text()))
+                m = line.search(text())
+                print(f"in_process:   generation {generation} ({m.group(1)} ranks) {time.monotonic() - hit:.1f} s "
+                      f"later, from {m.group(3).strip()}", flush=True)
+                if int(m.group(1)) != len(alive) or int(m.group(2)) != 1:
+                    print(f"in_process: FAIL: expected {len(alive)} ranks to go on, one of them joined")
+                    return 1
+                continue
+            victim = alive.pop(rng.randrange(len(alive)))
             if what == "kill":
                 os.kill(ranks[victim].pid, signal.SIGKILL)
             else:

@@ -31,6 +31,7 @@ LAYERS = [
     ("checkpoint", "checkpoint files: format, writing, loading, resharding"),
     ("observe", "observers: metrics logs, traces, TensorBoard, step times"),
     ("fit", "the training loop: options, evaluation, metrics, checkpoints, progress"),
+    ("elastic", "recovery without a restart: generations of Gloo groups, the survivors' snapshot, elastic::fit"),
     ("program", "a training program's main: paratrain::main, its set-up and what ends with it"),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}

@@ -100,6 +100,7 @@ auto fit(Make make, const D& train, const FitOptions& options, Options elastic =
   for (;;) {
     std::unique_ptr<S> built;
     paratrain::detail::Journal journal;
+    journal.waiting = [&members] { return members.waiting(); };
     try {
       {
         std::lock_guard<std::mutex> lock(generator.mutex());
@@ -107,7 +108,13 @@ auto fit(Make make, const D& train, const FitOptions& options, Options elastic =
       }
       built.reset(new S(make(members.communicator())));  // in place: strategies do not move
       auto result = paratrain::detail::fit_built<data::DistributedSampler>(*built, train, options, loss, &journal);
-      return Trained<S>{std::move(result), std::move(built)};
+      if (result.stopped != paratrain::detail::joining_reason) return Trained<S>{std::move(result), std::move(built)};
+      const auto before = members.size();
+      const auto joined = members.admit();  // the old group is whole: the strategy ends as any does
+      if (members.rank() == 0)
+        detail::say(0, "generation " + std::to_string(members.generation()) + ": " + std::to_string(members.size()) +
+                           " ranks go on with " + std::to_string(joined) + " joined (" + std::to_string(before) +
+                           " before), from the checkpoint of step " + std::to_string(result.steps));
     } catch (const peer_lost& e) {
       const auto before = members.size();
       const auto begin = std::chrono::steady_clock::now();

@@ -7,12 +7,17 @@
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -20,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "paratrain/comm/detail/peer_loss.hpp"
+#include "paratrain/comm/peer_loss.hpp"
 #include "paratrain/comm/gloo/gloo.hpp"
 #include "paratrain/comm/launch.hpp"
 #include "paratrain/core/error.hpp"
@@ -32,7 +37,7 @@ namespace paratrain::elastic {
 // The ranks meet in a c10d FileStore: a file every rank reaches, which no rank's death takes
 // with it (a TCPStore lives in rank 0's process). Generation 0 is every rank the launcher
 // started; its comm::Gloo group meets under "paratrain/elastic/0/group". Each generation's
-// groups share one detail::PeerLoss (Note [Recoverable groups]), whose announcement is the key
+// groups share one comm::PeerLoss (Note [Recoverable groups]), whose announcement is the key
 // "paratrain/elastic/<g>/lost". Every rank's monitor thread polls that key every 20 ms; when it
 // appears, the thread hears the loss (so that the rank's waits throw) and says this rank is
 // alive for generation g + 1 (one add to "<g+1>/alive"): a thread, so a rank busy computing
@@ -45,6 +50,14 @@ namespace paratrain::elastic {
 // in their old order; a rank whose ticket came after the count was written (a stopped rank woken
 // later) is left out, with an error. A second loss during the meeting ends it with an error on
 // every rank: the restart path takes over.
+//
+// A rank started while the job runs (the key "paratrain/elastic/generation" is there: each
+// generation's ranks set it once their group stands) joins it instead of meeting as
+// generation 0: it takes a ticket ("joiners") and waits for its admission. Rank 0 counts the
+// waiting (waiting()) at each of fit's mid-epoch checkpoints; the ranks agree on the count,
+// and where it is not 0 fit stops there (joining_reason) and admit() makes the next generation
+// of the ranks there are and the waiting ones, ranked after them; every one of them then
+// resumes from that checkpoint.
 
 /// How an elastic job's ranks meet, and go on after a loss.
 struct Options {
@@ -88,13 +101,18 @@ class Membership {
       fail("an elastic job meets in a file that every rank reaches and that outlives each of them: set "
            "PARATRAIN_STORE_FILE (a fresh name per job), or elastic::Options::store_file");
     if (options_.min_ranks < 1) fail("Options::min_ranks must be at least 1");
+    // A write to a lost peer's socket must fail (EPIPE), not end this process: SIGPIPE is
+    // ignored where nobody handles it (Python does the same for PyTorch's ranks).
+    struct sigaction now {};
+    if (sigaction(SIGPIPE, nullptr, &now) == 0 && now.sa_handler == SIG_DFL) std::signal(SIGPIPE, SIG_IGN);
     try {
       store_ = open_store();
       monitor_store_ = open_store();
     } catch (const std::exception& e) {
       fail("cannot open the store file " + options_.store_file + ": " + paratrain::detail::message_of(e));
     }
-    open(0, rank_, size_);
+    if (running()) join_running();
+    else open(0, rank_, size_);
     monitor_ = std::thread([this] { watch(); });
   }
   Membership(const Membership&) = delete;
@@ -150,6 +168,43 @@ class Membership {
     open(next, static_cast<int>(me - members.begin()), static_cast<int>(count));
   }
 
+  /// How many ranks wait to join, on rank 0 (0 elsewhere): a read of the store.
+  [[nodiscard]] std::int64_t waiting() {
+    if (rank_ != 0) return 0;
+    try {
+      return store_->add(joiners_key, 0) - store_->add(admitted_key, 0);
+    } catch (const std::exception&) {
+      return 0;
+    }
+  }
+
+  /// Makes the next generation of this one's ranks and those waiting to join (Note
+  /// [Generations]): every rank of this generation calls it, after fit stopped at a
+  /// checkpoint for them. Returns how many joined.
+  int admit() {
+    const int next = generation_ + 1;
+    const auto p = prefix(next);
+    std::int64_t size = 0;
+    try {
+      if (rank_ == 0) {
+        const auto admitted = store_->add(admitted_key, 0), joiners = store_->add(joiners_key, 0);
+        for (auto t = admitted + 1; t <= joiners; ++t)
+          store_->set("paratrain/elastic/admit/" + std::to_string(t),
+                      bytes(std::to_string(next) + " " + std::to_string(size_ + (t - admitted - 1)) + " " +
+                            std::to_string(size_ + (joiners - admitted))));
+        store_->add(admitted_key, joiners - admitted);
+        store_->set(p + "size", bytes(std::to_string(size_ + (joiners - admitted))));
+      }
+      store_->wait({p + "size"}, options_.communicator.timeout);
+      size = number(store_->get(p + "size"));
+    } catch (const std::exception& e) {
+      fail("letting the waiting ranks in failed: " + paratrain::detail::message_of(e));
+    }
+    const int joined = static_cast<int>(size) - size_;
+    open(next, rank_, static_cast<int>(size));
+    return joined;
+  }
+
  private:
   [[noreturn]] void fail(const std::string& why) const { throw error("elastic::Membership", rank_, why); }
 
@@ -160,18 +215,52 @@ class Membership {
     return s;
   }
 
+  static constexpr const char* generation_key = "paratrain/elastic/generation";
+  static constexpr const char* joiners_key = "paratrain/elastic/joiners";
+  static constexpr const char* admitted_key = "paratrain/elastic/admitted";
+
+  // Whether the job already runs: a generation's group stood (Note [Generations]).
+  bool running() const {
+    try {
+      std::error_code ec;  // c10d's FileStore writes its file first when a key is set
+      return std::filesystem::exists(options_.store_file, ec) && store_->check({generation_key});
+    } catch (const std::exception& e) {
+      fail("cannot read the store file " + options_.store_file + ": " + paratrain::detail::message_of(e));
+    }
+  }
+
+  // A rank started while the job runs waits to be let in at its next checkpoint.
+  void join_running() {
+    std::vector<std::uint8_t> admission;
+    try {
+      const auto ticket = store_->add(joiners_key, 1);
+      const auto key = "paratrain/elastic/admit/" + std::to_string(ticket);
+      store_->wait({key}, options_.communicator.timeout);
+      admission = store_->get(key);
+    } catch (const std::exception& e) {
+      fail("the store file " + options_.store_file + " says a job runs, but it did not let this rank in (it does at "
+           "each checkpoint; is it still running, does it save checkpoints within PARATRAIN_TIMEOUT, and is the file "
+           "not an earlier job's?): " + paratrain::detail::message_of(e));
+    }
+    int g = 0, rank = 0, size = 0;
+    if (std::sscanf(std::string(admission.begin(), admission.end()).c_str(), "%d %d %d", &g, &rank, &size) != 3)
+      fail("the store file holds a malformed admission");
+    open(g, rank, size);
+  }
+
   static std::string prefix(int generation) { return "paratrain/elastic/" + std::to_string(generation) + "/"; }
   static std::vector<std::uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
   static std::int64_t number(const std::vector<std::uint8_t>& b) { return std::stoll(std::string(b.begin(), b.end())); }
 
   // Generation `g`'s group, this rank `rank` of `size`, with its PeerLoss announced in the store.
   void open(int g, int rank, int size) {
-    auto loss = std::make_shared<detail::PeerLoss>(
+    auto loss = std::make_shared<comm::PeerLoss>(
         [store = store_, key = prefix(g) + "lost"](const std::string& why) { store->set(key, bytes(why)); });
     auto o = options_.communicator;
     o.peer_loss = loss;
     auto group = std::make_unique<comm::Gloo>(c10::make_intrusive<c10d::PrefixStore>(prefix(g) + "group", store_),
                                               rank, size, std::move(o));
+    store_->set(generation_key, bytes(std::to_string(g)));
     std::lock_guard<std::mutex> lock(mutex_);
     communicator_ = std::move(group);
     loss_ = std::move(loss);
@@ -221,7 +310,7 @@ class Membership {
   c10::intrusive_ptr<c10d::Store> store_;          // the main thread's
   c10::intrusive_ptr<c10d::Store> monitor_store_;  // the monitor thread's own connection to the file
   std::unique_ptr<comm::Gloo> communicator_;
-  std::shared_ptr<detail::PeerLoss> loss_;
+  std::shared_ptr<comm::PeerLoss> loss_;
   std::mutex mutex_;  // generation_, loss_ and stopping_, between the threads
   std::condition_variable woken_;
   bool stopping_ = false;

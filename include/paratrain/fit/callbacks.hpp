@@ -75,6 +75,8 @@ inline std::optional<std::chrono::steady_clock::time_point> deadline_of(const Ti
 
 /// The reason fit reports when its time limit stops it.
 inline constexpr const char* time_limit_reason = "time limit";
+/// Why fit stops at a checkpoint where ranks wait to join an elastic job (elastic::fit).
+inline constexpr const char* joining_reason = "ranks are waiting to join";
 
 }  // namespace detail
 

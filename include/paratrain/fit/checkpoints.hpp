@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -195,6 +196,10 @@ struct Journal {
   std::int64_t step = -1;  ///< optimizer steps done; -1: none completed yet
   checkpoint::Dict extra = checkpoint::make_dict();
   checkpoint::Dict rank_extra = checkpoint::make_dict();
+  /// How many ranks wait to join, as this rank knows (elastic::Membership::waiting): after
+  /// each mid-epoch checkpoint the ranks agree on it, and fit stops there when it is not 0
+  /// (joining_reason), so that they are let in and resume from that checkpoint.
+  std::function<std::int64_t()> waiting;
 };
 
 template <class S, bool Possible>

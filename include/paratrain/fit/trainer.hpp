@@ -309,6 +309,7 @@ class Trainer {
     } else if (due && checkpoints_.saving()) {
       // Mid-epoch, with the epoch's running metrics and the places its steps visited.
       save(position(step_ + 1, e.index, k + 1, visited(e, k)), metrics_);
+      if (stopped_.empty() && joiners_wait()) stopped_ = joining_reason;
     }
     if (!stopped_.empty() && !last) e.complete = false;
     const auto loss_text = [&](double loss) {
@@ -339,7 +340,8 @@ class Trainer {
     info.metrics = metrics_.sync(s_);
     metrics_ = Metrics{};
     info.train_loss = info.metrics.count("loss") ? info.metrics.at("loss") : 0.0;
-    const bool evaluated = options_.eval && stopped_ != time_limit_reason;  // Note [Ending before the time limit]
+    // Note [Ending before the time limit]; ranks waiting to join: the run goes on at once.
+    const bool evaluated = options_.eval && stopped_ != time_limit_reason && stopped_ != joining_reason;
     info.evaluation_skipped = options_.eval && !evaluated;
     if (evaluated) {
       const auto begin = clock::now();
@@ -397,6 +399,15 @@ class Trainer {
   }
 
   static constexpr const char* time_limit_reason = detail::time_limit_reason;
+  static constexpr const char* joining_reason = detail::joining_reason;
+
+  /// Whether ranks wait to join (the journal's count, agreed): at a mid-epoch checkpoint.
+  bool joiners_wait() {
+    if (journal_ == nullptr || !journal_->waiting) return false;
+    auto waiting = at::full({1}, journal_->waiting(), at::kLong);
+    s_.all_reduce(waiting, reduce_op::max);
+    return waiting.template item<std::int64_t>() > 0;
+  }
 
   /// Why training stops after step k of `e` (the same on every rank), or "": a callback's
   /// request on any rank (the time limit's among them), or max_steps.

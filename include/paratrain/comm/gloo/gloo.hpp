@@ -33,13 +33,13 @@
 #include "paratrain/reliability/collective_signature.hpp"
 #include "paratrain/comm/gloo/watchdog.hpp"
 #include "paratrain/util/torch_compat.hpp"
-#include "paratrain/comm/detail/peer_loss.hpp"
 #include "paratrain/comm/detail/skeleton.hpp"
 #include "paratrain/comm/detail/tensor_checks.hpp"
 #include "paratrain/reliability/watchdog.hpp"
 #include "paratrain/core/message.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/comm/launch.hpp"
+#include "paratrain/comm/peer_loss.hpp"
 #include "paratrain/comm/rendezvous.hpp"
 
 namespace paratrain::comm {
@@ -116,7 +116,7 @@ class Gloo {
     /// Set by elastic::Membership, whose groups survive a lost rank: a failed or timed-out
     /// operation then throws paratrain::peer_lost on every rank instead of ending the job
     /// (Note [Recoverable groups]). Splits and duplicates share it. Null: the watchdog's way.
-    std::shared_ptr<detail::PeerLoss> peer_loss;
+    std::shared_ptr<PeerLoss> peer_loss;
   };
 
   // c10d's handles on one operation, for detail::BasicRequest (comm/detail/request.hpp).
@@ -127,7 +127,7 @@ class Gloo {
     Handles() noexcept : can_poll(true) {}
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     bool can_poll;
-    std::shared_ptr<detail::PeerLoss> loss;  // Options::peer_loss
+    std::shared_ptr<PeerLoss> loss;  // Options::peer_loss
     std::chrono::milliseconds limit{};       // Options::timeout, where `loss` is set
 
     [[nodiscard]] bool pending() const noexcept { return !works.empty(); }
@@ -465,7 +465,7 @@ class Gloo {
 
   // Inside a catch block: the exception in flight, as a paratrain::error of `op`; in a
   // recoverable group, a Gloo failure is a lost peer (Note [Recoverable groups]).
-  [[noreturn]] static void rethrow_as_error(const char* op, int rank, detail::PeerLoss* loss = nullptr) {
+  [[noreturn]] static void rethrow_as_error(const char* op, int rank, PeerLoss* loss = nullptr) {
     try {
       throw;
     } catch (const error&) {

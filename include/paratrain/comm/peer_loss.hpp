@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// detail::PeerLoss — the flag that a group of ranks built to survive a lost rank shares
+/// comm::PeerLoss — the flag that a group of ranks built to survive a lost rank shares
 /// (elastic::Membership's generations), and the wait that watches it: Note [Recoverable groups].
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -14,10 +14,10 @@
 
 #include "paratrain/core/error.hpp"
 
-namespace paratrain::detail {
+namespace paratrain::comm {
 
 // Note [Recoverable groups]
-// A communicator made by elastic::Membership carries a PeerLoss, shared by every group of
+// A communicator made by elastic::Membership carries a PeerLoss (Gloo::Options::peer_loss), shared by every group of
 // one generation (the world and its splits). Its operations then never end the job and never
 // wait past the timeout:
 // - a failed operation (Gloo saw a peer's socket close) raises the loss: the flag is set here
@@ -31,6 +31,7 @@ namespace paratrain::detail {
 // ends a job the survivors can carry on. A work abandoned this way may still run on Gloo's
 // threads: its handles (and so its tensors) are leaked, and so is the group itself, whose
 // destructor would join those threads (comm::Gloo's State).
+/// What the groups of one generation share: whether a rank of it is lost, and why.
 class PeerLoss {
  public:
   using Announce = std::function<void(const std::string&)>;
@@ -70,10 +71,14 @@ class PeerLoss {
   std::atomic<bool> lost_{false};
 };
 
+}  // namespace paratrain::comm
+
+namespace paratrain::detail {
+
 /// Waits for `work` as Note [Recoverable groups] says: throws peer_lost once the loss is
 /// raised or heard, or when the wait passes `limit` (raising it). A failure of the work itself
 /// is rethrown as the work's exception, for the caller to turn into a loss.
-inline void await_work(c10d::Work& work, PeerLoss& loss, std::chrono::milliseconds limit, const char* op, int rank) {
+inline void await_work(c10d::Work& work, comm::PeerLoss& loss, std::chrono::milliseconds limit, const char* op, int rank) {
   const auto until = std::chrono::steady_clock::now() + limit;
   while (!work.isCompleted()) {
     if (loss.lost()) throw peer_lost(op, rank, "abandoned, a rank is lost: " + loss.why());
