@@ -4,15 +4,17 @@ one rank to the next completed step, and the steps trained again.
 
 usage: elastic_restart.py BUILD_DIR [--rounds 3] [--every 50]
 
-Three programs, each trained with a checkpoint every --every steps (in the background):
+Five runs, each trained with a checkpoint every --every steps (in the background):
 - the Transformer example over MPI (transformer_ddp, 2 ranks): rank 1 is killed a random
   number of steps after a checkpoint; the watchdog or Open MPI ends the job, and the same
   mpirun command starts it again, resuming from the newest checkpoint;
 - the Fashion-MNIST demo over Gloo (fashion_mnist_ddp_gloo, 2 ranks) under torchrun's agent
   (one node, --max_restarts 1), which restarts both workers itself;
 - the elastic example (elastic_train --recover, an MLP on Fashion-MNIST over Gloo, 2 ranks
-  meeting in a store file): rank 1 is killed and rank 0 goes on alone, in-process
-  (elastic::fit), from the state it holds; its first step after its "ranks go on" line counts.
+  meeting in a store file; again with --hidden 4096, a state the Transformer's size) and the
+  Transformer example's model under elastic::fit over Gloo (bench_elastic_transformer): rank 1
+  is killed and rank 0 goes on alone, in-process, from the state it holds; its first step
+  after its "ranks go on" line counts.
 A step is completed when its line appears (the Transformer's "step N/M" lines; the demo's
 progress bar, PARATRAIN_PROGRESS=bar, redrawn after a step at most every 0.1 s). Kill -> next step includes the job's end,
 the new processes' start (LibTorch's load), the meeting, the load of the checkpoint, and
@@ -128,6 +130,10 @@ def run_round(cmd, pattern, every, rng, env, kill_one, relaunch, in_process=Fals
     return first_at - killed, max(0, killed_after - (first_step - 1))
 
 
+def in_process_name(name):
+    return name.startswith(("elastic_train", "bench_elastic"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("build")
@@ -143,8 +149,10 @@ def main():
     # The elastic example twice: the demo's MLP (101,770 parameters), and one as large as the
     # Transformer's state (--hidden 4096: 3.26M parameters; the Transformer runs over MPI, which
     # cannot recover in-process).
-    for name in ("transformer_ddp", "fashion_mnist_ddp_gloo", "elastic_train", "elastic_train --hidden 4096"):
-        program = Path(a.build) / "examples" / name.split()[0]
+    # And the Transformer's own model under elastic::fit (bench_elastic_transformer).
+    for name in ("transformer_ddp", "fashion_mnist_ddp_gloo", "elastic_train", "elastic_train --hidden 4096",
+                 "bench_elastic_transformer"):
+        program = Path(a.build) / ("benchmarks" if name.startswith("bench_") else "examples") / name.split()[0]
         if not program.exists():
             sys.exit(f"{program} is missing; build it: cmake --build {a.build} --target {name}")
         times, lost = [], []
@@ -164,17 +172,20 @@ def main():
                                  os.path.basename(os.readlink(f"/proc/{p}/exe")) == "transformer_ddp"]
                         os.kill(sorted(ranks)[-1], signal.SIGKILL)
                     relaunch = True
-                elif name.startswith("elastic_train"):
+                elif in_process_name(name):
                     store = work / "store"
-                    cmd = ["/bin/bash", "-c", "for r in 0 1; do RANK=$r WORLD_SIZE=2 \"$@\" & done; wait", "ranks",
-                           str(program), "--recover", "--epochs", "100", "--train-samples", "60000",
-                           "--global-batch", "128", "--batch", "64", "--checkpoint-dir", str(work / "ckpt"),
-                           "--checkpoint-every", str(a.every)] + name.split()[1:]
-                    pattern = r"\] (\d+)/\d+"
+                    ranks = ["/bin/bash", "-c", "for r in 0 1; do RANK=$r WORLD_SIZE=2 \"$@\" & done; wait", "ranks",
+                             str(program), "--checkpoint-dir", str(work / "ckpt"), "--checkpoint-every", str(a.every)]
+                    if name.startswith("elastic_train"):
+                        cmd = ranks + ["--recover", "--epochs", "100", "--train-samples", "60000", "--global-batch",
+                                       "128", "--batch", "64"] + name.split()[1:]
+                        pattern = r"\] (\d+)/\d+"
+                    else:  # the Transformer example's sizes above, 2 ranks of 16 samples
+                        cmd = ranks + ["--d-model", "256", "--heads", "4", "--ff", "1024", "--global-batch", "32"]
+                        pattern = r"^step (\d+)/"
 
-                    def kill_one(proc):  # rank 1, the second one started
-                        ranks = [p for p in children(proc.pid)
-                                 if os.path.basename(os.readlink(f"/proc/{p}/exe")) == "elastic_train"]
+                    def kill_one(proc, exe=program.name):  # rank 1, the second one started
+                        ranks = [p for p in children(proc.pid) if os.path.basename(os.readlink(f"/proc/{p}/exe")) == exe]
                         os.kill(sorted(ranks)[-1], signal.SIGKILL)
                     relaunch = False
                 else:
@@ -193,7 +204,7 @@ def main():
                         workers = children(proc.pid)
                         os.kill(sorted(workers)[-1], signal.SIGKILL)
                     relaunch = False
-                in_process = name.startswith("elastic_train")
+                in_process = in_process_name(name)
                 round_env = dict(env, PARATRAIN_PROGRESS="bar") if not relaunch else env
                 if in_process:
                     round_env = dict(round_env, PARATRAIN_STORE_FILE=str(store), GLOO_SOCKET_IFNAME="lo")
@@ -209,7 +220,7 @@ def main():
     print(f"| program | restart by | kill -> next completed step, s (median; min-max) | steps trained again (median) |")
     print("|---|---|---:|---:|")
     for name, times, lost in rows:
-        by = "no restart: elastic::fit" if name.startswith("elastic_train") else {
+        by = "no restart: elastic::fit" if in_process_name(name) else {
             "transformer_ddp": "a new mpirun", "fashion_mnist_ddp_gloo": "torchrun's agent"}[name]
         print(f"| {name} | {by} | {statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f}) | "
               f"{statistics.median(lost):.0f} |")

@@ -88,7 +88,7 @@ case "${1:-}" in
     benchmarks/checkpoint_cost.sh "$@" ;;
   elastic_restart)
     PARATRAIN_WITH_PEER=1 scripts/deps.sh  # torchrun: python3-torch
-    scripts/build.sh --target transformer_ddp fashion_mnist_ddp_gloo elastic_train >&2
+    scripts/build.sh --target transformer_ddp fashion_mnist_ddp_gloo elastic_train bench_elastic_transformer >&2
     shift
     /usr/bin/python3 benchmarks/elastic_restart.py "$build" "$@" ;;
   *)

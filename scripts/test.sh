@@ -40,8 +40,9 @@ phase configure scripts/build.sh --configure-only
 phase build scripts/build.sh
 # Two at a time: a test of N processes (PROCESSORS N) runs alone on 2 cores, and
 # the timing-sensitive ones say so (tests/CMakeLists.txt).
-# Tests labelled `long` (the whole elastic sequence under torchrun, about 2 minutes) are left
-# out of this run for CI's budget: PARATRAIN_LONG_TESTS=1 adds them (docs/testing.md).
+# Tests labelled `long` (the elastic runs under torchrun, hybrid ZeRO-3's recovery without a
+# restart: about 3 minutes) are left out of this run for CI's budget: PARATRAIN_LONG_TESTS=1
+# adds them (docs/testing.md).
 long=(-LE '^long$')
 [[ ${PARATRAIN_LONG_TESTS:-0} != 0 ]] && long=()
 phase ctest bash -c 'cd "$1" && shift && ctest --output-on-failure --no-tests=error -j "$(nproc)" "$@"' ctest "$build" \

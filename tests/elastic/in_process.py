@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Ranks lost and recovered from without a restart (paratrain::elastic::fit).
 
-usage: in_process.py PROGRAM DATA_DIR [--seed N] [--shard-group G] [--events kill,stop]
+usage: in_process.py PROGRAM DATA_DIR [--seed N] [--shard-group G] [--events kill,stop] [--epochs 8]
 
 PROGRAM is examples/elastic/train.cpp's binary, run with --recover in deterministic mode by
 four processes started here (RANK, WORLD_SIZE, a fresh PARATRAIN_STORE_FILE; each in its own
@@ -32,18 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-COMMON = ["--train-samples", "2400", "--global-batch", "48", "--batch", "48", "--epochs", "8",
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import checkpoints, environment, same_bytes, uninterrupted  # noqa: E402
+
+COMMON = ["--train-samples", "2400", "--global-batch", "48", "--batch", "48",
           "--deterministic-shards", "12", "--checkpoint-every", "10"]
-
-
-def checkpoints(directory):
-    """Steps of the complete checkpoints (with an index) in `directory`."""
-    out = []
-    if directory.is_dir():
-        for p in directory.iterdir():
-            if p.name.startswith("step-") and (p / "index.pt").exists():
-                out.append(int(p.name[5:]))
-    return sorted(out)
 
 
 def main():
@@ -53,28 +46,25 @@ def main():
     ap.add_argument("--seed", type=int, default=int(time.time()))
     ap.add_argument("--shard-group", type=int, default=0)
     ap.add_argument("--events", default="kill,stop")
+    ap.add_argument("--epochs", type=int, default=8, help="of 50 steps")
     ap.add_argument("--deadline", type=float, default=200)
     a = ap.parse_args()
     events = a.events.split(",")
     rng = random.Random(a.seed)
+    common = COMMON + ["--epochs", str(a.epochs)]
     print(f"in_process: seed {a.seed}, events {events}, shard group {a.shard_group}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="paratrain-in-process-"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PARATRAIN_TIMEOUT="3")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "TORCHELASTIC_USE_AGENT_STORE"):
-        env.pop(k, None)
+    env = environment(GLOO_SOCKET_IFNAME="lo", PARATRAIN_TIMEOUT="3")
     ranks = []  # Popen, in rank order of generation 0
     logs = []
     try:
-        ref = subprocess.run([a.program, "--data", a.data, "--checkpoint-dir", str(work / "ref"),
-                              "--save-parameters", str(work / "ref.bin")] + COMMON,
-                             env=env, capture_output=True, text=True, timeout=a.deadline)
-        if ref.returncode != 0:
-            print(ref.stdout, ref.stderr)
+        failed = uninterrupted(a.program, a.data, work, common, env, a.deadline)
+        if failed:
+            print(failed)
             return 1
         ckpt = work / "ckpt"
         args = [a.program, "--data", a.data, "--recover", "--checkpoint-dir", str(ckpt),
-                "--save-parameters", str(work / "elastic.bin"), "--shard-group", str(a.shard_group)] + COMMON
+                "--save-parameters", str(work / "elastic.bin"), "--shard-group", str(a.shard_group)] + common
         for r in range(4):
             logs.append(open(work / f"rank{r}.log", "w"))
             ranks.append(subprocess.Popen(args, env=dict(env, RANK=str(r), WORLD_SIZE="4",
@@ -97,7 +87,7 @@ def main():
         stopped = None
         step = 0
         for generation, what in enumerate(events, start=1):
-            past = step + rng.randrange(10, 40)
+            past = step + rng.randrange(10, 30)
             wait_for(f"a checkpoint after step {past}", lambda: (checkpoints(ckpt) or [0])[-1] > past)
             step = checkpoints(ckpt)[-1]
             time.sleep(rng.uniform(0.02, 0.3))  # a step takes 10-40 ms here: a few steps later
@@ -110,29 +100,26 @@ def main():
                                               stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True))
                 alive.append(r)
                 print(f"in_process: start rank {r} after checkpoint {step}", flush=True)
-                line = re.compile(rf"generation {generation}: (\d+) ranks go on with (\d+) joined.*from ([^(]*)")
-                wait_for(f"generation {generation}", lambda: line.search(text()))
-                m = line.search(text())
-                print(f"in_process:   generation {generation} ({m.group(1)} ranks) {time.monotonic() - hit:.1f} s "
-                      f"later, from {m.group(3).strip()}", flush=True)
-                if int(m.group(1)) != len(alive) or int(m.group(2)) != 1:
-                    print(f"in_process: FAIL: expected {len(alive)} ranks to go on, one of them joined")
-                    return 1
-                continue
-            victim = alive.pop(rng.randrange(len(alive)))
-            if what == "kill":
-                os.kill(ranks[victim].pid, signal.SIGKILL)
+                # "generation 3: 3 ranks go on with 1 joined (2 before), from the checkpoint of step 130"
+                said = r"(\d+) ranks go on with (\d+) joined.*from ([^(]*)"
+                expected = "one of them joined"
+                right = lambda m: int(m.group(2)) == 1  # noqa: E731
             else:
-                os.kill(ranks[victim].pid, signal.SIGSTOP)
-                stopped = victim
-            print(f"in_process: {what} rank {victim} of generation 0 after checkpoint {step}", flush=True)
-            line = re.compile(rf"generation {generation}: (\d+) of (\d+) ranks go on, from ([^(]*)")
+                victim = alive.pop(rng.randrange(len(alive)))
+                os.kill(ranks[victim].pid, signal.SIGKILL if what == "kill" else signal.SIGSTOP)
+                stopped = victim if what == "stop" else stopped
+                print(f"in_process: {what} rank {victim} of generation 0 after checkpoint {step}", flush=True)
+                # "generation 1: 3 of 4 ranks go on, from the survivors' state at step 21 (...)"
+                said = r"(\d+) of (\d+) ranks go on, from ([^(]*)"
+                expected = "from the survivors' state"
+                right = lambda m: "survivors' state" in m.group(3)  # noqa: E731
+            line = re.compile(rf"generation {generation}: " + said)
             wait_for(f"generation {generation}", lambda: line.search(text()))
             m = line.search(text())
             print(f"in_process:   generation {generation} ({m.group(1)} ranks) {time.monotonic() - hit:.1f} s "
                   f"later, from {m.group(3).strip()}", flush=True)
-            if int(m.group(1)) != len(alive) or "survivors' state" not in m.group(3):
-                print(f"in_process: FAIL: expected {len(alive)} ranks to go on from the survivors' state")
+            if int(m.group(1)) != len(alive) or not right(m):
+                print(f"in_process: FAIL: expected {len(alive)} ranks to go on, {expected}")
                 return 1
         for r in alive:
             ranks[r].wait(timeout=max(1, a.deadline - (time.monotonic() - start)))
@@ -162,13 +149,7 @@ def main():
         if len(ends) != 1 or f"{len(alive)} rank(s)" not in ends[0]:
             print(f"in_process: FAIL: the job did not end at {len(alive)} ranks")
             return 1
-        got, want = (work / "elastic.bin").read_bytes(), (work / "ref.bin").read_bytes()
-        if got != want:
-            print(f"in_process: FAIL: the final parameters differ from the uninterrupted run's "
-                  f"({len(got)} and {len(want)} bytes)")
-            return 1
-        print(f"in_process: the final parameters equal the uninterrupted run's, byte for byte ({len(got)} bytes)")
-        return 0
+        return 0 if same_bytes(work, "in_process") else 1
     finally:
         for p in ranks:  # nothing may outlive the test: by process group, each rank its own
             try:

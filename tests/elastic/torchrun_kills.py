@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import checkpoints, environment, same_bytes, uninterrupted  # noqa: E402
+
 COMMON = ["--train-samples", "12000", "--global-batch", "48", "--batch", "48", "--epochs", "2",
           "--deterministic-shards", "12", "--checkpoint-every", "4"]
 
@@ -37,16 +40,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def checkpoints(directory):
-    """Steps of the complete checkpoints (with an index) in `directory`."""
-    out = []
-    if directory.is_dir():
-        for p in directory.iterdir():
-            if p.name.startswith("step-") and (p / "index.pt").exists():
-                out.append(int(p.name[5:]))
-    return sorted(out)
 
 
 def children(pid):
@@ -76,17 +69,13 @@ def main():
     rng = random.Random(a.seed)
     print(f"torchrun_kills: seed {a.seed}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="paratrain-elastic-"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PARATRAIN_TIMEOUT="8")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PARATRAIN_STORE_FILE"):
-        env.pop(k, None)
+    env = environment(PARATRAIN_TIMEOUT="8")
     agents = []  # (Popen, log file)
     try:
         # The uninterrupted run: one process.
-        ref = subprocess.run([a.program, "--data", a.data, "--checkpoint-dir", str(work / "ref"),
-                              "--save-parameters", str(work / "ref.bin")] + COMMON,
-                             env=env, capture_output=True, text=True, timeout=a.deadline)
-        if ref.returncode != 0:
-            print(ref.stdout, ref.stderr)
+        failed = uninterrupted(a.program, a.data, work, COMMON, env, a.deadline)
+        if failed:
+            print(failed)
             return 1
         port = free_port()
         ckpt = work / "ckpt"
@@ -179,13 +168,7 @@ def main():
         if len(ends) != 1 or "4 rank(s)" not in ends[0]:
             print("torchrun_kills: FAIL: the job did not end at 4 ranks")
             return 1
-        got, want = (work / "elastic.bin").read_bytes(), (work / "ref.bin").read_bytes()
-        if got != want:
-            print(f"torchrun_kills: FAIL: the final parameters differ from the uninterrupted run's "
-                  f"({len(got)} and {len(want)} bytes)")
-            return 1
-        print(f"torchrun_kills: the final parameters equal the uninterrupted run's, byte for byte ({len(got)} bytes)")
-        return 0
+        return 0 if same_bytes(work, "torchrun_kills") else 1
     finally:
         for p, log in agents:
             if p.poll() is None:

@@ -127,8 +127,8 @@ class Gloo {
     Handles() noexcept : can_poll(true) {}
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     bool can_poll;
-    std::shared_ptr<PeerLoss> loss;  // Options::peer_loss
-    std::chrono::milliseconds limit{};       // Options::timeout, where `loss` is set
+    std::shared_ptr<PeerLoss> loss;     // Options::peer_loss
+    std::chrono::milliseconds limit{};  // Options::timeout, where `loss` is set
 
     [[nodiscard]] bool pending() const noexcept { return !works.empty(); }
     void wait(const char* op, int rank) {
