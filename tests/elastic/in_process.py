@@ -55,6 +55,7 @@ def main():
     print(f"in_process: seed {a.seed}, events {events}, shard group {a.shard_group}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="paratrain-in-process-"))
     env = environment(GLOO_SOCKET_IFNAME="lo", PARATRAIN_TIMEOUT="3")
+    passed = False
     ranks = []  # Popen, in rank order of generation 0
     logs = []
     try:
@@ -121,6 +122,7 @@ def main():
             if int(m.group(1)) != len(alive) or not right(m):
                 print(f"in_process: FAIL: expected {len(alive)} ranks to go on, {expected}")
                 return 1
+            step = max([step] + checkpoints(ckpt))  # the next event comes after what they resumed from
         for r in alive:
             ranks[r].wait(timeout=max(1, a.deadline - (time.monotonic() - start)))
         failed = [r for r in alive if ranks[r].returncode != 0]
@@ -149,8 +151,13 @@ def main():
         if len(ends) != 1 or f"{len(alive)} rank(s)" not in ends[0]:
             print(f"in_process: FAIL: the job did not end at {len(alive)} ranks")
             return 1
-        return 0 if same_bytes(work, "in_process") else 1
+        passed = same_bytes(work, "in_process")
+        return 0 if passed else 1
     finally:
+        if not passed:  # every rank's last lines, whatever failed
+            for r in range(len(ranks)):
+                tail = (work / f"rank{r}.log").read_text(errors="replace").splitlines(True)[-15:]
+                print(f"== rank {r} (the last lines of its log):\n" + "".join(tail))
         for p in ranks:  # nothing may outlive the test: by process group, each rank its own
             try:
                 os.killpg(p.pid, signal.SIGKILL)

@@ -87,6 +87,12 @@ class Trainer {
 
   FitResult run() {
     resume();
+    // The state just loaded is the checkpoint's step's, before any step of this run.
+    if (journal_ != nullptr && from_) {
+      journal_->step = start_.step;
+      journal_->extra = FitCheckpoints<S>::extra_of(start_);
+      journal_->rank_extra = FitCheckpoints<S>::rank_extra_of(metrics_);
+    }
     if (lr_.active()) total_steps_ = total_steps();
     if (options_.max_steps > 0 && step_ >= options_.max_steps) stopped_ = "max_steps";
     for (int epoch = static_cast<int>(start_.epoch); epoch < options_.epochs && stopped_.empty(); ++epoch)
