@@ -88,11 +88,7 @@ class Trainer {
   FitResult run() {
     resume();
     // The state just loaded is the checkpoint's step's, before any step of this run.
-    if (journal_ != nullptr && from_) {
-      journal_->step = start_.step;
-      journal_->extra = FitCheckpoints<S>::extra_of(start_);
-      journal_->rank_extra = FitCheckpoints<S>::rank_extra_of(metrics_);
-    }
+    if (journal_ != nullptr && from_) keep(start_, metrics_);
     if (lr_.active()) total_steps_ = total_steps();
     if (options_.max_steps > 0 && step_ >= options_.max_steps) stopped_ = "max_steps";
     for (int epoch = static_cast<int>(start_.epoch); epoch < options_.epochs && stopped_.empty(); ++epoch)
@@ -457,10 +453,15 @@ class Trainer {
   /// hold. After an epoch's last step, the next epoch's start: a resume from it does not
   /// evaluate the epoch again (its evaluation is lost with the rank, its training is not).
   void record(const Epoch& e, std::int64_t k, bool last) {
-    const auto p = last ? position(step_ + 1, e.index + 1, 0, 0) : position(step_ + 1, e.index, k + 1, visited(e, k));
+    if (last) keep(position(step_ + 1, e.index + 1, 0, 0), Metrics{});
+    else keep(position(step_ + 1, e.index, k + 1, visited(e, k)), metrics_);
+  }
+
+  /// The journal's entry for a state at `p`: what a checkpoint of it would record.
+  void keep(const FitPosition& p, const Metrics& metrics) {
     journal_->step = p.step;
     journal_->extra = FitCheckpoints<S>::extra_of(p);
-    journal_->rank_extra = FitCheckpoints<S>::rank_extra_of(last ? Metrics{} : metrics_);
+    journal_->rank_extra = FitCheckpoints<S>::rank_extra_of(metrics);
   }
 
   /// Saves a checkpoint of the loop at `p`, timing it for the time limit.

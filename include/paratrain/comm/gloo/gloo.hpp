@@ -556,15 +556,13 @@ class Gloo {
     }
   };
 
+  // A blocking wait, as a request's: Handles::wait (a recoverable group's too).
   void wait_for(const char* op, const c10::intrusive_ptr<c10d::Work>& work) const {
-    const auto& loss = options().peer_loss;
-    try {
-      if (loss) detail::await_work(*work, *loss, options().timeout, op, rank());
-      else work->wait();
-    } catch (...) {
-      if (loss) new c10::intrusive_ptr<c10d::Work>(work);  // Note [Recoverable groups]
-      rethrow_as_error(op, rank(), loss.get());
-    }
+    Handles h;
+    h.works.push_back(work);
+    h.loss = options().peer_loss;
+    h.limit = options().timeout;
+    h.wait(op, rank());
   }
 
   std::shared_ptr<State> state_;
