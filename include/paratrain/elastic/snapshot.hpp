@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -63,19 +64,12 @@ Saved save_survivors(S& old, comm::Gloo& group, const std::filesystem::path& dir
                      const paratrain::detail::Journal& journal) {
   namespace ck = paratrain::checkpoint;
   const int rank = group.rank(), ranks = group.size();
-  // Every rank's step and whether its state is usable.
-  auto steps = at::full({ranks}, -1, at::kLong);
+  // The oldest step of a usable state: one min all-reduce (a rank without one offers none).
+  constexpr auto none = std::numeric_limits<std::int64_t>::max();
   const bool usable = journal.step >= 0 && old.settled();
-  if (usable) steps[rank] = journal.step;
-  auto marks = at::zeros({ranks}, at::kLong);
-  marks[rank] = 1;
-  auto table = at::stack({steps + 1, marks});  // +1: a sum over the zeros of the others
-  group.all_reduce(table, reduce_op::sum);
-  std::int64_t m = -1;
-  for (int r = 0; r < ranks; ++r) {
-    const auto s = table[0][r].item<std::int64_t>() - 1;
-    if (s >= 0 && (m < 0 || s < m)) m = s;
-  }
+  auto oldest = at::full({1}, usable ? journal.step : none, at::kLong);
+  group.all_reduce(oldest, reduce_op::min);
+  const std::int64_t m = oldest.item<std::int64_t>() == none ? -1 : oldest.item<std::int64_t>();
   if (m < 0) return {false, -1, "no survivor's state is that of a step (each was lost mid-update)"};
   const bool contributes = usable && journal.step == m;
 
