@@ -174,14 +174,14 @@ def main():
                     relaunch = True
                 elif in_process_name(name):
                     store = work / "store"
-                    ranks = ["/bin/bash", "-c", "for r in 0 1; do RANK=$r WORLD_SIZE=2 \"$@\" & done; wait", "ranks",
-                             str(program), "--checkpoint-dir", str(work / "ckpt"), "--checkpoint-every", str(a.every)]
+                    launch = ["/bin/bash", "-c", "for r in 0 1; do RANK=$r WORLD_SIZE=2 \"$@\" & done; wait", "ranks",
+                              str(program), "--checkpoint-dir", str(work / "ckpt"), "--checkpoint-every", str(a.every)]
                     if name.startswith("elastic_train"):
-                        cmd = ranks + ["--recover", "--epochs", "100", "--train-samples", "60000", "--global-batch",
+                        cmd = launch + ["--recover", "--epochs", "100", "--train-samples", "60000", "--global-batch",
                                        "128", "--batch", "64"] + name.split()[1:]
                         pattern = r"\] (\d+)/\d+"
                     else:  # the Transformer example's sizes above, 2 ranks of 16 samples
-                        cmd = ranks + ["--d-model", "256", "--heads", "4", "--ff", "1024", "--global-batch", "32"]
+                        cmd = launch + ["--d-model", "256", "--heads", "4", "--ff", "1024", "--global-batch", "32"]
                         pattern = r"^step (\d+)/"
 
                     def kill_one(proc, exe=program.name):  # rank 1, the second one started
