@@ -337,6 +337,7 @@ TEST_CASE("[gpu] comm::Gloo's collectives and sends on CUDA tensors equal the fo
   collectives::check_iall_gather(c, {}, gpu());
   collectives::check_all_gather_in_place(c, {}, gpu());
   collectives::check_requests(c, gpu());
+  collectives::check_all_to_all(c, gpu());
   if (c.size() > 1) collectives::check_ring(c, gpu());
 }
 

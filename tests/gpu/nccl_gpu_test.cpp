@@ -45,6 +45,7 @@ TEST_CASE("[gpu] comm::Nccl: all_reduce, broadcast, reduce_scatter and all_gathe
   collectives::check_all_gather_in_place(c);
   collectives::check_pending_segments(c);
   collectives::check_requests(c);
+  collectives::check_all_to_all(c);
   c.barrier();
 }
 
@@ -65,6 +66,7 @@ TEST_CASE("[gpu] comm::Nccl: misuse throws paratrain::error before reaching NCCL
   auto c = gpu_suite::nccl_world();
   collectives::check_misuse(c);
   collectives::check_reduce_scatter_padding(c);
+  collectives::check_all_to_all_misuse(c);
   auto cpu = torch::ones({4});
   CHECK_THROWS_WITH_AS(c.all_reduce(cpu, reduce_op::sum), doctest::Contains("comm::Nccl takes CUDA tensors"),
                        paratrain::error);

@@ -8,9 +8,10 @@
 // communicator (Kokkos-style: the behaviour once, instantiated per backend):
 // tests/unit/comm_test.cpp for comm::SingleDevice and comm::Mpi, tests/unit/gloo_test.cpp
 // for comm::Gloo. The point-to-point, split, request and validation checks need a
-// communicator with those members.
+// communicator with those members; the all-to-all checks a communicator with all_to_all.
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -411,6 +412,122 @@ void check_fingerprint(C& c, std::optional<at::Device> device = {}) {
                                          "(Float, 4 elements, sum) on world rank 0; all_reduce (Float, 4 elements, "
                                          "max) on world rank"),
                        paratrain::error);
+}
+
+// ---- all-to-all -------------------------------------------------------------------
+
+// What rank r sends rank j, element k: a(r, j, k) = (37 k + 11 r + 3 j) mod 251 - 125,
+// integers exact in every dtype, different for every pair, so that a part delivered to
+// the wrong rank or put at the wrong offset shows.
+inline torch::Tensor routed(int from, int to, std::int64_t n, torch::Dtype dtype) {
+  return ((torch::arange(n, torch::kLong) * 37 + 11 * from + 3 * to).remainder(251) - 125).to(dtype);
+}
+
+// How many elements rank r sends rank j in the uneven checks: 0 to 2 plus `base`, so that
+// some parts are empty where base is 0, and no two neighbouring pairs send alike.
+inline std::int64_t routed_count(int from, int to, std::int64_t base) { return (from + 2 * to) % 3 + base; }
+
+// Every rank sends rank j its part j and receives part i from rank i, by the formula: in
+// equal parts of 0, 1 and 1001 elements, and in uneven parts (routed_count, some empty),
+// blocking and, where the communicator has them, non-blocking, in every dtype.
+template <class C>
+void check_all_to_all(C& c, std::optional<at::Device> device = {}) {
+  const auto on = torch::TensorOptions().device(device_for(c, device));
+  const int n = c.size(), me = c.rank();
+  for (auto dtype : all_dtypes) {
+    for (std::int64_t part : {0, 1, 1001}) {
+      std::vector<torch::Tensor> in_parts, out_parts;
+      for (int j = 0; j < n; ++j) in_parts.push_back(routed(me, j, part, dtype));
+      for (int i = 0; i < n; ++i) out_parts.push_back(routed(i, me, part, dtype));
+      const auto in = torch::cat(in_parts).to(on.device()), want = torch::cat(out_parts);
+      CAPTURE(describe(reduce_op::sum, dtype, part));
+      auto out = torch::full({in.numel()}, 99, on.dtype(dtype));
+      c.all_to_all(in, out);
+      CHECK(same(out, want));
+      if constexpr (requires { c.iall_to_all(in, out); }) {
+        out.fill_(99);
+        auto r = c.iall_to_all(in, out);
+        r.wait();
+        CHECK(same(out, want));
+      }
+    }
+    for (std::int64_t base : {0, 1000}) {
+      std::vector<std::int64_t> in_counts, out_counts;
+      std::vector<torch::Tensor> in_parts, out_parts;
+      for (int j = 0; j < n; ++j) {
+        in_counts.push_back(routed_count(me, j, base));
+        in_parts.push_back(routed(me, j, in_counts.back(), dtype));
+      }
+      for (int i = 0; i < n; ++i) {
+        out_counts.push_back(routed_count(i, me, base));
+        out_parts.push_back(routed(i, me, out_counts.back(), dtype));
+      }
+      const auto in = torch::cat(in_parts).to(on.device()), want = torch::cat(out_parts);
+      CAPTURE(describe(reduce_op::sum, dtype, base));
+      auto out = torch::full({want.numel()}, 99, on.dtype(dtype));
+      c.all_to_all(in, in_counts, out, out_counts);
+      CHECK(same(out, want));
+      if constexpr (requires { c.iall_to_all(in, in_counts, out, out_counts); }) {
+        out.fill_(99);
+        auto r = c.iall_to_all(in, in_counts, out, out_counts);
+        r.wait();
+        CHECK(same(out, want));
+      }
+    }
+  }
+}
+
+// What a rank can find wrong in its own arguments: the same error on every rank, each
+// making the same mistake, before anything is exchanged (the ranks stay in step: the last
+// exchange still works).
+template <class C>
+void check_all_to_all_misuse(C& c, std::optional<at::Device> device = {}) {
+  const auto on = torch::TensorOptions().device(device_for(c, device));
+  const int n = c.size();
+  const std::vector<std::int64_t> ones(static_cast<std::size_t>(n), 1), short_list(static_cast<std::size_t>(n + 1), 0);
+  auto in = torch::ones({n}, on), out = torch::empty({n}, on);
+  auto odd = torch::ones({2 * n + 1}, on), wide = torch::empty({2 * n + 1}, on);
+  if (n > 1)
+    CHECK_THROWS_WITH_AS(c.all_to_all(odd, wide), doctest::Contains("not a multiple of the"), paratrain::error);
+  auto bigger = torch::empty({n + 1}, on);
+  CHECK_THROWS_WITH_AS(c.all_to_all(in, bigger), doctest::Contains("out must have as many as in"), paratrain::error);
+  CHECK_THROWS_WITH_AS(c.all_to_all(in, short_list, out, ones), doctest::Contains("give one per rank"),
+                       paratrain::error);
+  auto two = ones;
+  two[0] = 2;
+  CHECK_THROWS_WITH_AS(c.all_to_all(in, ones, out, two), doctest::Contains("out_counts sum to"), paratrain::error);
+  auto negative = ones;
+  negative[0] = -1;  // found before the sum is
+  CHECK_THROWS_WITH_AS(c.all_to_all(in, negative, out, ones), doctest::Contains("counts are elements, >= 0"),
+                       paratrain::error);
+  auto doubles = torch::empty({n}, on.dtype(torch::kDouble));
+  CHECK_THROWS_WITH_AS(c.all_to_all(in, doubles), doctest::Contains("give both the same dtype"), paratrain::error);
+  auto whole = torch::ones({2 * n}, on);
+  auto later = whole.narrow(0, n / 2, n);
+  CHECK_THROWS_WITH_AS(c.all_to_all(whole.narrow(0, 0, n), later),
+                       doctest::Contains("in and out overlap"), paratrain::error);
+  c.all_to_all(in, out);
+  CHECK(same(out, torch::ones({n})));
+}
+
+// Under validation, counts that one rank gets wrong (rank 0 expects two elements from the
+// last rank, which sends one) are the same error on every rank, naming the pair, instead of
+// a truncated message or a hang; and the ranks are still in step after it.
+template <class C>
+void check_all_to_all_validation(C& c, std::optional<at::Device> device = {}) {
+  const auto on = torch::TensorOptions().device(device_for(c, device));
+  const int n = c.size(), last = n - 1;
+  std::vector<std::int64_t> in_counts(static_cast<std::size_t>(n), 1), out_counts = in_counts;
+  if (c.rank() == 0) out_counts[static_cast<std::size_t>(last)] = 2;
+  auto in = torch::ones({n}, on);
+  auto out = torch::empty({c.rank() == 0 ? n + 1 : n}, on);
+  CHECK_THROWS_WITH_AS(c.all_to_all(in, in_counts, out, out_counts),
+                       doctest::Contains(("rank " + std::to_string(last) + " sends rank 0 1 elements but rank 0 expects 2")
+                                             .c_str()),
+                       paratrain::error);
+  auto agreed = torch::empty({n}, on);
+  c.all_to_all(in, agreed);
+  CHECK(same(agreed, torch::ones({n})));
 }
 
 }  // namespace collectives

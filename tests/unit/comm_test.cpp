@@ -89,6 +89,18 @@ TEST_CASE_TEMPLATE("misuse throws paratrain::error naming the operation and the 
   collectives::check_misuse(c);
 }
 
+TEST_CASE_TEMPLATE("all_to_all sends part i to rank i, in equal and uneven parts", C, comm::SingleDevice, comm::Mpi) {
+  static_assert(paratrain::async_all_to_all_communicator<C> && paratrain::explain_all_to_all_communicator<C>());
+  C c;
+  collectives::check_all_to_all(c);
+  collectives::check_all_to_all_misuse(c);
+}
+
+TEST_CASE("comm::Mpi: with validation, all_to_all counts the ranks disagree on throw on every rank, naming the pair") {
+  comm::Mpi c({.validate = true});
+  collectives::check_all_to_all_validation(c);
+}
+
 TEST_CASE("comm::Mpi: reduce_scatter of a size that does not divide says how to pad") {
   comm::Mpi c;
   collectives::check_reduce_scatter_padding(c);

@@ -84,6 +84,15 @@ TEST_CASE("comm::Gloo: with validation, mismatched collectives throw on every ra
   collectives::check_validation(c);
 }
 
+TEST_CASE("comm::Gloo: all_to_all sends part i to rank i, in equal and uneven parts; misuse and counts the ranks "
+          "disagree on throw on every rank") {
+  static_assert(paratrain::async_all_to_all_communicator<paratrain::comm::Gloo>);
+  collectives::check_all_to_all(gloo_world());
+  collectives::check_all_to_all_misuse(gloo_world());
+  auto c = gloo_world().duplicate({.validate = true});
+  collectives::check_all_to_all_validation(c);
+}
+
 TEST_CASE("comm::Gloo: the collective fingerprint names the first collective the ranks issued differently") {
   auto c = gloo_world().duplicate();  // a fresh group: its count starts at 0
   collectives::check_fingerprint(c);

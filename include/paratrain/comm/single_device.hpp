@@ -4,6 +4,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <span>
+
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/comm/detail/tensor_checks.hpp"
 #include "paratrain/core/error.hpp"
@@ -15,7 +18,7 @@ namespace paratrain::comm {
 /// Every collective is the identity: in-place ones (all_reduce, broadcast) touch
 /// nothing, and the out-of-place ones copy only when `out` does not already hold `in`
 /// (same storage, same first element). The non-blocking forms (`iall_reduce`,
-/// `ibroadcast`, `ireduce_scatter`, `iall_gather`) do the same and return a completed
+/// `ibroadcast`, `ireduce_scatter`, `iall_gather`, `iall_to_all`) do the same and return a completed
 /// Request.
 /// Arguments are checked exactly as comm::Mpi checks them, so a mistake shows up
 /// on one process before it costs a cluster job.
@@ -67,6 +70,24 @@ class SingleDevice {
   }
   Request iall_gather(const at::Tensor& in, at::Tensor& out) const {
     all_gather(in, out);
+    return {};
+  }
+
+  /// The one part of `in` goes to this rank: copied into `out`. The uneven form's counts
+  /// have one entry each, as comm::Mpi's have one per rank.
+  void all_to_all(const at::Tensor& in, at::Tensor& out) const { all_to_all(in, {}, out, {}); }
+  void all_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                  std::span<const std::int64_t> out_counts) const {
+    (void)detail::check_all_to_all(0, 1, in, in_counts, out, out_counts);
+    if (in.numel() > 0) out.view({-1}).copy_(in.view({-1}));
+  }
+  Request iall_to_all(const at::Tensor& in, at::Tensor& out) const {
+    all_to_all(in, out);
+    return {};
+  }
+  Request iall_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                      std::span<const std::int64_t> out_counts) const {
+    all_to_all(in, in_counts, out, out_counts);
     return {};
   }
 

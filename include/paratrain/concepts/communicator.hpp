@@ -9,6 +9,8 @@
 /// | `point_to_point_communicator`| send, recv                             | `Pipeline`                 |
 /// | `async_communicator`         | iall_reduce returning a `request`      | overlapped DDP buckets     |
 /// | `async_sharding_communicator`| ireduce_scatter, iall_gather returning a `request` | overlapped ZeRO/FSDP gathers and gradient shards |
+/// | `all_to_all_communicator`    | all_to_all, equal parts and per-rank counts | experts' token routing, all-to-all attention |
+/// | `async_all_to_all_communicator` | iall_to_all (both forms) returning a `request` | overlapped routing |
 ///
 /// Models: `comm::SingleDevice` (all of them, trivially), `comm::Mpi` (all of them),
 /// `comm::Gloo` (all of them), `comm::Nccl` (device buffers). A type of your own opts in
@@ -19,7 +21,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <concepts>
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <type_traits>
 #include <utility>
 
@@ -108,6 +112,24 @@ concept async_sharding_communicator = sharding_communicator<C> &&
       { c.iall_gather(in, out) } -> request;
     };
 
+/// A communicator that can send part i of a buffer to rank i and receive each rank's part
+/// for it: in equal parts (`all_to_all(in, out)`), or in parts of per-rank element counts
+/// (`all_to_all(in, in_counts, out, out_counts)`, MPI's alltoallv).
+template <class C>
+concept all_to_all_communicator = communicator<C> &&
+    requires(C& c, const at::Tensor& in, at::Tensor& out, std::span<const std::int64_t> counts) {
+      c.all_to_all(in, out);
+      c.all_to_all(in, counts, out, counts);
+    };
+
+/// An all-to-all communicator whose exchanges can run while the caller goes on computing.
+template <class C>
+concept async_all_to_all_communicator = all_to_all_communicator<C> &&
+    requires(C& c, const at::Tensor& in, at::Tensor& out, std::span<const std::int64_t> counts) {
+      { c.iall_to_all(in, out) } -> request;
+      { c.iall_to_all(in, counts, out, counts) } -> request;
+    };
+
 /// Checks each requirement of `communicator` separately, so that a type that misses
 /// one gets a single message naming it. Use it in a `static_assert` at your API
 /// boundary; paratrain's strategies do.
@@ -137,6 +159,22 @@ consteval bool explain_sharding_communicator() {
   static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.all_gather(in, out); },
                 "paratrain: this communicator cannot shard: it needs `all_gather(const at::Tensor& in, at::Tensor& out)`;"
                 " see docs/communicators.md");
+  return true;
+}
+
+/// Like explain_communicator, for the all-to-all a mixture of experts routes tokens with.
+template <class C>
+consteval bool explain_all_to_all_communicator() {
+  static_assert(explain_communicator<C>());
+  static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out) { c.all_to_all(in, out); },
+                "paratrain: this communicator cannot exchange parts: it needs `all_to_all(const at::Tensor& in, "
+                "at::Tensor& out)` (size() equal parts); see docs/communicators.md");
+  static_assert(requires(C& c, const at::Tensor& in, at::Tensor& out, std::span<const std::int64_t> counts) {
+                  c.all_to_all(in, counts, out, counts);
+                },
+                "paratrain: this communicator cannot exchange uneven parts: it needs `all_to_all(const at::Tensor& "
+                "in, std::span<const std::int64_t> in_counts, at::Tensor& out, std::span<const std::int64_t> "
+                "out_counts)`; see docs/communicators.md");
   return true;
 }
 

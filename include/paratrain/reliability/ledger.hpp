@@ -40,9 +40,9 @@ inline constexpr std::uint64_t fingerprint_period = 64;
 inline constexpr int watchdog_exit_code = 124;
 
 /// The operations the ledger names, in a fixed order: their codes travel between ranks.
-inline constexpr std::array<std::string_view, 12> operation_names = {
+inline constexpr std::array<std::string_view, 13> operation_names = {
     "?",    "all_reduce", "iall_reduce", "broadcast", "reduce_scatter", "all_gather",
-    "send", "recv",       "barrier",     "split",     "validate",       "fingerprint"};
+    "send", "recv",       "barrier",     "split",     "validate",       "fingerprint", "all_to_all"};
 
 inline std::int64_t operation_code(std::string_view op) noexcept {
   for (std::size_t i = 1; i < operation_names.size(); ++i)
@@ -75,9 +75,8 @@ inline std::string describe_operation(const OperationRecord& r, bool numbered = 
   if (r.dtype >= 0) {
     s += " (";
     s += c10::toString(static_cast<at::ScalarType>(r.dtype));
-    s += ", ";
-    s += std::to_string(r.numel);
-    s += " elements";
+    // An all-to-all's element count is each rank's own (uneven parts): recorded as -1.
+    s += r.numel < 0 ? std::string(", each rank's own counts") : ", " + std::to_string(r.numel) + " elements";
     if (r.op == operation_code("all_reduce") || r.op == operation_code("reduce_scatter"))
       s.append(", ").append(to_string(static_cast<reduce_op>(r.detail)));
     else if (r.op == operation_code("broadcast"))

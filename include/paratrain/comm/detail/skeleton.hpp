@@ -9,11 +9,13 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <utility>
 
 #include "paratrain/comm/detail/request.hpp"
+#include "paratrain/comm/detail/tensor_checks.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/reliability/collective_signature.hpp"
 #include "paratrain/reliability/watchdog.hpp"
@@ -77,6 +79,28 @@ class Skeleton {
     return begin(op, t.scalar_type(), t.numel(), detail, words);
   }
 
+  // Note [All-to-all across ranks]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // An all-to-all's parts may differ by rank (uneven counts: a mixture of experts routes
+  // each rank's tokens its own way), so its record carries no element count (-1: the
+  // fingerprint and the signature compare the operation and the dtype), and what the ranks
+  // must agree on is a matrix: rank i sends rank j in_counts_i[j] elements, which rank j
+  // must expect, out_counts_j[i]. Under validation every rank gathers every rank's counts
+  // (2 * size() words each) and checks the whole matrix, so that a mismatch anywhere is
+  // the same error on every rank, naming the pair, instead of a truncated message on one
+  // of them or a hang (MPI), or a Gloo abort. Without validation a mismatch is the
+  // transport's to find.
+
+  /// The preamble of an all-to-all whose arguments check_all_to_all checked (Note
+  /// [All-to-all across ranks]).
+  template <word_collectives Words>
+  [[nodiscard]] Watch begin_all_to_all(const char* op, at::ScalarType dtype, const AllToAllLayout& layout,
+                                       Words&& words) const {
+    auto watch = begin(op, dtype, -1, 0, words);
+    if (validate_) check_counts(op, layout, words);
+    return watch;
+  }
+
   /// Counts and watches a collective without a buffer (barrier, split).
   [[nodiscard]] Watch collective(std::string_view op) const { return watched_.collective(op); }
   [[nodiscard]] Watch point_to_point(std::string_view op, int peer, int tag) const {
@@ -84,6 +108,30 @@ class Skeleton {
   }
 
  private:
+  template <word_collectives Words>
+  void check_counts(const char* op, const AllToAllLayout& layout, Words&& words) const {
+    const auto n = static_cast<std::size_t>(size_);
+    auto mine = at::empty({static_cast<std::int64_t>(2 * n)}, at::kLong);
+    auto all = at::empty({static_cast<std::int64_t>(2 * n * n)}, at::kLong);
+    auto* m = mine.data_ptr<std::int64_t>();
+    std::memcpy(m, layout.in_counts.data(), n * sizeof(std::int64_t));
+    std::memcpy(m + n, layout.out_counts.data(), n * sizeof(std::int64_t));
+    {
+      const auto watch = watched_.operation(record_of("validate", mine, 0));
+      words.all_gather("validate", mine, all);
+    }
+    const auto* a = all.data_ptr<std::int64_t>();
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t j = 0; j < n; ++j) {
+        const auto sends = a[i * 2 * n + j], expects = a[j * 2 * n + n + i];
+        if (sends != expects)
+          fail(op,
+               "rank " + std::to_string(i) + " sends rank " + std::to_string(j) + " " + std::to_string(sends) +
+                   " elements but rank " + std::to_string(j) + " expects " + std::to_string(expects) + " from rank " +
+                   std::to_string(i) + "; in_counts[j] on rank i must equal out_counts[i] on rank j");
+      }
+  }
+
   Watched watched_;
   int rank_ = 0;
   int size_ = 1;

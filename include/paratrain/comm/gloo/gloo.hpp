@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -246,6 +247,33 @@ class Gloo {
     for (int i = 0; i < size(); ++i) parts[0].push_back(flat.narrow(0, i * n, n));
     std::vector<at::Tensor> v{bits(in).view({-1})};
     r.native_.works.push_back(run("all_gather", [&] { return group().allgather(parts, v); }));
+    return r;
+  }
+
+  /// Part i of `in` (size() equal parts) goes to rank i; part i of `out`, as large as `in`,
+  /// is what rank i sent this rank. The uneven form takes each part's element count, as
+  /// comm::Mpi's does (Note [All-to-all across ranks]). c10d's alltoall_base; a GPU tensor
+  /// goes through a host copy, as sends do.
+  void all_to_all(const at::Tensor& in, at::Tensor& out) { iall_to_all(in, {}, out, {}).wait(); }
+  void all_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                  std::span<const std::int64_t> out_counts) {
+    iall_to_all(in, in_counts, out, out_counts).wait();
+  }
+  [[nodiscard]] Request iall_to_all(const at::Tensor& in, at::Tensor& out) { return iall_to_all(in, {}, out, {}); }
+  [[nodiscard]] Request iall_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                                    std::span<const std::int64_t> out_counts) {
+    auto layout = detail::check_all_to_all(rank(), size(), in, in_counts, out, out_counts);
+    auto watch = skeleton().begin_all_to_all("all_to_all", in.scalar_type(), layout, Words{*this});
+    // Gloo moves host memory, bfloat16 as float16 (Note [What Gloo lacks in LibTorch 1.13]).
+    auto source = bits(in.is_cpu() ? in : in.cpu()).view({-1});
+    auto target = out.is_cpu() ? bits(out).view({-1}) : at::empty({out.numel()}, bits(out).options().device(at::kCPU));
+    auto r = request("all_to_all", {in, out, source, target});
+    r.watch_ = std::move(watch);
+    // With counts always: c10d's equal split would check divisibility itself, along dimension 0.
+    r.native_.works.push_back(run("all_to_all", [&] {
+      return group().alltoall_base(target, source, layout.out_counts, layout.in_counts);
+    }));
+    if (!out.is_cpu()) r.then_ = [out, target]() mutable { bits(out).view({-1}).copy_(target); };
     return r;
   }
 

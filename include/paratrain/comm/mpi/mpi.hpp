@@ -13,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -217,6 +218,45 @@ class Mpi {
   [[nodiscard]] Request iall_gather(const at::Tensor& in, at::Tensor& out) {
     auto [in_place, watch] = prepare_all_gather(in, out);
     return start_all_gather(in, out, in_place, std::move(watch));
+  }
+
+  /// Part i of `in` (size() equal parts) goes to rank i; part i of `out`, as large as `in`,
+  /// is what rank i sent this rank. One MPI_Alltoall.
+  void all_to_all(const at::Tensor& in, at::Tensor& out) { all_to_all(in, {}, out, {}); }
+  /// The uneven form: `in_counts[i]` elements of `in` go to rank i and `out_counts[i]`
+  /// elements of `out` come from rank i, each side's parts consecutive in rank order. What
+  /// rank i sends rank j is what rank j expects from rank i: checked on every rank under
+  /// validation (Note [All-to-all across ranks]). One MPI_Alltoallv.
+  void all_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                  std::span<const std::int64_t> out_counts) {
+    auto [layout, watch] = prepare_all_to_all(in, in_counts, out, out_counts);
+    const auto type = datatype(in);
+    if (layout.equal) {
+      const int part = static_cast<int>(layout.in_counts.empty() ? 0 : layout.in_counts[0]);
+      check(MPI_Alltoall(in.data_ptr(), part, type, out.data_ptr(), part, type, native()), "all_to_all");
+      return;
+    }
+    const auto ints = int_layout(layout);
+    const auto* l = ints.data_ptr<int>();
+    const auto n = size();
+    check(MPI_Alltoallv(in.data_ptr(), l, l + n, type, out.data_ptr(), l + 2 * n, l + 3 * n, type, native()),
+          "all_to_all");
+  }
+  [[nodiscard]] Request iall_to_all(const at::Tensor& in, at::Tensor& out) { return iall_to_all(in, {}, out, {}); }
+  [[nodiscard]] Request iall_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                                    std::span<const std::int64_t> out_counts) {
+    auto [layout, watch] = prepare_all_to_all(in, in_counts, out, out_counts);
+    // MPI reads the counts and displacements until the operation completes: the request keeps them.
+    const auto ints = int_layout(layout);
+    auto r = request("all_to_all", {in, out, ints});
+    r.watch_ = std::move(watch);
+    const auto* l = ints.data_ptr<int>();
+    const auto n = size();
+    const auto type = datatype(in);
+    check(MPI_Ialltoallv(in.data_ptr(), l, l + n, type, out.data_ptr(), l + 2 * n, l + 3 * n, type, native(),
+                         &r.native_.requests.emplace_back()),
+          "all_to_all");
+    return r;
   }
 
   void send(const at::Tensor& t, int peer, int tag = 0) { isend(t, peer, tag).wait(); }
@@ -428,6 +468,37 @@ class Mpi {
       skeleton().fail("all_gather", "in overlaps out but is not part rank() of it; pass `out.narrow(0, rank() * n, n)` to "
                          "gather in place, or a separate tensor");
     return {in_place, begin("all_gather", in, 0)};
+  }
+
+  std::pair<detail::AllToAllLayout, detail::Watch> prepare_all_to_all(const at::Tensor& in,
+                                                                       std::span<const std::int64_t> in_counts,
+                                                                       const at::Tensor& out,
+                                                                       std::span<const std::int64_t> out_counts) {
+    auto layout = detail::check_all_to_all(rank(), size(), in, in_counts, out, out_counts);
+    check_on_host("all_to_all", in);
+    check_on_host("all_to_all", out);
+    for (const auto* side : {&in, &out})
+      if (side->numel() > INT_MAX)
+        skeleton().fail("all_to_all", std::string(side == &in ? "in" : "out") + " has " + std::to_string(side->numel()) +
+                                          " elements; MPI's counts and displacements stop at 2^31-1, so split it");
+    start_pending_segments();
+    auto watch = skeleton().begin_all_to_all("all_to_all", in.scalar_type(), layout, Words{*this});
+    return {std::move(layout), std::move(watch)};
+  }
+
+  // MPI's int counts and displacements of an all-to-all: in_counts, in_offsets, out_counts,
+  // out_offsets, size() each (fit in int: prepare_all_to_all checked the sizes).
+  at::Tensor int_layout(const detail::AllToAllLayout& l) const {
+    const auto n = static_cast<std::size_t>(size());
+    auto ints = at::empty({static_cast<std::int64_t>(4 * n)}, at::kInt);
+    auto* p = ints.data_ptr<int>();
+    for (std::size_t i = 0; i < n; ++i) {
+      p[i] = static_cast<int>(l.in_counts[i]);
+      p[n + i] = static_cast<int>(l.in_offsets[i]);
+      p[2 * n + i] = static_cast<int>(l.out_counts[i]);
+      p[3 * n + i] = static_cast<int>(l.out_offsets[i]);
+    }
+    return ints;
   }
 
   Request start_reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op, detail::Watch watch) {

@@ -316,6 +316,49 @@ class Nccl {
     return r;
   }
   void all_gather(const at::Tensor& in, at::Tensor& out) { iall_gather(in, out).wait(); }
+  /// Part i of `in` (size() equal parts) goes to rank i; part i of `out`, as large as `in`,
+  /// is what rank i sent this rank. The uneven form takes each part's element count, as
+  /// comm::Mpi's does (Note [All-to-all across ranks]). One NCCL group of a send and a
+  /// receive per peer with a non-empty part (NCCL has no all-to-all of its own; PyTorch's
+  /// NCCL backend does the same), this rank's own part included.
+  Request iall_to_all(const at::Tensor& in, at::Tensor& out) { return iall_to_all(in, {}, out, {}); }
+  Request iall_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                      std::span<const std::int64_t> out_counts) {
+    check_device("all_to_all", in);
+    check_device("all_to_all", out);
+    const auto layout = detail::check_all_to_all(rank(), size(), in, in_counts, out, out_counts);
+    check_dtype("all_to_all", in.scalar_type());
+    check_async_error("all_to_all");
+    auto watch = skeleton().begin_all_to_all("all_to_all", in.scalar_type(), layout, Words{*this});
+    const auto type = nccl_type("all_to_all", in.scalar_type());
+    const auto bytes = static_cast<std::size_t>(in.element_size());
+    const auto* source = static_cast<const char*>(in.data_ptr());
+    auto* target = static_cast<char*>(out.data_ptr());
+    const auto stream = after_default_stream("all_to_all");
+    nccl_check(ncclGroupStart(), "all_to_all", rank());
+    ncclResult_t rc = ncclSuccess;
+    for (int peer = 0; peer < size() && rc == ncclSuccess; ++peer) {
+      const auto i = static_cast<std::size_t>(peer);
+      if (layout.in_counts[i] > 0)
+        rc = ncclSend(source + static_cast<std::size_t>(layout.in_offsets[i]) * bytes,
+                      static_cast<std::size_t>(layout.in_counts[i]), type, peer, state_->comm, stream);
+      if (rc == ncclSuccess && layout.out_counts[i] > 0)
+        rc = ncclRecv(target + static_cast<std::size_t>(layout.out_offsets[i]) * bytes,
+                      static_cast<std::size_t>(layout.out_counts[i]), type, peer, state_->comm, stream);
+    }
+    const auto end = ncclGroupEnd();
+    nccl_check(rc, "all_to_all", rank());
+    nccl_check(end, "all_to_all", rank());
+    auto r = record("all_to_all", std::move(watch));
+    r.keep_ = {in, out};
+    return r;
+  }
+  void all_to_all(const at::Tensor& in, at::Tensor& out) { iall_to_all(in, out).wait(); }
+  void all_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                  std::span<const std::int64_t> out_counts) {
+    iall_to_all(in, in_counts, out, out_counts).wait();
+  }
+
   /// Note [NCCL point-to-point]: a send completes once the peer has posted its receive.
   Request isend(const at::Tensor& t, int peer, int tag = 0) {
     check_device("send", t);
