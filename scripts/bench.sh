@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart
+# Usage: scripts/bench.sh allreduce | sharding_collectives | all_to_all | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The benchmarks' own build, at -O3 (the tests' build/ is at -O0: scripts/build.sh).
@@ -10,6 +10,10 @@ case "${1:-}" in
   allreduce)
     scripts/build.sh --target bench_allreduce >&2
     scripts/mpirun.sh 2 "$build/benchmarks/bench_allreduce" ;;
+  all_to_all)
+    scripts/build.sh --target bench_all_to_all >&2
+    shift
+    scripts/mpirun.sh 2 "$build/benchmarks/bench_all_to_all" "$@" ;;
   sharding_collectives)
     scripts/build.sh --target bench_reduce_scatter bench_all_gather >&2
     scripts/mpirun.sh 2 "$build/benchmarks/bench_reduce_scatter"

@@ -1,5 +1,7 @@
 """What the elastic tests share (torchrun_kills.py, in_process.py): the checkpoints on disk, the
-environment without a launcher's variables, the uninterrupted run, and its bytes compared."""
+environment without a launcher's variables, the uninterrupted run, and its parameters compared
+(byte for byte, or within a tolerance)."""
+import array
 import os
 import subprocess
 from pathlib import Path
@@ -42,4 +44,23 @@ def same_bytes(work, who):
         print(f"{who}: FAIL: the final parameters differ from the uninterrupted run's ({len(got)} and {len(want)} bytes)")
         return False
     print(f"{who}: the final parameters equal the uninterrupted run's, byte for byte ({len(got)} bytes)")
+    return True
+
+
+def close_to(work, who, tolerance):
+    """Whether work/elastic.bin's float32 parameters are each within `tolerance` of work/ref.bin's;
+    says which, with the largest difference, as `who`."""
+    got, want = array.array("f"), array.array("f")
+    got.frombytes((work / "elastic.bin").read_bytes())
+    want.frombytes((work / "ref.bin").read_bytes())
+    if len(got) != len(want) or not got:
+        print(f"{who}: FAIL: {len(got)} parameters against the uninterrupted run's {len(want)}")
+        return False
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    if not worst <= tolerance:
+        print(f"{who}: FAIL: the final parameters differ from the uninterrupted run's by up to {worst:.3g} "
+              f"(tolerance {tolerance:g})")
+        return False
+    print(f"{who}: the final parameters are within {worst:.3g} of the uninterrupted run's "
+          f"({len(got)} float32, tolerance {tolerance:g})")
     return True

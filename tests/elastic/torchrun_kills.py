@@ -15,7 +15,10 @@ steps the test kills, each with SIGKILL by process id or process group, never by
 and the job must finish at 4 ranks, with every surviving agent's status 0, the stopped worker
 gone, no process left, and the final parameters' bytes equal to those of one process trained
 without interruption (deterministic mode: the same bits at every world size).
-With --quick (CI's run): one node lost (4 -> 3), one added (3 -> 4), rank 0's worker killed.
+With --quick: one node lost (4 -> 3), one added (3 -> 4), rank 0's worker killed.
+With --nondeterministic: without deterministic mode, where the world size changes how a global
+batch's gradient is summed: the final parameters must be within 1e-5 of the uninterrupted run's
+(one process: the single-device computation on the same global batches).
 Prints the time from each kill to the next checkpoint written after it.
 """
 import argparse
@@ -29,10 +32,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import checkpoints, environment, same_bytes, uninterrupted  # noqa: E402
+from common import checkpoints, close_to, environment, same_bytes, uninterrupted  # noqa: E402
 
 COMMON = ["--train-samples", "12000", "--global-batch", "48", "--batch", "48", "--epochs", "2",
-          "--deterministic-shards", "12", "--checkpoint-every", "4"]
+          "--checkpoint-every", "4"]
+DETERMINISTIC = ["--deterministic-shards", "12"]
 
 
 def free_port():
@@ -64,8 +68,11 @@ def main():
     ap.add_argument("--seed", type=int, default=int(time.time()))
     ap.add_argument("--deadline", type=float, default=270)
     ap.add_argument("--quick", action="store_true",
-                    help="CI's run: one node lost, one added, rank 0's worker killed (about 40 s instead of 110)")
+                    help="one node lost, one added, rank 0's worker killed (about 40 s instead of 110)")
+    ap.add_argument("--nondeterministic", action="store_true",
+                    help="without deterministic mode: the result within 1e-5 of the uninterrupted run's")
     a = ap.parse_args()
+    common = COMMON if a.nondeterministic else COMMON + DETERMINISTIC
     rng = random.Random(a.seed)
     print(f"torchrun_kills: seed {a.seed}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="paratrain-elastic-"))
@@ -73,7 +80,7 @@ def main():
     agents = []  # (Popen, log file)
     try:
         # The uninterrupted run: one process.
-        failed = uninterrupted(a.program, a.data, work, COMMON, env, a.deadline)
+        failed = uninterrupted(a.program, a.data, work, common, env, a.deadline)
         if failed:
             print(failed)
             return 1
@@ -87,7 +94,7 @@ def main():
                    "--log_dir", str(work / f"logs{n}"), "--rdzv_backend", "c10d",
                    "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "elastic",
                    "--rdzv_conf", "last_call_timeout=1", "--no_python", a.program, "--data", a.data,
-                   "--checkpoint-dir", str(ckpt), "--save-parameters", str(work / "elastic.bin")] + COMMON
+                   "--checkpoint-dir", str(ckpt), "--save-parameters", str(work / "elastic.bin")] + common
             agents.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True), log))
 
@@ -168,7 +175,15 @@ def main():
         if len(ends) != 1 or "4 rank(s)" not in ends[0]:
             print("torchrun_kills: FAIL: the job did not end at 4 ranks")
             return 1
+        if a.nondeterministic:
+            return 0 if close_to(work, "torchrun_kills", 1e-5) else 1
         return 0 if same_bytes(work, "torchrun_kills") else 1
+    except RuntimeError as e:
+        print(f"torchrun_kills: FAIL: {e}")
+        for n in range(len(agents)):
+            print(f"== agent {n}: status {agents[n][0].poll()}")
+            print((work / f"agent{n}.log").read_text(errors="replace")[-3000:])
+        return 1
     finally:
         for p, log in agents:
             if p.poll() is None:

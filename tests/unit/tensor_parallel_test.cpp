@@ -376,6 +376,39 @@ TEST_CASE("tp::Group gathers and reduce-scatters along any dimension, blocking a
   }
 }
 
+TEST_CASE("a Group's all_to_all exchanges parts along any two dimensions, and rows by per-rank counts, as the "
+          "formulas say, counting the bytes it sends") {
+  paratrain::Mesh<comm::Mpi> mesh(comm::Mpi(), {.tensor = comm::Mpi().size()});
+  const tp::Group g(mesh);
+  const int t = g.size(), r = g.rank();
+  const auto of = [](int q, at::IntArrayRef sizes) {
+    return torch::arange(static_cast<double>(c10::multiply_integers(sizes)), torch::kFloat).reshape(sizes) * 0.5f + q;
+  };
+  for (std::int64_t scatter = 0; scatter < 3; ++scatter)
+    for (std::int64_t gather = 0; gather < 3; ++gather) {
+      CAPTURE(scatter);
+      CAPTURE(gather);
+      std::vector<std::int64_t> sizes{2, 3, 4};
+      sizes[static_cast<std::size_t>(scatter)] *= t;
+      // What rank q sends rank r: its r-th part along `scatter`; rank r puts them side by side along `gather`.
+      std::vector<torch::Tensor> parts;
+      for (int q = 0; q < t; ++q) parts.push_back(of(q, sizes).chunk(t, scatter)[static_cast<std::size_t>(r)]);
+      g.reset_traffic();
+      CHECK(torch::equal(g.all_to_all(of(r, sizes), scatter, gather), torch::cat(parts, gather)));
+      CHECK(g.traffic().all_to_all_bytes == (t > 1 ? of(r, sizes).numel() * 4 : 0));  // a group of one sends nothing
+    }
+  // Rows: rank q sends rank j (q + j) % 3 rows of 5 values, q * 100 + j * 10 + the row.
+  const auto rows_of = [](int q, int j) {
+    const auto n = (q + j) % 3;
+    return (torch::arange(n, torch::kFloat) + q * 100 + j * 10).unsqueeze(1).expand({n, 5}).contiguous();
+  };
+  std::vector<std::int64_t> in_rows, out_rows;
+  std::vector<torch::Tensor> mine, theirs;
+  for (int j = 0; j < t; ++j) in_rows.push_back((r + j) % 3), mine.push_back(rows_of(r, j));
+  for (int q = 0; q < t; ++q) out_rows.push_back((q + r) % 3), theirs.push_back(rows_of(q, r));
+  CHECK(torch::equal(g.all_to_all(torch::cat(mine), in_rows, out_rows), torch::cat(theirs)));
+}
+
 TEST_CASE("keyed dropout: a part's mask is the whole's slice, the CPU's loop and the tensor operations agree bit for "
           "bit, and a fraction p drops") {
   const std::vector<std::int64_t> whole{3, 8, 5, 6};

@@ -5,9 +5,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <utility>
+#include <vector>
 
 #include "paratrain/comm/mesh.hpp"
 #include "paratrain/concepts/communicator.hpp"
@@ -39,20 +42,24 @@ namespace paratrain::tensor_parallel {
 // way, the same bus bytes (Korthikanti et al. 2022, §4.2.2), and two all-gathers more in
 // backward (Note [Sequence-parallel inputs kept as shards]). all_gather_async and
 // reduce_scatter_async start the same exchanges over the communicator's non-blocking calls
-// (Note [Overlapping the regions' exchanges]).
+// (Note [Overlapping the regions' exchanges]). all_to_all counts the tensor it sends, of
+// which each rank sends (t−1)/t on the wire: the same factor. A group is any dimensions of the
+// mesh (the tensor dimension by default): the context and expert dimensions' exchanges go
+// through the same counters.
 
 /// Bytes a tensor group's collectives moved, by kind (Note [Tensor groups]).
 struct Traffic {
   std::int64_t all_reduce_bytes = 0;
   std::int64_t all_gather_bytes = 0;
   std::int64_t reduce_scatter_bytes = 0;
+  std::int64_t all_to_all_bytes = 0;
   std::int64_t calls = 0;
   int ranks = 1;  ///< the group's size
   /// What each rank sends on a ring for these collectives (Note [Tensor groups]).
   [[nodiscard]] double bus_bytes() const noexcept {
     const double f = static_cast<double>(ranks - 1) / ranks;
     return f * (2.0 * static_cast<double>(all_reduce_bytes) + static_cast<double>(all_gather_bytes) +
-                static_cast<double>(reduce_scatter_bytes));
+                static_cast<double>(reduce_scatter_bytes) + static_cast<double>(all_to_all_bytes));
   }
 };
 
@@ -148,6 +155,49 @@ class Group {
     return x.narrow(dim, rank() * n, n);
   }
 
+  /// `x` cut along `scatter_dim` into size() equal parts, part i sent to rank i; what the
+  /// ranks sent this rank, concatenated along `gather_dim` in rank order. With scatter_dim
+  /// the heads and gather_dim the sequence, the exchange of all-to-all attention (Ulysses).
+  [[nodiscard]] at::Tensor all_to_all(const at::Tensor& x, std::int64_t scatter_dim, std::int64_t gather_dim) const {
+    if (!impl_) return x;
+    scatter_dim = at::maybe_wrap_dim(scatter_dim, x.dim());
+    gather_dim = at::maybe_wrap_dim(gather_dim, x.dim());
+    check_divides("all_to_all", x, scatter_dim);
+    auto sizes = x.sizes().vec();
+    const auto part = sizes[static_cast<std::size_t>(scatter_dim)] / size();
+    auto moved = x.movedim(scatter_dim, 0);
+    auto in_sizes = moved.sizes().vec();
+    in_sizes[0] = part;
+    in_sizes.insert(in_sizes.begin(), size());
+    const auto in = moved.contiguous().view(in_sizes);
+    auto out = at::empty_like(in);
+    count(counters_->all_to_all_bytes, in);
+    impl_->all_to_all(in, {}, out, {});
+    std::vector<at::Tensor> parts;
+    for (int i = 0; i < size(); ++i) parts.push_back(out.select(0, i).movedim(0, scatter_dim));
+    return at::cat(parts, gather_dim);
+  }
+  /// The rows of `x` (dimension 0), in_rows[i] of them sent to rank i in order; the rows the
+  /// ranks sent this rank, out_rows[i] from rank i, in rank order: the dispatch and combine
+  /// of a mixture of experts. What rank i sends rank j must be what rank j expects from
+  /// rank i (checked under the communicator's validation).
+  [[nodiscard]] at::Tensor all_to_all(const at::Tensor& x, std::span<const std::int64_t> in_rows,
+                                      std::span<const std::int64_t> out_rows) const {
+    if (!impl_) return x;
+    const auto row = x.dim() == 0 ? 1 : x.numel() / std::max<std::int64_t>(x.size(0), 1);
+    std::vector<std::int64_t> in_counts, out_counts;
+    std::int64_t rows = 0;
+    for (const auto r : in_rows) in_counts.push_back(r * row);
+    for (const auto r : out_rows) out_counts.push_back(r * row), rows += r;
+    auto sizes = x.sizes().vec();
+    sizes[0] = rows;
+    const auto in = x.contiguous();
+    auto out = at::empty(sizes, in.options());
+    count(counters_->all_to_all_bytes, in);
+    impl_->all_to_all(in, in_counts, out, out_counts);
+    return out;
+  }
+
   /// all_gather(x, dim), started: the caller computes meanwhile (Note [Overlapping the
   /// regions' exchanges]) and takes the result from wait().
   [[nodiscard]] Pending all_gather_async(const at::Tensor& x, std::int64_t dim) const {
@@ -178,6 +228,8 @@ class Group {
     // Started; complete already where the communicator has no non-blocking form.
     virtual AnyRequest iall_gather(const at::Tensor& in, at::Tensor& out) = 0;
     virtual AnyRequest ireduce_scatter(const at::Tensor& in, at::Tensor& out) = 0;
+    virtual void all_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                            std::span<const std::int64_t> out_counts) = 0;
   };
   template <class Comm>
   struct Model final : Concept {
@@ -199,6 +251,16 @@ class Group {
       if constexpr (async_sharding_communicator<Comm>) return comm->ireduce_scatter(in, out, reduce_op::sum);
       reduce_scatter(in, out);
       return {};
+    }
+    void all_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                    std::span<const std::int64_t> out_counts) override {
+      if constexpr (all_to_all_communicator<Comm>) {
+        comm->all_to_all(in, in_counts, out, out_counts);
+      } else {
+        throw error("Group::all_to_all", mesh.rank(),
+                    "this communicator has no all_to_all, which all-to-all attention and experts need "
+                    "(docs/communicators.md)");
+      }
     }
     Mesh<Comm> mesh;  // keeps the group alive
     Comm* comm;

@@ -9,7 +9,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -114,8 +113,7 @@ class Skeleton {
     auto mine = at::empty({static_cast<std::int64_t>(2 * n)}, at::kLong);
     auto all = at::empty({static_cast<std::int64_t>(2 * n * n)}, at::kLong);
     auto* m = mine.data_ptr<std::int64_t>();
-    std::memcpy(m, layout.in_counts.data(), n * sizeof(std::int64_t));
-    std::memcpy(m + n, layout.out_counts.data(), n * sizeof(std::int64_t));
+    for (std::size_t i = 0; i < n; ++i) m[i] = layout.in_count(i), m[n + i] = layout.out_count(i);
     {
       const auto watch = watched_.operation(record_of("validate", mine, 0));
       words.all_gather("validate", mine, all);

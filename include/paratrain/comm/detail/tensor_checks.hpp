@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <span>
 #include <string>
-#include <vector>
 
 #include "paratrain/core/reduce_op.hpp"
 #include "paratrain/core/error.hpp"
@@ -80,12 +79,16 @@ inline void check_all_gather(int rank, int ranks, const at::Tensor& in, const at
   check_pair("all_gather", rank, in, out, in.numel(), in.numel() * ranks, "out must have in.numel() * size() elements");
 }
 
-/// Where an all-to-all's parts lie: part i of `in` (in_counts[i] elements from
-/// in_offsets[i]) goes to rank i, part i of `out` comes from rank i. Equal parts when the
-/// caller gave no counts.
+/// Where an all-to-all's parts lie: part i of `in` (in_count(i) elements, after those of
+/// ranks 0..i-1) goes to rank i, part i of `out` comes from rank i. A view of the caller's
+/// counts (empty in the equal form, where every part has `part` elements): made per call,
+/// so it allocates nothing.
 struct AllToAllLayout {
-  std::vector<std::int64_t> in_counts, in_offsets, out_counts, out_offsets;
-  bool equal = false;  ///< the equal form: no counts given
+  std::span<const std::int64_t> in_counts, out_counts;
+  std::int64_t part = 0;
+  [[nodiscard]] bool equal() const noexcept { return in_counts.empty(); }
+  [[nodiscard]] std::int64_t in_count(std::size_t i) const noexcept { return equal() ? part : in_counts[i]; }
+  [[nodiscard]] std::int64_t out_count(std::size_t i) const noexcept { return equal() ? part : out_counts[i]; }
 };
 
 /// The arguments of an all-to-all over `ranks` ranks, checked where this rank can check
@@ -103,7 +106,6 @@ inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in
   if (in.numel() > 0 && out.numel() > 0 && a < b + out.numel() * bytes && b < a + in.numel() * bytes)
     throw error(op, rank, "in and out overlap; an all-to-all reads every part of in while it writes out: pass two "
                           "separate tensors");
-  AllToAllLayout l;
   const auto n = static_cast<std::size_t>(ranks);
   if (in_counts.empty() && out_counts.empty()) {
     if (in.numel() % ranks != 0)
@@ -115,39 +117,29 @@ inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in
       throw error(op, rank,
                   "in has " + std::to_string(in.numel()) + " elements and out " + std::to_string(out.numel()) +
                       "; out must have as many as in (size() equal parts each)");
-    l.in_counts.assign(n, in.numel() / ranks);
-    l.out_counts = l.in_counts;
-    l.equal = true;
-  } else {
-    const auto check_counts = [&](std::span<const std::int64_t> counts, const at::Tensor& t, const char* name) {
-      if (counts.size() != n)
-        throw error(op, rank,
-                    std::string(name) + "_counts has " + std::to_string(counts.size()) + " entries; give one per rank (" +
-                        std::to_string(ranks) + ")");
-      std::int64_t sum = 0;
-      for (std::size_t i = 0; i < n; ++i) {
-        if (counts[i] < 0)
-          throw error(op, rank,
-                      std::string(name) + "_counts[" + std::to_string(i) + "] is " + std::to_string(counts[i]) +
-                          "; counts are elements, >= 0");
-        sum += counts[i];
-      }
-      if (sum != t.numel())
-        throw error(op, rank,
-                    std::string(name) + "_counts sum to " + std::to_string(sum) + " elements but " + name + " has " +
-                        std::to_string(t.numel()) + "; the parts must cover the tensor exactly");
-    };
-    check_counts(in_counts, in, "in");
-    check_counts(out_counts, out, "out");
-    l.in_counts.assign(in_counts.begin(), in_counts.end());
-    l.out_counts.assign(out_counts.begin(), out_counts.end());
+    return {.part = in.numel() / ranks};
   }
-  for (auto* side : {&l.in_counts, &l.out_counts}) {
-    auto& offsets = side == &l.in_counts ? l.in_offsets : l.out_offsets;
-    offsets.assign(n, 0);
-    for (std::size_t i = 1; i < n; ++i) offsets[i] = offsets[i - 1] + (*side)[i - 1];
-  }
-  return l;
+  const auto check_counts = [&](std::span<const std::int64_t> counts, const at::Tensor& t, const char* name) {
+    if (counts.size() != n)
+      throw error(op, rank,
+                  std::string(name) + "_counts has " + std::to_string(counts.size()) + " entries; give one per rank (" +
+                      std::to_string(ranks) + ")");
+    std::int64_t sum = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (counts[i] < 0)
+        throw error(op, rank,
+                    std::string(name) + "_counts[" + std::to_string(i) + "] is " + std::to_string(counts[i]) +
+                        "; counts are elements, >= 0");
+      sum += counts[i];
+    }
+    if (sum != t.numel())
+      throw error(op, rank,
+                  std::string(name) + "_counts sum to " + std::to_string(sum) + " elements but " + name + " has " +
+                      std::to_string(t.numel()) + "; the parts must cover the tensor exactly");
+  };
+  check_counts(in_counts, in, "in");
+  check_counts(out_counts, out, "out");
+  return {.in_counts = in_counts, .out_counts = out_counts};
 }
 
 }  // namespace paratrain::detail

@@ -270,9 +270,10 @@ class Gloo {
     auto r = request("all_to_all", {in, out, source, target});
     r.watch_ = std::move(watch);
     // With counts always: c10d's equal split would check divisibility itself, along dimension 0.
-    r.native_.works.push_back(run("all_to_all", [&] {
-      return group().alltoall_base(target, source, layout.out_counts, layout.in_counts);
-    }));
+    std::vector<std::int64_t> sends, receives;  // c10d takes them by non-const reference
+    for (std::size_t i = 0; i < static_cast<std::size_t>(size()); ++i)
+      sends.push_back(layout.in_count(i)), receives.push_back(layout.out_count(i));
+    r.native_.works.push_back(run("all_to_all", [&] { return group().alltoall_base(target, source, receives, sends); }));
     if (!out.is_cpu()) r.then_ = [out, target]() mutable { bits(out).view({-1}).copy_(target); };
     return r;
   }

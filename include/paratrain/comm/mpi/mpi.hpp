@@ -229,28 +229,28 @@ class Mpi {
   /// validation (Note [All-to-all across ranks]). One MPI_Alltoallv.
   void all_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
                   std::span<const std::int64_t> out_counts) {
-    auto [layout, watch] = prepare_all_to_all(in, in_counts, out, out_counts);
+    const auto [layout, watch] = prepare_all_to_all(in, in_counts, out, out_counts);
     const auto type = datatype(in);
-    if (layout.equal) {
-      const int part = static_cast<int>(layout.in_counts.empty() ? 0 : layout.in_counts[0]);
+    if (layout.equal()) {
+      const int part = static_cast<int>(layout.part);
       check(MPI_Alltoall(in.data_ptr(), part, type, out.data_ptr(), part, type, native()), "all_to_all");
       return;
     }
-    const auto ints = int_layout(layout);
-    const auto* l = ints.data_ptr<int>();
+    const auto l = int_layout(layout);
     const auto n = size();
-    check(MPI_Alltoallv(in.data_ptr(), l, l + n, type, out.data_ptr(), l + 2 * n, l + 3 * n, type, native()),
+    check(MPI_Alltoallv(in.data_ptr(), l.data(), l.data() + n, type, out.data_ptr(), l.data() + 2 * n, l.data() + 3 * n,
+                        type, native()),
           "all_to_all");
   }
   [[nodiscard]] Request iall_to_all(const at::Tensor& in, at::Tensor& out) { return iall_to_all(in, {}, out, {}); }
   [[nodiscard]] Request iall_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
                                     std::span<const std::int64_t> out_counts) {
     auto [layout, watch] = prepare_all_to_all(in, in_counts, out, out_counts);
-    // MPI reads the counts and displacements until the operation completes: the request keeps them.
-    const auto ints = int_layout(layout);
-    auto r = request("all_to_all", {in, out, ints});
+    auto r = request("all_to_all", {in, out});
     r.watch_ = std::move(watch);
-    const auto* l = ints.data_ptr<int>();
+    // MPI reads the counts and displacements until the operation completes: the request keeps them.
+    r.native_.counts = int_layout(layout);
+    const auto* l = r.native_.counts.data();
     const auto n = size();
     const auto type = datatype(in);
     check(MPI_Ialltoallv(in.data_ptr(), l, l + n, type, out.data_ptr(), l + 2 * n, l + 3 * n, type, native(),
@@ -482,21 +482,21 @@ class Mpi {
         skeleton().fail("all_to_all", std::string(side == &in ? "in" : "out") + " has " + std::to_string(side->numel()) +
                                           " elements; MPI's counts and displacements stop at 2^31-1, so split it");
     start_pending_segments();
-    auto watch = skeleton().begin_all_to_all("all_to_all", in.scalar_type(), layout, Words{*this});
-    return {std::move(layout), std::move(watch)};
+    return {layout, skeleton().begin_all_to_all("all_to_all", in.scalar_type(), layout, Words{*this})};
   }
 
   // MPI's int counts and displacements of an all-to-all: in_counts, in_offsets, out_counts,
   // out_offsets, size() each (fit in int: prepare_all_to_all checked the sizes).
-  at::Tensor int_layout(const detail::AllToAllLayout& l) const {
+  std::vector<int> int_layout(const detail::AllToAllLayout& l) const {
     const auto n = static_cast<std::size_t>(size());
-    auto ints = at::empty({static_cast<std::int64_t>(4 * n)}, at::kInt);
-    auto* p = ints.data_ptr<int>();
+    std::vector<int> ints(4 * n);
+    int sent = 0, received = 0;
     for (std::size_t i = 0; i < n; ++i) {
-      p[i] = static_cast<int>(l.in_counts[i]);
-      p[n + i] = static_cast<int>(l.in_offsets[i]);
-      p[2 * n + i] = static_cast<int>(l.out_counts[i]);
-      p[3 * n + i] = static_cast<int>(l.out_offsets[i]);
+      ints[i] = static_cast<int>(l.in_count(i));
+      ints[n + i] = sent;
+      ints[2 * n + i] = static_cast<int>(l.out_count(i));
+      ints[3 * n + i] = received;
+      sent += ints[i], received += ints[2 * n + i];
     }
     return ints;
   }

@@ -337,14 +337,13 @@ class Nccl {
     const auto stream = after_default_stream("all_to_all");
     nccl_check(ncclGroupStart(), "all_to_all", rank());
     ncclResult_t rc = ncclSuccess;
+    std::size_t sent = 0, received = 0;  // elements before part `peer` of in and of out
     for (int peer = 0; peer < size() && rc == ncclSuccess; ++peer) {
       const auto i = static_cast<std::size_t>(peer);
-      if (layout.in_counts[i] > 0)
-        rc = ncclSend(source + static_cast<std::size_t>(layout.in_offsets[i]) * bytes,
-                      static_cast<std::size_t>(layout.in_counts[i]), type, peer, state_->comm, stream);
-      if (rc == ncclSuccess && layout.out_counts[i] > 0)
-        rc = ncclRecv(target + static_cast<std::size_t>(layout.out_offsets[i]) * bytes,
-                      static_cast<std::size_t>(layout.out_counts[i]), type, peer, state_->comm, stream);
+      const auto send = static_cast<std::size_t>(layout.in_count(i)), recv = static_cast<std::size_t>(layout.out_count(i));
+      if (send > 0) rc = ncclSend(source + sent * bytes, send, type, peer, state_->comm, stream);
+      if (rc == ncclSuccess && recv > 0) rc = ncclRecv(target + received * bytes, recv, type, peer, state_->comm, stream);
+      sent += send, received += recv;
     }
     const auto end = ncclGroupEnd();
     nccl_check(rc, "all_to_all", rank());

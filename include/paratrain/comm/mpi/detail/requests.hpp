@@ -99,6 +99,7 @@ struct MpiHandles {
   using owner = comm::Mpi;
   std::vector<MPI_Request> requests;
   std::shared_ptr<MpiSegments> segments;
+  std::vector<int> counts;      // an alltoallv's counts and displacements, read by MPI until it completes
   MpiProgress::Lease progress;  // Note [Progress thread]
 
   [[nodiscard]] bool pending() const noexcept { return !requests.empty() || segments; }
@@ -141,6 +142,7 @@ struct MpiHandles {
   }
   void abandon() noexcept {
     if (segments) new std::shared_ptr<MpiSegments>(std::move(segments));
+    if (!counts.empty()) new std::vector<int>(std::move(counts));  // MPI may still read them
     requests.clear();
     progress.reset();
   }

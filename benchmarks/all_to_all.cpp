@@ -1,0 +1,64 @@
+// comm::Mpi::all_to_all and iall_to_all against raw MPI_Alltoall and MPI_Alltoallv on the same
+// buffers: the equal form against MPI_Alltoall, the form with per-rank counts (here equal
+// counts, the same messages) against MPI_Alltoallv.
+//
+// The size is each rank's whole `in` (and `out`); a rank sends 1/n of it to each rank. Bus
+// bandwidth as nccl-tests defines it for all-to-all: busbw = bytes / time * (n-1)/n. Run on
+// 2 ranks:
+//   scripts/bench.sh all_to_all
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "cli.hpp"
+#include "driver.hpp"
+#include "paratrain/comm/mpi/mpi.hpp"
+
+int main(int argc, char** argv) {
+  paratrain::comm::Mpi::Environment env(argc, argv);
+  paratrain::bench::Sizes sizes;
+  CLI::App app("all_to_all: comm::Mpi's against raw MPI's, message sizes doubling from 4 KiB");
+  sizes.add_to(app);
+  if (const auto status = paratrain::bench::parse(app, argc, argv)) return *status;
+  paratrain::comm::Mpi world;
+  const int n = world.size();
+  if (world.rank() == 0) {
+    std::printf("\nall_to_all (float32), %d ranks: busbw GB/s, and raw's time / comm::Mpi's\n\n", n);
+    std::printf("| size | MPI_Alltoall | all_to_all(in, out) | ratio | MPI_Alltoallv | all_to_all(in, counts, out, "
+                "counts) | ratio | iall_to_all(counts).wait() | ratio |\n");
+    std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  }
+  for (std::size_t bytes = 4096; bytes <= sizes.max_bytes; bytes *= 2) {
+    const auto part = static_cast<std::int64_t>(bytes / 4) / n;  // whole parts at any world size
+    const auto in = torch::ones({part * n});
+    auto out = torch::empty({part * n});
+    const std::vector<std::int64_t> counts(static_cast<std::size_t>(n), part);
+    std::vector<int> raw_counts(static_cast<std::size_t>(n), static_cast<int>(part)), offsets;
+    for (int i = 0; i < n; ++i) offsets.push_back(static_cast<int>(i * part));
+    const int iterations = static_cast<int>(std::clamp<std::size_t>((std::size_t{128} << 20) / bytes, 3, 2000));
+    const auto seconds = paratrain::bench::time_alternating(
+        world.native(), /*trials=*/5, iterations,
+        {[&] {
+           MPI_Alltoall(in.data_ptr(), static_cast<int>(part), MPI_FLOAT, out.data_ptr(), static_cast<int>(part),
+                        MPI_FLOAT, world.native());
+         },
+         [&] { world.all_to_all(in, out); },
+         [&] {
+           MPI_Alltoallv(in.data_ptr(), raw_counts.data(), offsets.data(), MPI_FLOAT, out.data_ptr(), raw_counts.data(),
+                         offsets.data(), MPI_FLOAT, world.native());
+         },
+         [&] { world.all_to_all(in, counts, out, counts); },
+         [&] { world.iall_to_all(in, counts, out, counts).wait(); }});
+    if (world.rank() == 0) {
+      const auto busbw = [&](double s) { return double(bytes) / s * (n - 1) / n / 1e9; };
+      std::printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n",
+                  paratrain::bench::human_bytes(double(bytes)).c_str(), busbw(seconds[0]), busbw(seconds[1]),
+                  seconds[0] / seconds[1], busbw(seconds[2]), busbw(seconds[3]), seconds[2] / seconds[3],
+                  busbw(seconds[4]), seconds[2] / seconds[4]);
+      std::fflush(stdout);
+    }
+  }
+}
