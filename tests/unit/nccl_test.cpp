@@ -33,6 +33,7 @@ static_assert(paratrain::communicator<comm::Nccl>);
 static_assert(paratrain::sharding_communicator<comm::Nccl>);
 static_assert(paratrain::point_to_point_communicator<comm::Nccl>);
 static_assert(paratrain::async_communicator<comm::Nccl>);
+static_assert(paratrain::async_all_to_all_communicator<comm::Nccl> && paratrain::explain_all_to_all_communicator<comm::Nccl>());
 static_assert(paratrain::request<comm::Nccl::Request>);
 static_assert(paratrain::explain_sharding_communicator<comm::Nccl>());
 static_assert(paratrain::async_sharding_communicator<comm::Nccl>);
