@@ -14,8 +14,8 @@
 #     tests/unit/nccl_test.cpp; the GPU suite: tests/gpu/; the examples' CUDA builds; the GPU
 #     benchmark gpu-check.sh runs, with CUDA's allocator statistics: bench_zero_rendezvous), and runs
 #     what runs without a GPU: the unit suite at 1 and 2 ranks, the NCCL bootstrap tests, the
-#     Gloo suite with the GPU suite's checks on the CPU, the compile-fail tests and the smoke
-#     runs of one example build per kind of program (below).
+#     Gloo suite at 1 and 2 ranks with the GPU suite's checks on the CPU, the compile-fail tests
+#     and the smoke runs of one example build per kind of program (below).
 #
 # cuDNN: Debian's nvidia-cudnn package downloads cuDNN from NVIDIA when it is installed, which
 # a machine without that access cannot do, and libtorch-cuda-2.6 depends on it. The root holds
@@ -69,15 +69,17 @@ if [[ ${1:-} == --inside ]]; then
   cmake --build "$build" -j "$(nproc)" --target paratrain_tests paratrain_gloo_tests paratrain_nccl_tests \
     "${examples[@]}" bench_zero_rendezvous "${alone[@]}"
   cd "$build"
-  ctest --output-on-failure --no-tests=error -j "$(nproc)" -R '^paratrain_(tests|nccl_tests)\.np[12]$' "$@"
   # The compile-time refusals whose concepts read LibTorch's own types (modules, optimizers,
   # Cloneable): the others check paratrain's communicator, sampler, dataset, stage and hook
   # concepts against paratrain's and the tests' own types, the same under either LibTorch,
-  # and the 1.13 build runs them.
-  torch_refusals='^compile_fail\.(checkpoint_with_unknown_optimizer|data_parallel_with_non_tensor_forward|data_parallel_with_optimizer_instance_type|local_data_parallel_not_cloneable|pipeline_stage_mismatch|recompute_of_unit)$'
-  ctest --output-on-failure --no-tests=error -j "$(nproc)" -L '^gloo$' "$@"
-  ctest --output-on-failure --no-tests=error -j "$(nproc)" -R "$torch_refusals" "$@"
-  ctest --output-on-failure --no-tests=error -j "$(nproc)" -R "$example_tests" "$@"
+  # and the 1.13 build runs them. (ctest adds the test that compiles every case, which they
+  # need: Note [Compile-fail cases in one translation unit].)
+  torch_refusals='compile_fail\.(checkpoint_with_unknown_optimizer|data_parallel_with_non_tensor_forward|data_parallel_with_optimizer_instance_type|local_data_parallel_not_cloneable|pipeline_stage_mismatch|recompute_of_unit)'
+  # Two runs, each packed by ctest -j: the unit suites at 1 and 2 ranks, the refusals and the
+  # example runs; then the Gloo-labelled tests at 1 and 2 ranks (the 1.13 build runs 4).
+  ctest --output-on-failure --no-tests=error -j "$(nproc)" \
+    -R "^(paratrain_(tests|nccl_tests)\.np[12]|$torch_refusals)\$|${example_tests}" "$@"
+  ctest --output-on-failure --no-tests=error -j "$(nproc)" -L '^gloo$' -E '\.np[3-9]$' "$@"
   exit 0
 fi
 root=${PARATRAIN_COMPAT_ROOT:-/var/cache/paratrain/trixie-cuda}

@@ -117,7 +117,9 @@ inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in
       throw error(op, rank,
                   "in has " + std::to_string(in.numel()) + " elements and out " + std::to_string(out.numel()) +
                       "; out must have as many as in (size() equal parts each)");
-    return {.part = in.numel() / ranks};
+    AllToAllLayout equal;
+    equal.part = in.numel() / ranks;
+    return equal;
   }
   const auto check_counts = [&](std::span<const std::int64_t> counts, const at::Tensor& t, const char* name) {
     if (counts.size() != n)
@@ -139,7 +141,9 @@ inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in
   };
   check_counts(in_counts, in, "in");
   check_counts(out_counts, out, "out");
-  return {.in_counts = in_counts, .out_counts = out_counts};
+  AllToAllLayout uneven;
+  uneven.in_counts = in_counts, uneven.out_counts = out_counts;
+  return uneven;
 }
 
 }  // namespace paratrain::detail
