@@ -39,7 +39,9 @@ namespace paratrain::elastic::detail {
 // new generation's group: each contributing rank writes every slice it holds
 // (checkpoint::detail::collect's `held`, no communication with the old group), a slice held by
 // several ranks (DDP's replicas, a hybrid-sharded job's replica groups) by the first of them
-// only, and rank 0 writes the index. So the loader reshards it to whatever strategy the next
+// only, and the first rank that recorded step m's position writes the index (a rank a step
+// ahead writes the previous entry of its journal, never its own step's: found when a resumed
+// run's bytes differed after a rank was stopped mid-exchange). So the loader reshards it to whatever strategy the next
 // generation runs, at its world size, as any checkpoint (docs/checkpoints.md), and fit resumes
 // from it as from any other: the lost step is computed again. Every tensor of the model must be
 // covered whole by the contributors (a ZeRO shard whose every holder was lost is not): where it
@@ -152,10 +154,16 @@ Saved save_survivors(S& old, comm::Gloo& group, const std::filesystem::path& dir
     throw error("elastic::fit", rank, what + ": " + (err.empty() ? std::string("failed on another rank") : err));
   };
   agree("saving the survivors' state");
+  // Step m's position, from the first rank that recorded it (a rank a step ahead still holds
+  // it as its journal's previous entry); each rank's own entry of step m where it has one.
+  const auto* extra = journal.extra_at(m);
+  auto writer = at::full({1}, extra != nullptr ? rank : ranks, at::kLong);
+  group.all_reduce(writer, reduce_op::min);
+  const auto* rank_extra = journal.rank_extra_at(m);
   auto sizes = at::zeros({ranks, 4}, at::kLong);
   try {
     const auto w = ck::detail::write_rank(partial, rank, ranks, m, written, ck::detail::groups_of(old.optimizer(), layout),
-                                          journal.rank_extra);
+                                          rank_extra != nullptr ? *rank_extra : journal.rank_extra);
     sizes[rank][0] = static_cast<std::int64_t>(w.meta_crc32c);
     sizes[rank][1] = w.meta_bytes;
     sizes[rank][2] = w.data_bytes;
@@ -164,10 +172,10 @@ Saved save_survivors(S& old, comm::Gloo& group, const std::filesystem::path& dir
   }
   agree("saving the survivors' state");
   group.all_reduce(sizes, reduce_op::sum);
-  if (rank == 0) try {
+  if (rank == writer.item<std::int64_t>()) try {
       ck::detail::write_index(partial, ck::path_of(directory, m), m, sizes,
                               std::string(paratrain::schema_of<ck::detail::optimizer_t<S>>::name),
-                              ck::detail::group_options(old.optimizer()), journal.extra);
+                              ck::detail::group_options(old.optimizer()), *extra);
     } catch (const std::exception& e) {
       err = paratrain::detail::message_of(e);
     }

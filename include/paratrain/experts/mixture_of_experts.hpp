@@ -195,14 +195,15 @@ class MixtureOfExpertsImpl : public torch::nn::Module {
     const auto ep = static_cast<std::int64_t>(group_.size());
     // What every rank sends this rank's experts: [ep, local] counts, source-major.
     const auto received_counts = group_.all_to_all(per_expert, 0, 0).view({ep, local_});
-    const auto sent_sum = per_expert.view({ep, local_}).sum(1), received_sum = received_counts.sum(1);
+    // The counts are read on the host (the tokens may be on a GPU).
+    const auto sent_sum = per_expert.view({ep, local_}).sum(1).cpu(), received_sum = received_counts.sum(1).cpu();
     const auto* s = sent_sum.data_ptr<std::int64_t>();
     const auto* r = received_sum.data_ptr<std::int64_t>();
     const std::vector<std::int64_t> in_rows(s, s + ep), out_rows(r, r + ep);
     const auto arrived = ep == 1 ? rows : detail::AllToAllRows::apply(rows, group_, in_rows, out_rows);
     // Arrived rows are source-major, then by local expert; each expert takes its rows from
     // every source, computes, and the results go back to where the rows came from.
-    const auto counts = received_counts.contiguous();
+    const auto counts = received_counts.cpu().contiguous();
     const auto* c = counts.data_ptr<std::int64_t>();
     std::vector<std::vector<at::Tensor>> per_local(static_cast<std::size_t>(local_));
     std::vector<std::pair<std::int64_t, std::int64_t>> where;  // (expert, index in its list) per segment

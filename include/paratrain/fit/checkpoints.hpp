@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "paratrain/checkpoint/checkpointer.hpp"
@@ -196,6 +197,25 @@ struct Journal {
   std::int64_t step = -1;  ///< optimizer steps done; -1: none completed yet
   checkpoint::Dict extra = checkpoint::make_dict();
   checkpoint::Dict rank_extra = checkpoint::make_dict();
+  /// The entry before this one: survivors a step apart save the older step's state, whose
+  /// position a rank a step ahead must still be able to write (Note [A snapshot of the survivors]).
+  std::int64_t previous_step = -1;
+  checkpoint::Dict previous_extra = checkpoint::make_dict();
+  checkpoint::Dict previous_rank_extra = checkpoint::make_dict();
+
+  /// Records a state: the current entry becomes the previous one.
+  void keep(std::int64_t s, checkpoint::Dict e, checkpoint::Dict r) {
+    previous_step = std::exchange(step, s);
+    previous_extra = std::exchange(extra, std::move(e));
+    previous_rank_extra = std::exchange(rank_extra, std::move(r));
+  }
+  /// The entry of step `s`: the current one or the previous; nullptr for neither.
+  [[nodiscard]] const checkpoint::Dict* extra_at(std::int64_t s) const noexcept {
+    return s == step ? &extra : s == previous_step && s >= 0 ? &previous_extra : nullptr;
+  }
+  [[nodiscard]] const checkpoint::Dict* rank_extra_at(std::int64_t s) const noexcept {
+    return s == step ? &rank_extra : s == previous_step && s >= 0 ? &previous_rank_extra : nullptr;
+  }
   /// How many ranks wait to join, as this rank knows (elastic::Membership::waiting): after
   /// each mid-epoch checkpoint the ranks agree on it, and fit stops there when it is not 0
   /// (joining_reason), so that they are let in and resume from that checkpoint.

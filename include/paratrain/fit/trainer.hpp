@@ -459,9 +459,7 @@ class Trainer {
 
   /// The journal's entry for a state at `p`: what a checkpoint of it would record.
   void keep(const FitPosition& p, const Metrics& metrics) {
-    journal_->step = p.step;
-    journal_->extra = FitCheckpoints<S>::extra_of(p);
-    journal_->rank_extra = FitCheckpoints<S>::rank_extra_of(metrics);
+    journal_->keep(p.step, FitCheckpoints<S>::extra_of(p), FitCheckpoints<S>::rank_extra_of(metrics));
   }
 
   /// Saves a checkpoint of the loop at `p`, timing it for the time limit.
