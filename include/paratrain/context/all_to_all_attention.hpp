@@ -15,6 +15,7 @@
 
 #include "paratrain/core/error.hpp"
 #include "paratrain/tensor_parallel/group.hpp"
+#include "paratrain/tensor_parallel/regions.hpp"
 
 namespace paratrain::cp {
 
@@ -41,10 +42,7 @@ struct AttentionOptions {
 
 namespace detail {
 
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(tensor_parallel::Group g) : group(std::move(g)) {}
-  tensor_parallel::Group group;
-};
+using tensor_parallel::detail::GroupHolder;  // a Group kept by autograd (tensor_parallel/regions.hpp)
 
 // Group::all_to_all(x, scatter, gather), whose backward is the exchange the other way.
 struct Exchange : torch::autograd::Function<Exchange> {

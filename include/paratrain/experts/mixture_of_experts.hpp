@@ -19,6 +19,7 @@
 
 #include "paratrain/core/error.hpp"
 #include "paratrain/tensor_parallel/group.hpp"
+#include "paratrain/tensor_parallel/regions.hpp"
 #include "paratrain/tensor_parallel/init.hpp"
 
 namespace paratrain::moe {
@@ -67,10 +68,7 @@ struct Options {
 
 namespace detail {
 
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(tensor_parallel::Group g) : group(std::move(g)) {}
-  tensor_parallel::Group group;
-};
+using tensor_parallel::detail::GroupHolder;  // a Group kept by autograd (tensor_parallel/regions.hpp)
 
 // Rows sent by per-rank counts; the backward sends the gradient's rows back the other way.
 struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
