@@ -14,6 +14,7 @@
 #include "paratrain/context/all_to_all_attention.hpp"
 #include "paratrain/core/error.hpp"
 #include "support/doctest.hpp"
+#include "support/group_degrees.hpp"
 
 namespace context_test {
 
@@ -85,9 +86,7 @@ TEST_CASE("cp::all_to_all_attention over a context group equals attention over t
           "gradients, causal and padded") {
   using namespace context_test;
   const int world = comm::Mpi().size();
-  std::vector<int> degrees{world};
-  if (world == 4) degrees.push_back(2);  // two context groups of 2
-  for (const int degree : degrees)
+  for (const int degree : paratrain_test::group_degrees(world))
     for (const bool causal : {false, true})
       for (const bool padding : {false, true}) {
         CAPTURE(degree);
