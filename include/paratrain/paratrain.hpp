@@ -64,6 +64,12 @@
 #include "paratrain/tensor_parallel/transformer_block.hpp"
 #include "paratrain/tensor_parallel/vocab_parallel_embedding.hpp"
 
+#include "paratrain/context/all_to_all_attention.hpp"
+#include "paratrain/context/attention.hpp"
+#include "paratrain/context/layout.hpp"
+#include "paratrain/context/ring_attention.hpp"
+#include "paratrain/experts/mixture_of_experts.hpp"
+
 #include "paratrain/strategy/buckets/bucket_layout.hpp"
 #include "paratrain/strategy/buckets/gradient_buckets.hpp"
 #include "paratrain/strategy/buckets/gradient_hook.hpp"

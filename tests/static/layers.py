@@ -26,7 +26,7 @@ LAYERS = [
     ("comm", "transports: single device, and one folder per backend (mpi/, gloo/, nccl/)"),
     ("data", "datasets, samplers, the loader; hdf5/ for the HDF5 component"),
     ("tensor_parallel", "tensor and sequence parallelism: tensor groups, the layers cut over them, keyed dropout"),
-    ("context", "context parallelism: attention over a sequence cut across a context group (all-to-all)"),
+    ("context", "context parallelism: attention over a sequence cut across a context group (ring, all-to-all), its layouts"),
     ("experts", "mixtures of experts: the router, the experts cut over an expert group, the all-to-all dispatch and combine"),
     ("strategy", "DDP, ZeRO, local data parallel, precision, recomputation; buckets/ and stores/"),
     ("pipeline", "pipeline schedules, stages, links and the pipeline strategy"),

@@ -45,7 +45,10 @@ namespace paratrain::tensor_parallel {
 // (Note [Overlapping the regions' exchanges]). all_to_all counts the tensor it sends, of
 // which each rank sends (t−1)/t on the wire: the same factor. A group is any dimensions of the
 // mesh (the tensor dimension by default): the context and expert dimensions' exchanges go
-// through the same counters.
+// through the same counters. shift_async passes a tensor one place along the group's ring (ring
+// attention's key and value blocks): an all-to-all(v) whose only part goes to the next rank,
+// so it is validated, fingerprinted and watched as every collective is; it counts the tensor,
+// all of which each rank sends.
 
 /// Bytes a tensor group's collectives moved, by kind (Note [Tensor groups]).
 struct Traffic {
@@ -53,13 +56,15 @@ struct Traffic {
   std::int64_t all_gather_bytes = 0;
   std::int64_t reduce_scatter_bytes = 0;
   std::int64_t all_to_all_bytes = 0;
+  std::int64_t shift_bytes = 0;  ///< what shift_async sent: all of it goes on the wire
   std::int64_t calls = 0;
   int ranks = 1;  ///< the group's size
   /// What each rank sends on a ring for these collectives (Note [Tensor groups]).
   [[nodiscard]] double bus_bytes() const noexcept {
     const double f = static_cast<double>(ranks - 1) / ranks;
     return f * (2.0 * static_cast<double>(all_reduce_bytes) + static_cast<double>(all_gather_bytes) +
-                static_cast<double>(reduce_scatter_bytes) + static_cast<double>(all_to_all_bytes));
+                static_cast<double>(reduce_scatter_bytes) + static_cast<double>(all_to_all_bytes)) +
+           (ranks > 1 ? static_cast<double>(shift_bytes) : 0.0);
   }
 };
 
@@ -78,6 +83,7 @@ class Pending {
       input_ = std::move(o.input_);
       out_ = std::move(o.out_);
       dim_ = o.dim_;
+      counts_ = std::move(o.counts_);
     }
     return *this;
   }
@@ -105,6 +111,7 @@ class Pending {
   at::Tensor input_;    // kept alive until the operation completes
   at::Tensor out_;      // the result, the exchanged dimension first
   std::int64_t dim_ = 0;
+  std::vector<std::int64_t> counts_;  // an all-to-all's element counts, read until it completes
 };
 
 /// The ranks that share a layer's matrices (Note [Tensor groups]). Copies share the
@@ -208,6 +215,31 @@ class Group {
     return exchange(x, dim, /*gather=*/false, /*started=*/true);
   }
 
+  /// `x` sent to the rank `offset` places on along the group's ring (rank (r + offset) mod
+  /// size()), started; wait() returns what the rank `offset` places back sent this one, of
+  /// the same shape on every rank: a ring's step (Note [Ring attention]). A group of one
+  /// returns `x`.
+  [[nodiscard]] Pending shift_async(const at::Tensor& x, int offset = 1) const {
+    Pending p;
+    if (!impl_) {
+      p.out_ = x;
+      return p;
+    }
+    const auto n = size();
+    const auto to = static_cast<std::size_t>(((rank() + offset) % n + n) % n);
+    const auto from = static_cast<std::size_t>(((rank() - offset) % n + n) % n);
+    p.input_ = x.contiguous();
+    p.out_ = at::empty_like(p.input_);
+    p.counts_.assign(2 * static_cast<std::size_t>(n), 0);
+    p.counts_[to] = p.input_.numel();
+    p.counts_[static_cast<std::size_t>(n) + from] = p.input_.numel();
+    count(counters_->shift_bytes, p.input_);
+    const std::span<const std::int64_t> counts(p.counts_);
+    p.request_ = impl_->iall_to_all(p.input_, counts.first(static_cast<std::size_t>(n)), p.out_,
+                                    counts.last(static_cast<std::size_t>(n)));
+    return p;
+  }
+
   /// What this group's collectives moved since it was made (or reset_traffic()).
   [[nodiscard]] Traffic traffic() const {
     auto t = *counters_;
@@ -230,6 +262,8 @@ class Group {
     virtual AnyRequest ireduce_scatter(const at::Tensor& in, at::Tensor& out) = 0;
     virtual void all_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
                             std::span<const std::int64_t> out_counts) = 0;
+    virtual AnyRequest iall_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                                   std::span<const std::int64_t> out_counts) = 0;
   };
   template <class Comm>
   struct Model final : Concept {
@@ -261,6 +295,12 @@ class Group {
                     "this communicator has no all_to_all, which all-to-all attention and experts need "
                     "(docs/communicators.md)");
       }
+    }
+    AnyRequest iall_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
+                           std::span<const std::int64_t> out_counts) override {
+      if constexpr (async_all_to_all_communicator<Comm>) return comm->iall_to_all(in, in_counts, out, out_counts);
+      all_to_all(in, in_counts, out, out_counts);
+      return {};
     }
     Mesh<Comm> mesh;  // keeps the group alive
     Comm* comm;
