@@ -1,7 +1,11 @@
-// All-to-all attention over a context group against attention over the whole sequence on one
-// device (cp::attention), and that against the formula written out: outputs and the gradients
-// of q, k and v, at every context degree the world allows (and 2 beside it at 4 ranks), causal
-// and not, with and without padded keys.
+// Ring and all-to-all attention over a context group against attention over the whole sequence
+// on one device (cp::attention), and that against the formula written out: outputs and the
+// gradients of q, k and v, at every context degree the world allows (and 2 beside it at 4
+// ranks), causal and not, with and without padded keys, in both layouts, the ring with and
+// without overlap; the ring's bytes against its count; the layouts against their definition.
+// Then a model whose attention runs over the strategy's context group, trained by
+// DataParallel over data x context under DDP and ZeRO 1-3, against the same model trained on
+// one device on the whole sequences (SGD with momentum, different per-replica batches).
 #include <torch/torch.h>
 
 #include <cmath>
@@ -11,7 +15,15 @@
 
 #include "paratrain/comm/mesh.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
-#include "paratrain/context/all_to_all_attention.hpp"
+#include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "paratrain/strategy/unit.hpp"
+#include "paratrain/tensor_parallel/column_parallel_linear.hpp"
+#include "paratrain/tensor_parallel/context.hpp"
+#include "paratrain/tensor_parallel/row_parallel_linear.hpp"
+#include "paratrain/tensor_parallel/sharding.hpp"
+#include "paratrain/context/layout.hpp"
+#include "paratrain/context/ring_attention.hpp"
 #include "paratrain/core/error.hpp"
 #include "support/doctest.hpp"
 #include "support/group_degrees.hpp"
@@ -22,11 +34,27 @@ namespace comm = paratrain::comm;
 namespace cp = paratrain::cp;
 namespace tp = paratrain::tp;
 
-constexpr std::int64_t batch = 2, positions = 12, heads = 12, width = 4;
+constexpr std::int64_t batch = 2, positions = 24, heads = 12, width = 4;
 
-torch::Tensor drawn(std::uint64_t seed) {
+torch::Tensor drawn(std::uint64_t seed, std::int64_t h = heads) {
   auto gen = at::detail::createCPUGenerator(seed);
-  return at::randn({batch, positions, heads, width}, gen);
+  return at::randn({batch, positions, h, width}, gen);
+}
+
+// The positions rank r of p holds, as Note [Sequence layouts] defines them: contiguous, the
+// r-th of p equal runs; zigzag, runs r and 2p-1-r of 2p.
+torch::Tensor held(int r, int p, cp::Layout layout) {
+  std::vector<std::int64_t> at;
+  const auto run = [&](std::int64_t i, std::int64_t n) {
+    for (std::int64_t j = 0; j < n; ++j) at.push_back(i * n + j);
+  };
+  if (layout == cp::Layout::contiguous) {
+    run(r, positions / p);
+  } else {
+    run(r, positions / (2 * p));
+    run(2 * p - 1 - r, positions / (2 * p));
+  }
+  return torch::tensor(at, torch::kLong);
 }
 
 // The formula, one query at a time: softmax over the keys it may see of q·k / sqrt(D), times v.
@@ -35,7 +63,7 @@ torch::Tensor by_hand(const torch::Tensor& q, const torch::Tensor& k, const torc
   torch::NoGradGuard no_grad;
   auto out = torch::zeros_like(q);
   for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t h = 0; h < q.size(2); ++h)
       for (std::int64_t i = 0; i < positions; ++i) {
         std::vector<double> w(static_cast<std::size_t>(positions), 0.0);
         double top = -std::numeric_limits<double>::infinity(), sum = 0;
@@ -53,37 +81,65 @@ torch::Tensor by_hand(const torch::Tensor& q, const torch::Tensor& k, const torc
 
 bool close(const torch::Tensor& a, const torch::Tensor& b) { return torch::allclose(a, b, 1e-5, 1e-5); }
 
-void check(int degree, bool causal, bool padding) {
+struct Case {
+  bool causal = false;
+  bool padding = false;
+  std::int64_t heads = context_test::heads;
+};
+
+// Every algorithm and layout (and the ring with and without overlap) at `degree`, against the
+// whole sequence's attention on one device.
+void check(int degree, const Case& c) {
   paratrain::Mesh<comm::Mpi> mesh(comm::Mpi(), {.context = degree});
   const tp::Group g(mesh, paratrain::Dim::context);
-  const auto part = positions / g.size(), from = g.rank() * part;
-  cp::AttentionOptions o{.causal = causal};
-  if (padding) {  // the last 3 keys of the first sequence and the last 5 of the second are padding
+  cp::AttentionOptions o{.causal = c.causal};
+  if (c.padding) {  // the last 3 keys of the first sequence and the last 5 of the second are padding
     o.key_padding_mask = torch::zeros({batch, positions}, torch::kBool);
     o.key_padding_mask[0].narrow(0, positions - 3, 3).fill_(true);
     o.key_padding_mask[1].narrow(0, positions - 5, 5).fill_(true);
   }
-  const auto q = drawn(1).requires_grad_(), k = drawn(2).requires_grad_(), v = drawn(3).requires_grad_();
-  const auto weights = drawn(4);
+  const auto q = drawn(1, c.heads).requires_grad_(), k = drawn(2, c.heads).requires_grad_(),
+             v = drawn(3, c.heads).requires_grad_();
+  const auto weights = drawn(4, c.heads);
   const auto whole = cp::attention(q, k, v, o);
   (whole * weights).sum().backward();
-  CHECK(close(whole, by_hand(q, k, v, causal, o.key_padding_mask)));
+  CHECK(close(whole, by_hand(q, k, v, c.causal, o.key_padding_mask)));
 
-  const auto mine = [&](const torch::Tensor& t) { return t.detach().narrow(1, from, part).clone().requires_grad_(); };
-  const auto lq = mine(q), lk = mine(k), lv = mine(v);
-  const auto out = cp::all_to_all_attention(lq, lk, lv, g, o);
-  // This rank's positions of the loss; the others' arrive through the exchanges' backward.
-  (out * weights.narrow(1, from, part)).sum().backward();
-  CHECK(close(out, whole.detach().narrow(1, from, part)));
-  CHECK(close(lq.grad(), q.grad().narrow(1, from, part)));
-  CHECK(close(lk.grad(), k.grad().narrow(1, from, part)));
-  CHECK(close(lv.grad(), v.grad().narrow(1, from, part)));
+  for (const auto algorithm : {cp::Algorithm::ring, cp::Algorithm::all_to_all})
+    for (const auto layout : {cp::Layout::contiguous, cp::Layout::zigzag})
+      for (const bool overlap : {true, false}) {
+        if (algorithm == cp::Algorithm::all_to_all && (!overlap || c.heads % degree != 0)) continue;
+        CAPTURE(static_cast<int>(algorithm));
+        CAPTURE(static_cast<int>(layout));
+        CAPTURE(overlap);
+        o.algorithm = algorithm;
+        o.layout = layout;
+        o.overlap = overlap;
+        const auto at = held(g.rank(), g.size(), layout);
+        const auto mine = [&](const torch::Tensor& t) { return t.detach().index_select(1, at).requires_grad_(); };
+        const auto lq = mine(q), lk = mine(k), lv = mine(v);
+        CHECK(torch::equal(cp::shard(q, 1, g, layout), lq));
+        g.reset_traffic();
+        const auto out = cp::attention(lq, lk, lv, g, o);
+        // This rank's positions of the loss; the others' arrive through the exchanges' backward.
+        (out * weights.index_select(1, at)).sum().backward();
+        CHECK(close(out, whole.detach().index_select(1, at)));
+        CHECK(close(lq.grad(), q.grad().index_select(1, at)));
+        CHECK(close(lk.grad(), k.grad().index_select(1, at)));
+        CHECK(close(lv.grad(), v.grad().index_select(1, at)));
+        CHECK(close(cp::unshard(out, 1, g, layout), whole.detach()));
+        if (algorithm == cp::Algorithm::ring) {
+          // Note [Ring attention]: keys and values 2(cp-1) blocks forward; 2(cp-1) + 2cp backward.
+          const std::int64_t block = lk.numel() * 4, p = g.size();
+          CHECK(g.traffic().shift_bytes == (p == 1 ? 0 : (2 * (p - 1) + 2 * (p - 1) + 2 * p) * block));
+        }
+      }
 }
 
 }  // namespace context_test
 
-TEST_CASE("cp::all_to_all_attention over a context group equals attention over the whole sequence, outputs and "
-          "gradients, causal and padded") {
+TEST_CASE("cp::ring_attention and cp::all_to_all_attention over a context group equal attention over the whole "
+          "sequence, outputs and gradients, causal and padded, in both layouts") {
   using namespace context_test;
   const int world = comm::Mpi().size();
   for (const int degree : paratrain_test::group_degrees(world))
@@ -92,11 +148,170 @@ TEST_CASE("cp::all_to_all_attention over a context group equals attention over t
         CAPTURE(degree);
         CAPTURE(causal);
         CAPTURE(padding);
-        check(degree, causal, padding);
+        check(degree, {.causal = causal, .padding = padding});
       }
 }
 
-TEST_CASE("cp::all_to_all_attention refuses heads its group cannot share and a mask of the wrong shape, on every rank") {
+TEST_CASE("cp::ring_attention takes a head count its group does not divide") {
+  using namespace context_test;
+  for (const int degree : paratrain_test::group_degrees(comm::Mpi().size())) {
+    CAPTURE(degree);
+    check(degree, {.causal = true, .padding = true, .heads = 5});
+  }
+}
+
+TEST_CASE("cp::chunks cuts as Note [Sequence layouts] says, and refuses a sequence it cannot cut") {
+  using namespace context_test;
+  for (const int p : {1, 2, 3, 4})
+    for (const auto layout : {cp::Layout::contiguous, cp::Layout::zigzag})
+      for (int r = 0; r < p; ++r) CHECK(torch::equal(cp::positions(positions, r, p, layout), held(r, p, layout)));
+  CHECK_THROWS_WITH_AS((void)cp::chunks(12, 0, 4, cp::Layout::zigzag), doctest::Contains("pad it to a multiple of 8"),
+                       paratrain::error);
+  CHECK_THROWS_WITH_AS((void)cp::chunks(10, 1, 4, cp::Layout::contiguous),
+                       doctest::Contains("pad it to a multiple of 4"), paratrain::error);
+}
+
+namespace context_test {
+
+// One attention layer and a residual: the whole sequences in, this rank's positions out.
+// Built inside a strategy, its attention runs over the strategy's context group; `whole`,
+// attention over the whole sequence on one device (the reference). Its linears are ZeRO-3's
+// units.
+constexpr std::int64_t features = 6, layer_heads = 4, head_width = 3, sequence = 24;
+
+struct AttentionNetImpl : torch::nn::Module {
+  AttentionNetImpl(cp::AttentionOptions options, bool whole)
+      : group(tp::context_group()), o(std::move(options)), whole(whole) {
+    qkv = register_module("qkv", paratrain::Unit<torch::nn::Linear>(features, 3 * layer_heads * head_width));
+    proj = register_module("proj", paratrain::Unit<torch::nn::Linear>(layer_heads * head_width, features));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto mine = cp::shard(x, 1, group, o.layout);
+    const auto b = mine.size(0), s = mine.size(1);
+    const auto t = qkv(mine).view({b, s, 3, layer_heads, head_width});
+    const auto q = t.select(2, 0), k = t.select(2, 1), v = t.select(2, 2);
+    const auto a = whole ? cp::attention(q, k, v, o) : cp::attention(q, k, v, group, o);
+    return proj(a.reshape({b, s, layer_heads * head_width})) + mine;
+  }
+  tp::Group group;
+  cp::AttentionOptions o;
+  bool whole;
+  paratrain::Unit<torch::nn::Linear> qkv{nullptr}, proj{nullptr};
+};
+TORCH_MODULE(AttentionNet);
+
+// The same with its heads cut over the tensor group too: q, k and v column-parallel (each
+// rank's heads), the projection row-parallel (Megatron's attention), attention over the
+// context group on this rank's heads.
+struct TensorAttentionNetImpl : torch::nn::Module {
+  TensorAttentionNetImpl(cp::AttentionOptions options, bool whole)
+      : group(tp::context_group()), o(std::move(options)), whole(whole) {
+    const auto column = [&](const char* name) {
+      return register_module(name, paratrain::Unit<tp::ColumnParallelLinear>(features, layer_heads * head_width));
+    };
+    q = column("q"), k = column("k"), v = column("v");
+    proj = register_module("proj", paratrain::Unit<tp::RowParallelLinear>(layer_heads * head_width, features));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto mine = cp::shard(x, 1, group, o.layout);
+    const auto b = mine.size(0), s = mine.size(1), heads = layer_heads / q->tensor_group().size();
+    const auto qs = q(mine).view({b, s, heads, head_width}), ks = k(mine).view({b, s, heads, head_width}),
+               vs = v(mine).view({b, s, heads, head_width});
+    const auto a = whole ? cp::attention(qs, ks, vs, o) : cp::attention(qs, ks, vs, group, o);
+    return proj(a.reshape({b, s, heads * head_width})) + mine;
+  }
+  tp::Group group;
+  cp::AttentionOptions o;
+  bool whole;
+  paratrain::Unit<tp::ColumnParallelLinear> q{nullptr}, k{nullptr}, v{nullptr};
+  paratrain::Unit<tp::RowParallelLinear> proj{nullptr};
+};
+TORCH_MODULE(TensorAttentionNet);
+
+// Trains Update's strategy at context degree `degree` and tensor degree `tensor` (the data
+// ranks what the world leaves, replica d given 3 - d % 2 sequences a step) and the reference
+// on all replicas' sequences; returns the worst relative difference of the parameters (this
+// rank's slices of the tensor-parallel ones) after 3 steps.
+template <class Update, class Net = AttentionNet>
+double train_both(int degree, const cp::AttentionOptions& o, int tensor = 1) {
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  torch::manual_seed(7);
+  auto ref = [&] {
+    const tp::Construction one_rank(tp::Context{});
+    return Net(o, /*whole=*/true);
+  }();
+  torch::optim::SGD ref_opt(ref->parameters(), sgd);
+  torch::manual_seed(7);
+  paratrain::DataParallel<Net, comm::Mpi, Update> s([&] { return Net(o, false); }, comm::Mpi(), sgd,
+                                                    {.tensor_parallel = tensor, .context_parallel = degree});
+  REQUIRE(s.context_group().size() == degree);
+  REQUIRE(s.tensor_group().size() == tensor);
+  REQUIRE(s.model()->group.size() == degree);
+  const auto data = s.data_shard();
+  std::int64_t total = 0, first = 0;
+  const auto batch_of = [](int d) { return std::int64_t{3} - d % 2; };
+  for (int d = 0; d < data.count; ++d) total += batch_of(d), first += d < data.index ? batch_of(d) : 0;
+  const auto loss = [&](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::mse_loss(out, cp::shard(target, 1, s.context_group(), o.layout));
+  };
+  for (int step = 0; step < 3; ++step) {
+    auto gen = at::detail::createCPUGenerator(100 + step);
+    const auto x = at::randn({total, sequence, features}, gen), y = at::randn({total, sequence, features}, gen);
+    ref_opt.zero_grad();
+    torch::mse_loss(ref(x), y).backward();
+    ref_opt.step();
+    const auto mine = batch_of(data.index);
+    const auto r = s.step(paratrain::Batch(x.narrow(0, first, mine), y.narrow(0, first, mine)), loss);
+    CHECK(r.global_samples == static_cast<double>(total));
+  }
+  double worst = 0;
+  const std::vector<at::Tensor> got = s.full_parameters();
+  const auto names = s.model()->named_parameters();
+  const auto want = ref->named_parameters();
+  const auto shards = tp::tensor_shards_of(*s.model());
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    at::Tensor w = want[names[i].key()];
+    if (const auto it = shards.find(names[i].key()); it != shards.end())
+      w = w.narrow(it->second.slice.dim, it->second.slice.offset, got[i].size(it->second.slice.dim));
+    REQUIRE(got[i].sizes() == w.sizes());
+    worst = std::max(worst, ((got[i] - w).abs().max() / w.abs().max()).item<double>());
+  }
+  return worst;
+}
+
+}  // namespace context_test
+
+TEST_CASE("DataParallel over data x context equals the single-device model, under DDP and ZeRO 1-3, ring and "
+          "all-to-all attention") {
+  using namespace context_test;
+  using SGD = torch::optim::SGD;
+  const int world = comm::Mpi().size();
+  for (const int degree : paratrain_test::group_degrees(world)) {
+    CAPTURE(degree);
+    const cp::AttentionOptions ring{.causal = true, .layout = cp::Layout::zigzag};
+    CHECK(train_both<SGD>(degree, ring) <= 1e-5);
+    CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage1>>(degree, ring) <= 1e-5);
+    CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage3>>(degree, ring) <= 1e-5);
+    if (layer_heads % degree == 0) {
+      const cp::AttentionOptions a2a{.causal = true, .algorithm = cp::Algorithm::all_to_all};
+      CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage2>>(degree, a2a) <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("context x tensor parallelism (2 x 2) equals the single-device model, ring and all-to-all, DDP and ZeRO-3") {
+  using namespace context_test;
+  using SGD = torch::optim::SGD;
+  if (comm::Mpi().size() != 4) return;
+  const cp::AttentionOptions ring{.causal = true, .layout = cp::Layout::zigzag};
+  const cp::AttentionOptions a2a{.causal = true, .algorithm = cp::Algorithm::all_to_all};
+  CHECK(train_both<SGD, TensorAttentionNet>(2, ring, 2) <= 1e-5);
+  CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage3>, TensorAttentionNet>(2, a2a, 2) <= 1e-5);
+}
+
+TEST_CASE("context-parallel attention refuses heads its group cannot share, a mask of the wrong shape and a sequence "
+          "its layout cannot cut, on every rank") {
   using namespace context_test;
   paratrain::Mesh<comm::Mpi> mesh(comm::Mpi(), {.context = comm::Mpi().size()});
   const tp::Group g(mesh, paratrain::Dim::context);
@@ -107,4 +322,9 @@ TEST_CASE("cp::all_to_all_attention refuses heads its group cannot share and a m
   const auto y = torch::zeros({1, 2, 2 * g.size(), 4});
   CHECK_THROWS_WITH_AS((void)cp::all_to_all_attention(y, y, y, g, {.key_padding_mask = torch::zeros({1, 3}, torch::kBool)}),
                        doctest::Contains("key_padding_mask must be"), paratrain::error);
+  CHECK_THROWS_WITH_AS((void)cp::ring_attention(y, y, y, g, {.key_padding_mask = torch::zeros({1, 3}, torch::kBool)}),
+                       doctest::Contains("key_padding_mask must be"), paratrain::error);
+  const auto one = torch::zeros({1, 1, 2, 4});  // g.size() positions in all: zigzag needs 2 g.size()
+  CHECK_THROWS_WITH_AS((void)cp::ring_attention(one, one, one, g, {.layout = cp::Layout::zigzag}),
+                       doctest::Contains("cannot be cut"), paratrain::error);
 }

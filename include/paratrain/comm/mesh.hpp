@@ -31,7 +31,7 @@ namespace paratrain {
 //   pipeline    a Pipeline's ranks: each holds some stages, activations pass between them
 //   replicate   data-parallel ranks that hold the same model state (DDP; HSDP's outer dimension)
 //   shard       data-parallel ranks that share the model state out (ZeRO, FSDP)
-//   context     ranks that share a sequence's positions (context parallelism: coming)
+//   context     ranks that share a sequence's positions (context parallelism: cp::attention)
 //   expert      ranks that share a layer's experts (expert parallelism: coming)
 //   tensor      ranks that share a layer's matrices (tensor parallelism: paratrain::tp's layers)
 //
@@ -49,7 +49,14 @@ namespace paratrain {
 // rank asks for the same groups in the same order (the strategies do, at construction), and
 // kept: a group whose dimensions cover every dimension of more than one rank is the world
 // itself, and no split is made. The data-parallel dimensions (replicate and shard) are
-// where the samples differ: `data_shard()` is a rank's place among them. Every strategy
+// where the samples differ: `data_shard()` is a rank's place among them. The context ranks
+// see the same samples, each its own positions of them (Note [Sequence layouts]), so they too
+// hold the model alike and average its gradients: Dims::replicas() (data and context) is
+// where a strategy keeps the model's replicas and averages their gradients, and
+// Dims::sharding() (data-shard and context) where ZeRO cuts the model's state, as
+// torchtitan's dp_shard_cp does: context parallelism's ranks share the state's memory too,
+// and a context-parallel run averages over data × context what a run without it averages
+// over data. Every strategy
 // takes its groups, its replica index and its data shard from here, and no other code
 // computes one rank's place from another's: a new dimension changes this file alone.
 //
@@ -82,6 +89,11 @@ class Dims {
   [[nodiscard]] static constexpr Dims all() noexcept { return from_bits((1u << dim_count) - 1); }
   /// The data-parallel dimensions, where ranks see different samples: replicate and shard.
   [[nodiscard]] static constexpr Dims data() noexcept { return {Dim::replicate, Dim::shard}; }
+  /// The dimensions whose ranks hold the model alike and average its gradients: the data
+  /// dimensions and the context one (Note [Process mesh]).
+  [[nodiscard]] static constexpr Dims replicas() noexcept { return {Dim::replicate, Dim::shard, Dim::context}; }
+  /// Where ZeRO cuts the model's state: the data-shard and context dimensions.
+  [[nodiscard]] static constexpr Dims sharding() noexcept { return {Dim::shard, Dim::context}; }
 
   [[nodiscard]] constexpr bool contains(Dim d) const noexcept { return (bits_ & bit(d)) != 0; }
   [[nodiscard]] constexpr bool empty() const noexcept { return bits_ == 0; }

@@ -325,6 +325,10 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const Options options = typed(given, comm.rank());
     const int K = pipeline::detail::pipeline_ranks<Comm>(S, comm, options, Steps::gathers_in_forward);
     const int t = options.data_parallel.tensor_parallel, W = comm.size();
+    if (options.data_parallel.context_parallel != 1)
+      throw error("Pipeline", comm.rank(),
+                  "data_parallel.context_parallel is " + std::to_string(options.data_parallel.context_parallel) +
+                      "; a pipeline does not cut its stages' sequences over a context group yet: leave it 1");
     if (t < 1 || W % (K * t) != 0)
       throw error("Pipeline", comm.rank(),
                   "a pipeline of " + std::to_string(K) + " ranks whose stages are cut over tensor groups of " +

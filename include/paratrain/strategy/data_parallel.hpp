@@ -293,6 +293,9 @@ class DataParallel {
   /// The ranks the model's tensor-parallel layers cut their matrices over (one rank
   /// without tensor parallelism): what tp::CrossEntropy reduces over.
   [[nodiscard]] const tp::Group& tensor_group() const noexcept { return tensor_group_; }
+  /// The group the model's sequences are cut over (DataParallelOptions::context_parallel):
+  /// what its attention ran over, with its traffic.
+  [[nodiscard]] const tp::Group& context_group() const noexcept { return context_group_; }
   [[nodiscard]] Model& model() noexcept { return model_; }
   /// Where the model's parameters are, as they were at construction: batches move there
   /// (Note [One move per batch]), and the communicator reduces there.
@@ -362,17 +365,23 @@ class DataParallel {
   static Mesh<Comm> mesh_of(Comm comm, const Options& options) {
     const int ranks = comm.size(), me = comm.rank();
     const auto o = typed(options, me);
-    return Mesh<Comm>(std::move(comm), options_mesh(o.shard_group, o.tensor_parallel, ranks, me));
+    return Mesh<Comm>(std::move(comm), options_mesh(o.shard_group, o.tensor_parallel, o.context_parallel, ranks, me));
   }
-  /// A mesh of the user's: data and tensor dimensions only, shard_group unset or its
-  /// data-shard size, tensor_parallel 1 or its tensor size.
+  /// A mesh of the user's: data, context and tensor dimensions only, shard_group unset or
+  /// its data-shard size, tensor_parallel and context_parallel 1 or their dimensions' sizes.
   static Mesh<Comm> checked(Mesh<Comm> mesh, const Options& given) {
     const Options options = typed(given, mesh.rank());
-    if (mesh.size(~(Dims::data() | Dim::tensor)) != 1)
+    if (mesh.size(~(Dims::replicas() | Dim::tensor)) != 1)
       throw error("DataParallel", mesh.rank(),
                   "the mesh " + mesh.shape().str() +
-                      " has dimensions besides the data and tensor ones; DataParallel trains one model on "
-                      "data-parallel ranks, its layers cut over the tensor ones (a pipeline: DataParallel<Pipeline<...>>)");
+                      " has dimensions besides the data, context and tensor ones; DataParallel trains one model on "
+                      "data-parallel ranks, its sequences cut over the context ones and its layers over the tensor "
+                      "ones (a pipeline: DataParallel<Pipeline<...>>)");
+    if (options.context_parallel != 1 && options.context_parallel != mesh.size(Dim::context))
+      throw error("DataParallel", mesh.rank(),
+                  "DataParallelOptions::context_parallel is " + std::to_string(options.context_parallel) +
+                      " but the mesh " + mesh.shape().str() + " has " + std::to_string(mesh.size(Dim::context)) +
+                      " context ranks; leave context_parallel 1 where the mesh says it");
     if (options.tensor_parallel != 1 && options.tensor_parallel != mesh.size(Dim::tensor))
       throw error("DataParallel", mesh.rank(),
                   "DataParallelOptions::tensor_parallel is " + std::to_string(options.tensor_parallel) +
@@ -390,7 +399,7 @@ class DataParallel {
   /// works on a GPU (comm::Nccl), moved there first, as a build function's model is placed
   /// (a model on another GPU is refused, naming both devices: check_model_device).
   static auto as_builder(Model& model) {
-    return [&model](Mesh<Comm>& mesh, const tp::Group&, const Options&) {
+    return [&model](Mesh<Comm>& mesh, const tp::Group&, const tp::Group&, const Options&) {
       const auto target = detail::communicator_device(mesh.world());
       if (target.is_cuda() && detail::device_of(*model).is_cpu()) model->to(target);
       return std::move(model);
@@ -399,9 +408,12 @@ class DataParallel {
   /// `build()`, as the store builds it (Note [Sharded construction]).
   template <class Build>
   static auto constructed(Build& build) {
-    return [&build](Mesh<Comm>& mesh, const tp::Group& group, const Options& options) -> Model {
-      // Note [Building a tensor-parallel model]: the layers join the mesh's tensor group.
-      const tp::Construction tensor_group({.group = group, .sequence_parallel = options.sequence_parallel});
+    return [&build](Mesh<Comm>& mesh, const tp::Group& group, const tp::Group& context,
+                    const Options& options) -> Model {
+      // Note [Building a tensor-parallel model]: the layers join the mesh's tensor group, the
+      // model's attention its context group.
+      const tp::Construction tensor_group(
+          {.group = group, .sequence_parallel = options.sequence_parallel, .context = context});
       return Steps::Store::construct(build, mesh, Steps::store_options_of(options));
     };
   }
@@ -410,7 +422,9 @@ class DataParallel {
   DataParallel(Built, Make&& make, Mesh<Comm> mesh, Groups&& groups, OptimOptions defaults, const Options& options)
       : mesh_(std::move(mesh)),
         tensor_group_(mesh_),
-        model_((static_cast<void>(memory::install()), make(mesh_, tensor_group_, typed(options, mesh_.rank())))),
+        context_group_(mesh_, Dim::context),
+        model_((static_cast<void>(memory::install()), refuse_deterministic_context(options),
+                make(mesh_, tensor_group_, context_group_, typed(options, mesh_.rank())))),
         device_((refuse_expert_groups(), detail::device_of(*model_))),
         steps_(std::make_unique<Steps>(mesh_, *model_, device_, groups(model_), std::move(defaults),
                                        typed(options, mesh_.rank()), "DataParallel")) {}
@@ -428,6 +442,15 @@ class DataParallel {
                       " ranks; DataParallel does not train expert parallelism yet (it would average different "
                       "experts' gradients): build the layers without a group, every expert on every rank "
                       "(docs/experts.md)");
+  }
+
+  // Deterministic mode cuts each global batch into virtual shards over the data ranks; the
+  // context ranks' shares of a sample's positions are not among them yet.
+  void refuse_deterministic_context(const Options& options) const {
+    if (mesh_.size(Dim::context) > 1 && options.deterministic.on())
+      throw error("DataParallel", mesh_.rank(),
+                  "deterministic mode does not cut sequences over a context group yet (the mesh " +
+                      mesh_.shape().str() + "): train with context_parallel 1 or without deterministic mode");
   }
 
   [[nodiscard]] bool deterministic() const noexcept { return steps_->options().deterministic.on(); }
@@ -506,6 +529,7 @@ class DataParallel {
 
   Mesh<Comm> mesh_;  // before model_, which sharded construction builds with it
   tp::Group tensor_group_;  // the one its layers joined: they share its traffic counters
+  tp::Group context_group_;  // the one its attention runs over (Context::context)
   Model model_;
   at::Device device_;  // the model's, where the communicator reduces (comm::Nccl: CUDA only)
   std::unique_ptr<Steps> steps_;

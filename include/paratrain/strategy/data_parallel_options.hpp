@@ -83,6 +83,12 @@ struct DataParallelOptions {
   /// along the sequence (Korthikanti et al. 2022): layer norms and dropouts on 1/t of the
   /// tokens, all-gathers and reduce-scatters instead of all-reduces (Note [Regions]).
   bool sequence_parallel = false;
+  /// Context parallelism: the model's sequences are cut over groups of this many ranks (the
+  /// mesh's context dimension, inside the data ones: Note [Process mesh]), which see the same
+  /// samples and average their gradients with the data ranks; ZeRO shards over them too. The
+  /// strategy builds the model in a tp::Construction whose Context::context is that group,
+  /// for its attention (cp::attention). 1: off.
+  int context_parallel = 1;
 };
 
 /// A function that builds a `Model` (not a model itself: a module holder is callable too,
@@ -108,15 +114,23 @@ concept model_builder = !std::is_base_of_v<torch::detail::ModuleHolderIndicator,
 }
 
 /// The mesh DataParallelOptions spell over `ranks` ranks: the data dimensions of
-/// data_mesh() over what the tensor dimension (tensor_parallel) leaves. Throws, the same on
-/// every rank, where the degree does not divide the world.
-[[nodiscard]] inline MeshShape options_mesh(int shard_group, int tensor_parallel, int ranks, int rank) {
+/// data_mesh() over what the tensor and context dimensions (tensor_parallel,
+/// context_parallel) leave. Throws, the same on every rank, where a degree does not divide
+/// the world.
+[[nodiscard]] inline MeshShape options_mesh(int shard_group, int tensor_parallel, int context_parallel, int ranks,
+                                            int rank) {
   if (tensor_parallel < 1 || ranks % tensor_parallel != 0)
     throw error("DataParallel", rank,
                 "DataParallelOptions::tensor_parallel is " + std::to_string(tensor_parallel) + " but the world has " +
                     std::to_string(ranks) + " ranks; the tensor degree must be at least 1 and divide the world size");
-  auto shape = data_mesh(shard_group, ranks / tensor_parallel, rank);
+  if (context_parallel < 1 || (ranks / tensor_parallel) % context_parallel != 0)
+    throw error("DataParallel", rank,
+                "DataParallelOptions::context_parallel is " + std::to_string(context_parallel) + " but " +
+                    std::to_string(ranks / tensor_parallel) +
+                    " ranks remain beside the tensor dimension; the context degree must be at least 1 and divide them");
+  auto shape = data_mesh(shard_group, ranks / tensor_parallel / context_parallel, rank);
   shape.tensor = tensor_parallel;
+  shape.context = context_parallel;
   return shape;
 }
 

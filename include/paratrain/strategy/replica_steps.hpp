@@ -88,7 +88,7 @@ class ReplicaSteps {
   template <class OptimOptions>
   ReplicaSteps(Mesh<Comm> mesh, torch::nn::Module& module, const at::Device& device, ParamGroups groups,
                OptimOptions defaults, const Options& options, const char* owner)
-      : mesh_(std::move(mesh)), module_(&module), data_(&mesh_.group(Dims::data())), options_(options),
+      : mesh_(std::move(mesh)), module_(&module), data_(&mesh_.group(Dims::replicas())), options_(options),
         device_(device) {
     if (options.build.device && *options.build.device != device_)
       throw error(owner, rank(),
@@ -238,7 +238,10 @@ class ReplicaSteps {
     if (!joined) store_->end_step();
     updating_ = false;
     if (!finite && !skipped) stop_on_nonfinite();
-    return {loss, samples, status.samples, status.ranks_with_next, norm, /*has_loss=*/samples > 0, skipped};
+    // The context ranks of a replica counted its samples once each (Note [Process mesh]):
+    // the gradients are averaged over them, the samples are the replica's once.
+    const double global = status.samples / static_cast<double>(mesh_.size(Dim::context));
+    return {loss, samples, global, status.ranks_with_next, norm, /*has_loss=*/samples > 0, skipped};
   }
 
   // ---- deterministic mode (Note [Deterministic training]) ------------------------
@@ -315,7 +318,7 @@ class ReplicaSteps {
   [[nodiscard]] CheckpointLayout checkpoint_layout() const {
     auto layout = store_->checkpoint_layout(*module_);
     const auto world_writer = [&](TensorSlice& sl) {
-      if (sl.writer >= 0) sl.writer = mesh_.world_rank(Dims::data(), sl.writer);
+      if (sl.writer >= 0) sl.writer = mesh_.world_rank(Dims::replicas(), sl.writer);
     };
     for (auto& sl : layout.model) world_writer(sl);
     for (auto& sl : layout.optimized) world_writer(sl);
@@ -336,7 +339,7 @@ class ReplicaSteps {
   // first rank (its pieces are the same on every tensor rank).
   void place_tensor_slices(CheckpointLayout& layout) const {
     const auto shards = tp::tensor_shards_of(*module_);
-    const int replicas = mesh_.size(Dims::data()), me = mesh_.index(Dims::data());
+    const int replicas = mesh_.size(Dims::replicas()), me = mesh_.index(Dims::replicas());
     int turn = 0;
     const auto place = [&](TensorSlice& sl) {
       const auto it = shards.find(sl.name);
@@ -480,7 +483,7 @@ class ReplicaSteps {
 
   Mesh<Comm> mesh_;
   torch::nn::Module* module_;
-  Comm* data_;  // the mesh's data-parallel group: the module's replicas
+  Comm* data_;  // the mesh's replicas group (data and context): the module's replicas
   Comm* parts_ = nullptr;  // the ranks whose gradients make up the model's, where more than this one
   std::vector<char> counted_;  // per layout parameter, whether its squares count here: Note [Norms over a tensor group]
   Options options_;

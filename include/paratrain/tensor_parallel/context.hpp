@@ -23,11 +23,18 @@ namespace paratrain::tensor_parallel {
 // that build layers by hand give each a Context (a Group of one rank is the plain layer).
 
 /// The group a tensor-parallel layer joins, and whether its activations between blocks are
-/// cut along the sequence (Korthikanti et al. 2022).
+/// cut along the sequence (Korthikanti et al. 2022); and the context group the model's
+/// sequences are cut over (context parallelism: its attention runs over it, cp::attention).
 struct Context {
   Group group{};
   bool sequence_parallel = false;
+  Group context{};  ///< the mesh's context dimension; one rank: sequences whole
 };
+
+/// The context group of the model being built on this thread (Context::context of the
+/// strategy's Construction), or a group of one outside any: what a model's attention runs
+/// over (cp::attention), taken where the model is built.
+[[nodiscard]] inline Group context_group();
 
 /// While one exists on this thread, every tensor-parallel layer built without a Context of
 /// its own joins this one (Note [Building a tensor-parallel model]). Scopes do not nest.
@@ -50,6 +57,11 @@ class Construction {
   Context context_;
   static inline thread_local Construction* current_ = nullptr;
 };
+
+inline Group context_group() {
+  const auto* c = Construction::current();
+  return c ? c->context : Group{};
+}
 
 /// The context a layer named `layer` joins: `given`, else the scope's, else an error.
 [[nodiscard]] inline Context context_for(const std::string& layer, const std::optional<Context>& given) {

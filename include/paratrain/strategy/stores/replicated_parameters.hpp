@@ -48,7 +48,7 @@ class ReplicatedParameters {
   static plan::Model plan(torch::nn::Module& model, Mesh<Comm>& mesh, const StoreOptions& options,
                           const OptimOptions& optimizer, const PlanInputs& inputs) {
     const BucketLayout probe(model, options.bucketing, [](auto&, auto&) { return -1; }, mesh.rank());
-    return detail::plan_of(model, mesh.size(Dims::data()), detail::largest_bucket(probe), options.prefetch, optimizer,
+    return detail::plan_of(model, mesh.size(Dims::replicas()), detail::largest_bucket(probe), options.prefetch, optimizer,
                            inputs.autocast, inputs.narrow_reduce, inputs.activation_bytes);
   }
 
@@ -57,7 +57,7 @@ class ReplicatedParameters {
   ReplicatedParameters(torch::nn::Module& model, Mesh<Comm>& mesh, const StoreOptions& options, ParamGroups groups,
                        OptimOptions defaults)
       : layout_(model, options.bucketing, [](auto&, auto&) { return -1; }, mesh.rank()),
-        group_(&mesh.group(Dims::data())),
+        group_(&mesh.group(Dims::replicas())),
         optimizer_(std::make_unique<Optim>(std::move(groups), std::move(defaults))) {
     if (options.shard_group != 0 && options.shard_group != mesh.size(Dims::data()))
       throw error("DataParallel", mesh.rank(),

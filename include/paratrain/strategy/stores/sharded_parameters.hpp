@@ -67,9 +67,9 @@ namespace paratrain {
 // sharding traffic (every all-gather, and the reduce-scatter) stays inside a group, a
 // node's ranks say, and only each shard's sum crosses groups. The groups are the mesh's
 // (Note [Process mesh]): G is its data-shard dimension and W/G its data-replicate one, so
-// `group` is the mesh's group(Dim::shard) (the G ranks of this rank's group) and
-// `replicas` its group(Dim::replicate) (the W/G ranks holding the same shard, one
-// per group); the store computes no rank layout itself. A bucket is padded
+// `group` is the mesh's group(Dims::sharding()) (the G ranks of this rank's group, times
+// the context ranks where there are some) and `replicas` its group(Dim::replicate) (the W/G
+// ranks holding the same shard, one per group); the store computes no rank layout itself. A bucket is padded
 // to a multiple of G and cut into G shards; its gradients are reduce-scattered in the
 // group, then the shard all-reduced across the replicas (one request, started in bucket
 // order when the reduce-scatter completes: Note [Bucket order] keeps both streams in
@@ -112,7 +112,7 @@ class ShardedParameters {
   static constexpr plan::stage planned_stage = static_cast<plan::stage>(Stage);
 
   /// `build()`, placed as `options.build` says (default: the communicator's device); at
-  /// stage 3 inside a ShardedConstruction over the data-shard ranks, so that each Unit keeps
+  /// stage 3 inside a ShardedConstruction over the sharding ranks (data-shard × context), so that each Unit keeps
   /// only this rank's shard from the moment it is built (Note [Sharded construction]).
   template <class Build>
   static auto construct(Build& build, Mesh<Comm>& mesh, const StoreOptions& options) {
@@ -120,11 +120,11 @@ class ShardedParameters {
     if constexpr (Stage < 3) return detail::build_placed(build, options.build, device);
     else
       return detail::build_placed(build, options.build, device,
-                                  detail::ShardOf{mesh.index(Dim::shard), mesh.size(Dim::shard)},
+                                  detail::ShardOf{mesh.index(Dims::sharding()), mesh.size(Dims::sharding())},
                                   options.bucketing.cap_bytes);
   }
 
-  /// The memory plan of `model` sharded so over the mesh's data-shard ranks (Note [Checking
+  /// The memory plan of `model` sharded so over the mesh's sharding ranks (Note [Checking
   /// the plan]): its buckets as the store will lay them out.
   template <class OptimOptions>
   static plan::Model plan(torch::nn::Module& model, Mesh<Comm>& mesh, const StoreOptions& options,
@@ -132,7 +132,7 @@ class ShardedParameters {
     detail::UnitMap units;
     if constexpr (Stage == 3) units = detail::find_units(model);
     const BucketLayout probe(model, padded(options, mesh), unit_of(units), mesh.rank());
-    return detail::plan_of(model, mesh.size(Dim::shard), detail::largest_bucket(probe), options.prefetch, optimizer,
+    return detail::plan_of(model, mesh.size(Dims::sharding()), detail::largest_bucket(probe), options.prefetch, optimizer,
                            inputs.autocast, inputs.narrow_reduce, inputs.activation_bytes);
   }
 
@@ -159,8 +159,8 @@ class ShardedParameters {
   }
   [[nodiscard]] Comm& gradient_group() noexcept { return Stage >= 2 ? group_ : *data_; }
   [[nodiscard]] Comm* gradient_replicas() noexcept { return Stage >= 2 && replicas_ ? &*replicas_ : nullptr; }
-  /// The sums are cut along the data-shard dimension from stage 2 on.
-  [[nodiscard]] Dims partitions() const noexcept { return Stage >= 2 ? Dims(Dim::shard) : Dims(); }
+  /// The sums are cut along the sharding dimensions (data-shard, context) from stage 2 on.
+  [[nodiscard]] Dims partitions() const noexcept { return Stage >= 2 ? Dims::sharding() : Dims(); }
 
   /// Steps this rank's pieces with the reduced gradients in `grads`, then rebuilds the
   /// whole parameters that stay resident (stages 1 and 2; stage 3's root parameters).
@@ -299,7 +299,7 @@ class ShardedParameters {
   // Each bucket padded to a multiple of the ranks it is sharded over: Note [Shard layout].
   static BucketOptions padded(const StoreOptions& options, Mesh<Comm>& mesh) {
     auto bucketing = options.bucketing;
-    bucketing.pad_to = mesh.size(Dim::shard);
+    bucketing.pad_to = mesh.size(Dims::sharding());
     return bucketing;
   }
   // The unit that holds each parameter (Note [Units]); -1: none.
@@ -314,8 +314,8 @@ class ShardedParameters {
   ShardedParameters(detail::UnitMap units, torch::nn::Module& model, Mesh<Comm>& mesh, const StoreOptions& options,
                     const ParamGroups& groups, OptimOptions defaults)
       : layout_(model, padded(options, mesh), unit_of(units), mesh.rank()),
-        data_(&mesh.group(Dims::data())),
-        group_(mesh.group(Dim::shard)),
+        data_(&mesh.group(Dims::replicas())),
+        group_(mesh.group(Dims::sharding())),
         replicas_(mesh.size(Dim::replicate) > 1 ? std::optional<Comm>(mesh.group(Dim::replicate)) : std::nullopt),
         units_(unit_gathers(layout_, shards_, units, group_, options)) {
     const auto& layout = layout_;
