@@ -13,6 +13,8 @@
 #include <limits>
 #include <vector>
 
+#include "paratrain/checkpoint/checkpointer.hpp"
+#include "paratrain/checkpoint/load.hpp"
 #include "paratrain/comm/mesh.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
@@ -27,6 +29,7 @@
 #include "paratrain/core/error.hpp"
 #include "support/doctest.hpp"
 #include "support/group_degrees.hpp"
+#include "support/shared_dir.hpp"
 
 namespace context_test {
 
@@ -327,4 +330,85 @@ TEST_CASE("context-parallel attention refuses heads its group cannot share, a ma
   const auto one = torch::zeros({1, 1, 2, 4});  // g.size() positions in all: zigzag needs 2 g.size()
   CHECK_THROWS_WITH_AS((void)cp::ring_attention(one, one, one, g, {.layout = cp::Layout::zigzag}),
                        doctest::Contains("cannot be cut"), paratrain::error);
+}
+
+TEST_CASE("DataParallel refuses, on every rank, a context degree the world cannot take and deterministic mode over a "
+          "context group") {
+  using namespace context_test;
+  using Strategy = paratrain::DataParallel<AttentionNet, comm::Mpi, torch::optim::SGD>;
+  const int world = comm::Mpi().size();
+  const auto build = [] { return AttentionNet(cp::AttentionOptions{}, false); };
+  CHECK_THROWS_WITH_AS((void)Strategy(build, comm::Mpi(), torch::optim::SGDOptions(0.1), {.context_parallel = world + 1}),
+                       doctest::Contains("the context degree must be at least 1 and divide them"), paratrain::error);
+  if (world > 1)
+    CHECK_THROWS_WITH_AS((void)Strategy(build, comm::Mpi(), torch::optim::SGDOptions(0.1),
+                                        {.deterministic = {.shards = 12}, .context_parallel = world}),
+                         doctest::Contains("deterministic mode does not cut sequences over a context group"),
+                         paratrain::error);
+}
+
+namespace context_test {
+
+// Step `step`'s global batch of `global` sequences: inputs and targets, the whole sequences.
+std::pair<torch::Tensor, torch::Tensor> batch_of_step(int step, std::int64_t global) {
+  auto gen = at::detail::createCPUGenerator(200 + step);
+  auto x = at::randn({global, sequence, features}, gen);
+  return {x, at::randn({global, sequence, features}, gen)};
+}
+
+// Steps [first, last) at context degree `degree` under Update, Adam, loading `from` (unless
+// empty) and saving to `to` (unless empty): the parameters after.
+template <class Update>
+std::vector<torch::Tensor> leg(int degree, const std::filesystem::path& from, const std::filesystem::path& to,
+                               int first, int last) {
+  const cp::AttentionOptions o{.causal = true, .layout = cp::Layout::zigzag};
+  torch::manual_seed(11);
+  paratrain::DataParallel<AttentionNet, comm::Mpi, Update> s([&] { return AttentionNet(o, false); }, comm::Mpi(),
+                                                             torch::optim::AdamOptions(0.01).eps(1e-3),
+                                                             {.context_parallel = degree});
+  if (!from.empty()) paratrain::checkpoint::load(s, paratrain::checkpoint::latest(from).value());
+  const auto data = s.data_shard();
+  const std::int64_t global = 4;
+  const auto loss = [&](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::mse_loss(out, cp::shard(target, 1, s.context_group(), o.layout));
+  };
+  for (int step = first; step < last; ++step) {
+    const auto [x, y] = batch_of_step(step, global);
+    const auto begin = global * data.index / data.count, end = global * (data.index + 1) / data.count;
+    s.step(paratrain::Batch(x.narrow(0, begin, end - begin), y.narrow(0, begin, end - begin)), loss);
+  }
+  if (!to.empty()) paratrain::checkpoint::save(s, to, last);
+  return s.full_parameters();
+}
+
+}  // namespace context_test
+
+TEST_CASE("checkpoints move between context degrees: cp 2 x ZeRO-3 -> DDP without context -> cp = world x ZeRO-1 with "
+          "Adam, against the uninterrupted single-device run") {
+  using namespace context_test;
+  comm::Mpi world;
+  if (world.size() < 2) return;
+  const int first_degree = world.size() % 2 == 0 ? 2 : world.size();
+  const cp::AttentionOptions o{.causal = true, .layout = cp::Layout::zigzag};
+  torch::manual_seed(11);
+  AttentionNet ref(o, /*whole=*/true);
+  torch::optim::Adam opt(ref->parameters(), torch::optim::AdamOptions(0.01).eps(1e-3));
+  for (int step = 0; step < 6; ++step) {
+    const auto [x, y] = batch_of_step(step, 4);
+    opt.zero_grad();
+    torch::mse_loss(ref(x), y).backward();
+    opt.step();
+  }
+  const auto a = paratrain_test::shared_dir(world, "cp_ckpt_a"), b = paratrain_test::shared_dir(world, "cp_ckpt_b");
+  leg<paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage3>>(first_degree, {}, a, 0, 2);
+  leg<torch::optim::Adam>(1, a, b, 2, 4);
+  const auto got = leg<paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage1>>(world.size(), b, {}, 4, 6);
+  const auto want = ref->parameters();
+  REQUIRE(got.size() == want.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    worst = std::max(worst, ((got[i] - want[i]).abs().max() / want[i].abs().max()).item<double>());
+  CHECK(worst <= 1e-5);
+  paratrain_test::remove_shared_dir(world, a);
+  paratrain_test::remove_shared_dir(world, b);
 }

@@ -310,4 +310,20 @@ TEST_CASE("plan: tensor parallelism cuts the model before ZeRO, and the activati
   CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .tensor = 2, .tensor_replicated = 11}, plan::stage::ddp),
                        doctest::Contains("tensor_replicated"), paratrain::error);
   CHECK_THROWS_AS((void)plan::transformer_activations({.hidden = 0, .heads = 1}), paratrain::error);
+  // Context parallelism: each rank holds s/cp positions, so the whole layer's falls as 1/cp.
+  for (std::int64_t cp : {2, 4}) {
+    auto c = gpt3;
+    c.context = cp;
+    CHECK(plan::transformer_activations(c) == doctest::Approx(sbh * (34 + 5 * a * s / h) / double(cp)));
+  }
+  CHECK_THROWS_AS((void)plan::transformer_activations({.hidden = 1, .heads = 1, .context = 0}), paratrain::error);
+  // Attention alone: q, k, v and the output (4 b s a d / cp values), then the probabilities
+  // b (a/cp) s^2 (all-to-all, one device) or the log-sum-exp b a s / cp (ring), 4 bytes each.
+  CHECK(plan::attention_activations({.sequence = 64, .batch = 2, .heads = 4, .head_width = 8}) ==
+        4 * (4 * 2 * 64 * 4 * 8 + 2 * 4 * 64 * 64));
+  CHECK(plan::attention_activations({.sequence = 64, .batch = 2, .heads = 4, .head_width = 8, .context = 4}) ==
+        4 * (4 * 2 * 16 * 4 * 8 + 2 * 1 * 64 * 64));
+  CHECK(plan::attention_activations(
+            {.sequence = 64, .batch = 2, .heads = 4, .head_width = 8, .context = 4, .ring = true}) ==
+        4 * (4 * 2 * 16 * 4 * 8 + 2 * 4 * 16));
 }

@@ -202,6 +202,10 @@ std::optional<int> parse(int argc, char** argv, Request& request) {
   app.add_option("--hidden", transformer.hidden, "hidden size (h)");
   app.add_option("--heads", transformer.heads, "attention heads (a)");
   app.add_flag("--sequence-parallel", sequence_parallel, "with --tensor: activations cut along the sequence too");
+  app.add_option("--context", transformer.context,
+                 "context degree cp: each rank holds 1/cp of a sequence's positions, and with --gpt-layers its "
+                 "activations fall as 1/cp")
+      ->check(CLI::PositiveNumber);
   app.add_option("--peak", request.peak,
                  "print a GPU's dense peak TFLOP/s for MFU (FitOptions::throughput), or every known one's with "
                  "\"all\"; nothing else is needed then");

@@ -154,6 +154,12 @@ struct Model {
 // tensor rank. transformer_activations() counts them for values of V bytes and masks of M
 // bytes: sbh (4V + 2M + 12V/t) + as²b (2V + M)/t, all of it divided by t with sequence
 // parallelism; (V, M) = (2, 1) gives the published numbers exactly.
+//
+// Context parallelism (Note [Sequence layouts]) gives each rank s/cp of every sequence's
+// positions: every sbh term falls as 1/cp, and so do the scores, which all-to-all attention
+// keeps as [b, a/cp, s, s] (Note [All-to-all attention]); Transformer::context divides the
+// whole by cp. Ring attention keeps no scores at all (Note [Ring attention]):
+// attention_activations() counts what each algorithm keeps of attention alone.
 
 /// One stack of GPT layers, for transformer_activations().
 struct Transformer {
@@ -166,16 +172,42 @@ struct Transformer {
   bool sequence_parallel = false;  ///< the activations between the regions cut along the sequence
   double value_bytes = 2;          ///< the activations' type: 2 (fp16/bf16, the paper's), 4 (fp32)
   double mask_bytes = 1;           ///< a dropout mask's element: 1 (the paper's), 4 (paratrain's keyed masks, float)
+  std::int64_t context = 1;        ///< cp: each rank holds s/cp of a sequence's positions
 };
+
+/// Attention alone over a context group, for attention_activations().
+struct Attention {
+  double sequence = 0;        ///< s, the whole sequence
+  double batch = 0;           ///< b
+  double heads = 0;           ///< a
+  double head_width = 0;      ///< d
+  std::int64_t context = 1;   ///< cp
+  bool ring = false;          ///< ring attention (no scores kept); false: all-to-all, or one device at cp = 1
+  double value_bytes = 4;     ///< V
+};
+
+/// The bytes one rank's attention keeps for backward (Note [Tensor-parallel memory]): q, k, v
+/// and the output, 4·b·(s/cp)·a·d values, and then the probabilities b·(a/cp)·s² (all-to-all,
+/// one device) or the log-sum-exp b·a·(s/cp) (ring). Masks (bool) are left out.
+[[nodiscard]] inline double attention_activations(const Attention& x) {
+  if (!(x.sequence >= 0 && x.batch >= 0 && x.heads > 0 && x.head_width > 0 && x.context >= 1 && x.value_bytes > 0))
+    throw error("plan::attention_activations", -1,
+                "give a sequence and batch >= 0, heads and head width > 0, a context degree >= 1 and positive value "
+                "bytes");
+  const double s = x.sequence, b = x.batch, a = x.heads, cp = static_cast<double>(x.context);
+  const double inputs_and_output = 4 * b * (s / cp) * a * x.head_width;
+  const double kept = x.ring ? b * a * (s / cp) : b * (a / cp) * s * s;
+  return (inputs_and_output + kept) * x.value_bytes;
+}
 
 /// The activations one rank keeps for backward over L layers (Note [Tensor-parallel
 /// memory]): Korthikanti et al.'s Table 2 for values of `value_bytes` and masks of `mask_bytes`.
 [[nodiscard]] inline double transformer_activations(const Transformer& x) {
   if (!(x.sequence >= 0 && x.batch >= 0 && x.hidden > 0 && x.heads > 0 && x.layers >= 0 && x.tensor >= 1 &&
-        x.value_bytes > 0 && x.mask_bytes >= 0))
+        x.context >= 1 && x.value_bytes > 0 && x.mask_bytes >= 0))
     throw error("plan::transformer_activations", -1,
-                "give a sequence, batch and layers >= 0, hidden and heads > 0, a tensor degree >= 1 and positive "
-                "value bytes");
+                "give a sequence, batch and layers >= 0, hidden and heads > 0, tensor and context degrees >= 1 and "
+                "positive value bytes");
   const double s = x.sequence, b = x.batch, h = x.hidden, a = x.heads, t = static_cast<double>(x.tensor);
   const double v = x.value_bytes, m = x.mask_bytes;
   const double sbh = s * b * h, as2b = a * s * s * b;
@@ -184,7 +216,7 @@ struct Transformer {
   const double whole = 4 * v + 2 * m, cut = 12 * v;
   const double per_layer = x.sequence_parallel ? (sbh * (whole + cut) + as2b * (2 * v + m)) / t
                                                : sbh * (whole + cut / t) + as2b * (2 * v + m) / t;
-  return x.layers * per_layer;
+  return x.layers * per_layer / static_cast<double>(x.context);
 }
 
 /// Bytes of each kind one rank holds under one stage.
