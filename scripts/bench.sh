@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | sharding_collectives | all_to_all | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart
+# Usage: scripts/bench.sh allreduce | sharding_collectives | all_to_all | context_attention | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The benchmarks' own build, at -O3 (the tests' build/ is at -O0: scripts/build.sh).
@@ -14,6 +14,12 @@ case "${1:-}" in
     scripts/build.sh --target bench_all_to_all >&2
     shift
     scripts/mpirun.sh 2 "$build/benchmarks/bench_all_to_all" "$@" ;;
+  context_attention)
+    # The context group the whole world: cp = 1, 2 and 4 (4 ranks on 2 cores share them:
+    # its memory is what it keeps, its times are not a 4-core machine's).
+    scripts/build.sh --target bench_context_attention >&2
+    shift
+    for ranks in 1 2 4; do scripts/mpirun.sh "$ranks" "$build/benchmarks/bench_context_attention" "$@"; done ;;
   sharding_collectives)
     scripts/build.sh --target bench_reduce_scatter bench_all_gather >&2
     scripts/mpirun.sh 2 "$build/benchmarks/bench_reduce_scatter"
@@ -96,6 +102,6 @@ case "${1:-}" in
     shift
     /usr/bin/python3 benchmarks/elastic_restart.py "$build" "$@" ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | sharding_collectives | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart" >&2
+    echo "usage: scripts/bench.sh allreduce | sharding_collectives | all_to_all | context_attention | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart" >&2
     exit 2 ;;
 esac

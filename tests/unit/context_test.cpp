@@ -118,6 +118,9 @@ void check(int degree, const Case& c) {
         o.algorithm = algorithm;
         o.layout = layout;
         o.overlap = overlap;
+        // Without overlap, the ring's keys one at a time (tiles of 4 bytes a head and sequence):
+        // tiles merged as blocks are, the causal mask seen tile by tile.
+        o.tile_bytes = overlap ? cp::AttentionOptions{}.tile_bytes : 4 * batch * c.heads;
         const auto at = held(g.rank(), g.size(), layout);
         const auto mine = [&](const torch::Tensor& t) { return t.detach().index_select(1, at).requires_grad_(); };
         const auto lq = mine(q), lk = mine(k), lv = mine(v);

@@ -30,6 +30,7 @@ struct AttentionOptions {
   Layout layout = Layout::contiguous;     ///< how q, k and v are cut over the group (Note [Sequence layouts])
   Algorithm algorithm = Algorithm::ring;  ///< for cp::attention over a group
   bool overlap = true;  ///< ring: pass the next block while this one is computed (false: one after the other)
+  std::int64_t tile_bytes = std::int64_t{16} << 20;  ///< ring: the most a tile of scores takes (keys cut to fit)
 };
 
 namespace detail {

@@ -8,6 +8,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -33,8 +34,9 @@ namespace paratrain::cp {
 //   lse = log(e^lse₁ + e^lse₂),  out = out₁·e^(lse₁−lse) + out₂·e^(lse₂−lse),
 // a block whose keys are all hidden (lse = −∞) adding nothing. With `overlap`, the next block
 // is sent (Group::shift_async, one place along the ring) before this one is computed, so the
-// exchange runs under the products; without it, one after the other (the benchmark's
-// reference).
+// exchange runs under the products (tested after each tile: Open MPI without asynchronous
+// progress moves a large message only inside its calls); without it, one after the other
+// (the benchmark's reference).
 //
 // Backward goes round the ring again, recomputing each block's probabilities from the saved
 // log-sum-exp (P = e^(q·kᵀ·scale − lse)): dv += Pᵀ·dO, dS = P ⊙ (dO·vᵀ − rowsum(dO ⊙ O)),
@@ -50,7 +52,10 @@ namespace paratrain::cp {
 // overlaps. With Layout::contiguous that idles ranks (the first rank's queries see only its
 // own block); with Layout::zigzag each rank holds an early and a late chunk, and at every
 // step after the first every rank computes two of its four chunk pairs: the same work
-// everywhere, and half of the unmasked attention's. A query whose every key is hidden gets
+// everywhere, and half of the unmasked attention's. Key chunks are cut into tiles whose scores
+// take at most AttentionOptions::tile_bytes (16 MiB; the online softmax merges tiles as it
+// merges blocks): glibc maps larger blocks afresh at every use (Note [Allocator]), and their
+// page faults cost more than the products. A query whose every key is hidden gets
 // zeros here (cp::attention on one device gives NaN).
 
 namespace detail {
@@ -120,10 +125,23 @@ struct Ring {
   Layout layout = Layout::contiguous;
   bool overlap = true;
   at::Tensor padding;  // [B, S] or undefined
+  std::int64_t tile_bytes = std::int64_t{16} << 20;
 
   [[nodiscard]] std::vector<Chunk> chunks_of(int rank, std::int64_t local) const {
     return chunks(local * group.size(), rank, group.size(), layout);
   }
+  // Rank `rank`'s key chunks cut into tiles whose scores against `queries` positions stay
+  // within tile_bytes (Note [Ring attention]).
+  [[nodiscard]] std::vector<Chunk> key_tiles(int rank, const at::Tensor& q, std::int64_t queries) const {
+    const auto row = q.size(0) * q.size(1) * queries * static_cast<std::int64_t>(q.element_size());
+    const auto most = std::max<std::int64_t>(1, tile_bytes / std::max<std::int64_t>(row, 1));
+    std::vector<Chunk> out;
+    for (const auto& c : chunks_of(rank, q.size(2)))
+      for (std::int64_t i = 0; i < c.length; i += most)
+        out.push_back({c.start + i, std::min(most, c.length - i), c.offset + i});
+    return out;
+  }
+
   // The block the ring brings next, started under this step's products or after them.
   [[nodiscard]] tensor_parallel::Pending pass(const at::Tensor& kv) const { return group.shift_async(kv); }
 
@@ -137,12 +155,13 @@ struct Ring {
       tensor_parallel::Pending next;
       if (more && overlap) next = pass(kv);
       for (const auto& qc : mine)
-        for (const auto& kc : chunks_of((r - step + p) % p, q.size(2))) {
+        for (const auto& kc : key_tiles((r - step + p) % p, q, qc.length)) {
           const auto s = seen(qc, kc, causal);
           if (s == Seen::nothing) continue;
           const auto part = block(q.narrow(2, qc.offset, qc.length), kv[0].narrow(2, kc.offset, kc.length),
                                   kv[1].narrow(2, kc.offset, kc.length), chunk_mask(qc, kc, s, padding, q), scale);
           merge(result.out.narrow(2, qc.offset, qc.length), result.lse.narrow(2, qc.offset, qc.length), part);
+          if (more && overlap) (void)next.test();  // progress: Open MPI moves a large block only when called
         }
       if (more) kv = overlap ? next.wait() : pass(kv).wait();
     }
@@ -164,7 +183,7 @@ struct Ring {
       if (more && overlap) next = pass(kv);
       auto dkv = at::zeros_like(kv);
       for (const auto& qc : mine)
-        for (const auto& kc : chunks_of((r - step + p) % p, q.size(2))) {
+        for (const auto& kc : key_tiles((r - step + p) % p, q, qc.length)) {
           const auto s = seen(qc, kc, causal);
           if (s == Seen::nothing) continue;
           const auto qn = q.narrow(2, qc.offset, qc.length), don = dout.narrow(2, qc.offset, qc.length);
@@ -175,6 +194,8 @@ struct Ring {
           const auto ds = pr * (at::matmul(don, vn.transpose(2, 3)) - delta.narrow(2, qc.offset, qc.length).unsqueeze(-1));
           dq.narrow(2, qc.offset, qc.length).add_(at::matmul(ds, kn), scale);
           dkv[0].narrow(2, kc.offset, kc.length).add_(at::matmul(ds.transpose(2, 3), qn), scale);
+          if (overlap && more) (void)next.test();
+          if (overlap && step > 0) (void)carried.test();
         }
       if (step > 0) dkv.add_(overlap ? carried.wait() : arrived);
       if (overlap) {
@@ -227,7 +248,8 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
   detail::check_shapes("cp::ring_attention", q, k, v, group, o);
   const auto padding = o.key_padding_mask.defined() ? o.key_padding_mask.to(q.device(), at::kBool) : at::Tensor();
   return detail::RingAttention::apply(
-      q, k, v, detail::Ring{group, o.causal, detail::scale_of(o, q.size(3)), o.layout, o.overlap, padding});
+      q, k, v,
+      detail::Ring{group, o.causal, detail::scale_of(o, q.size(3)), o.layout, o.overlap, padding, o.tile_bytes});
 }
 
 /// Attention over sequences cut across `group`, by `o.algorithm`: ring_attention (any head
