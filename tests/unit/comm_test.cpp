@@ -258,18 +258,21 @@ TEST_CASE("comm::Rendezvous: a meeting that cannot happen says which variable to
 }
 
 TEST_CASE("comm::Mpi: a pending all-gather completes while its caller makes no MPI call (Note [Progress thread])") {
-  // 16 MiB a rank, far above Open MPI's eager limit: its messages move, and the request is
-  // marked complete, only when some MPI call of each process runs the progress engine. The
-  // caller makes none: it waits until the progress thread has called into MPI 500 times (a
-  // count, not a clock), and then the first test() must find the gather done. With progress
-  // = 0 (the default) there is no thread: the count never grows and the case fails at its
-  // deadline (seen failing so at 2 ranks; with the half-second sleep this replaced, the one
-  // test() found the gather not done).
+  // 1 MiB a rank, far above Open MPI's eager limit (4 KiB on shared memory): its messages move,
+  // and the request is marked complete, only when some MPI call of each process runs the
+  // progress engine. The caller makes none: it waits until the progress thread has called into
+  // MPI 2,000 times (a count, not a clock), and then the first test() must find the gather done.
+  // Without single-copy transfers the message goes in 32 KiB fragments, a few per call on each
+  // side: 32 fragments need far fewer calls than 2,000 (16 MiB, 512 fragments, against 500
+  // calls failed here under a CPU hog and in CI's sanitizer run). With progress = 0 (the
+  // default) there is no thread: the count never grows and the case fails at its deadline
+  // (seen failing so at 2 ranks; with the half-second sleep this replaced, the one test()
+  // found the gather not done).
   comm::Mpi::Options options;
   options.progress = std::chrono::microseconds(200);
   comm::Mpi mpi(options);
   if (mpi.size() == 1) return;
-  const std::int64_t n = std::int64_t{4} << 20;
+  const std::int64_t n = std::int64_t{256} << 10;
   const auto mine = torch::full({n}, static_cast<float>(mpi.rank()));
   auto all = torch::empty({n * mpi.size()});
   mpi.barrier();
@@ -277,9 +280,9 @@ TEST_CASE("comm::Mpi: a pending all-gather completes while its caller makes no M
   const auto before = progress.calls();
   auto r = mpi.iall_gather(mine, all);
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (progress.calls() < before + 500 && std::chrono::steady_clock::now() < until)
+  while (progress.calls() < before + 2000 && std::chrono::steady_clock::now() < until)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the pace of the look, not what it waits for
-  REQUIRE(progress.calls() >= before + 500);  // the thread ran: 500 calls into MPI
+  REQUIRE(progress.calls() >= before + 2000);  // the thread ran: 2,000 calls into MPI
   CHECK(r.test());
   r.wait();
   for (int k = 0; k < mpi.size(); ++k) CHECK(all.narrow(0, k * n, n).eq(k).all().item<bool>());
