@@ -310,6 +310,17 @@ TEST_CASE("plan: tensor parallelism cuts the model before ZeRO, and the activati
   CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .tensor = 2, .tensor_replicated = 11}, plan::stage::ddp),
                        doctest::Contains("tensor_replicated"), paratrain::error);
   CHECK_THROWS_AS((void)plan::transformer_activations({.hidden = 0, .heads = 1}), paratrain::error);
+  // Expert parallelism: Psi = 1000, 800 of them experts cut ep = 4 ways, 100 whole on every
+  // tensor rank, t = 2: (1000 - 100 - 800) / 2 + 100 + 800 / 4 = 350.
+  const plan::Model moe{.parameters = 1000, .optimizer_bytes = 4, .ranks = 2, .tensor = 2, .tensor_replicated = 100,
+                        .expert = 4, .expert_parameters = 800};
+  CHECK(plan::rank_parameters(moe) == 350);
+  CHECK(plan::per_rank(moe, plan::stage::stage3).total() == 350 * 12 / 2.0);
+  CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .expert = 0}, plan::stage::ddp),
+                       doctest::Contains("Model::expert is 0"), paratrain::error);
+  CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .tensor_replicated = 5, .expert = 2, .expert_parameters = 6},
+                                            plan::stage::ddp),
+                       doctest::Contains("Model::expert_parameters is 6"), paratrain::error);
   // Context parallelism: each rank holds s/cp positions, so the whole layer's falls as 1/cp.
   for (std::int64_t cp : {2, 4}) {
     auto c = gpt3;

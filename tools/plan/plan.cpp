@@ -137,6 +137,8 @@ std::optional<int> parse(int argc, char** argv, Request& request) {
   std::int64_t prefetch = 1;
   std::int64_t tensor = 1;
   double tensor_replicated = 0;
+  std::int64_t expert = 1;
+  double expert_parameters = 0;
   plan::Transformer transformer;
   bool sequence_parallel = false;
 
@@ -195,6 +197,10 @@ std::optional<int> parse(int argc, char** argv, Request& request) {
          "tensor degree t (DataParallelOptions::tensor_parallel): the matrices cut t ways before ZeRO shards them");
   option("--tensor-replicated", [&](const std::string& v) { tensor_replicated = parameter_count(v); },
          "with --tensor: the parameters every tensor rank holds whole (layer norms, biases of row-parallel layers)");
+  option("--expert", [&](const std::string& v) { expert = whole("--expert", v); },
+         "expert degree ep (DataParallelOptions::expert_parallel): the experts cut ep ways before ZeRO shards them");
+  option("--expert-parameters", [&](const std::string& v) { expert_parameters = parameter_count(v); },
+         "with --expert: how many of --params are the mixtures' experts (the rest, router included, whole)");
   app.add_option("--gpt-layers", transformer.layers, "GPT layers: activations by Korthikanti et al.'s formula, with "
                                                     "--sequence, --micro-batch, --hidden and --heads");
   app.add_option("--sequence", transformer.sequence, "tokens per sequence (s)");
@@ -252,7 +258,9 @@ std::optional<int> parse(int argc, char** argv, Request& request) {
                      .largest_parameter = largest,
                      .scratch_bytes = optimizer_bytes ? 0.0 : plan::scratch_bytes(optimizer),
                      .tensor = tensor,
-                     .tensor_replicated = tensor_replicated};
+                     .tensor_replicated = tensor_replicated,
+                     .expert = expert,
+                     .expert_parameters = expert_parameters};
   };
   try {
     app.parse(argc, argv);

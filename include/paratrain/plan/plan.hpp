@@ -132,6 +132,11 @@ struct Model {
   /// biases, layers that are not cut); the others are cut t ways.
   std::int64_t tensor = 1;
   double tensor_replicated = 0;
+  /// Expert parallelism (Note [Tensor-parallel memory]): the expert degree ep, and how many
+  /// of the parameters are experts, cut ep ways (whole on every tensor rank; not counted in
+  /// tensor_replicated).
+  std::int64_t expert = 1;
+  double expert_parameters = 0;
 };
 
 // Note [Tensor-parallel memory]
@@ -139,8 +144,12 @@ struct Model {
 // Tensor parallelism cuts a model's matrices over t ranks before ZeRO cuts the model state
 // over N_d: a rank holds Ψ_t = (Ψ − Ψ_r) / t + Ψ_r parameters, Ψ_r those every tensor rank
 // holds whole (Model::tensor_replicated), and the ZeRO formulas apply to Ψ_t (each tensor
-// slice sharded further over its data group). A strategy's own plan counts the parameters
-// this rank holds, which are Ψ_t already (t = 1 there).
+// slice sharded further over its data group). Expert parallelism cuts a mixture's experts
+// Ψ_e ep ways (Note [Experts over a group]), whole on every tensor rank:
+// Ψ_t = (Ψ − Ψ_r − Ψ_e) / t + Ψ_r + Ψ_e / ep. ZeRO then shards each over its own sharding
+// group, of N_d ranks for both (Dims::sharding(): the dense state is not sharded over the
+// expert ranks too). A strategy's own plan counts the parameters this rank holds, which are
+// Ψ_t already (t = ep = 1 there).
 //
 // Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 // Transformer Models", §4, Table 2): one GPT layer keeps, per s·b·h (sequence, batch,
@@ -273,6 +282,14 @@ inline void validate(const Model& m) {
     throw error(operation, -1,
                 "Model::tensor_replicated is " + std::to_string(m.tensor_replicated) +
                     "; it counts the parameters every tensor rank holds whole, between 0 and Model::parameters");
+  if (m.expert < 1)
+    throw error(operation, -1,
+                "Model::expert is " + std::to_string(m.expert) + "; the expert degree ep must be at least 1 (1: none)");
+  if (!(m.expert_parameters >= 0 && m.tensor_replicated + m.expert_parameters <= m.parameters))
+    throw error(operation, -1,
+                "Model::expert_parameters is " + std::to_string(m.expert_parameters) +
+                    "; it counts the experts' parameters, at least 0 and, with Model::tensor_replicated, at most "
+                    "Model::parameters");
   if (m.buckets < 0)
     throw error(operation, -1,
                 "Model::buckets is " + std::to_string(m.buckets) +
@@ -281,9 +298,10 @@ inline void validate(const Model& m) {
 
 }  // namespace detail
 
-/// Ψ_t, the parameters one rank of a tensor group holds (Note [Tensor-parallel memory]).
+/// Ψ_t, the parameters one rank of a tensor and expert group holds (Note [Tensor-parallel memory]).
 [[nodiscard]] inline double rank_parameters(const Model& m) {
-  return (m.parameters - m.tensor_replicated) / static_cast<double>(m.tensor) + m.tensor_replicated;
+  return (m.parameters - m.tensor_replicated - m.expert_parameters) / static_cast<double>(m.tensor) +
+         m.tensor_replicated + m.expert_parameters / static_cast<double>(m.expert);
 }
 
 /// The bytes one rank holds under stage `s`: Note [ZeRO memory model].
