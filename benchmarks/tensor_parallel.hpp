@@ -131,7 +131,7 @@ int measure(Comm world, const torch::Device& device, const Run& run, const char*
   for (const auto& p : s.model()->parameters()) local_parameters += p.numel();
 
   // Every parameter whole on rank 0: the sharded ones gathered along their dimension.
-  const auto shards = tp::tensor_shards_of(*s.model());
+  const auto shards = tp::sliced_parameters_of(*s.model());
   std::ofstream bin, index;
   if (rank == 0 && !run.weights_out.empty()) {
     bin.open(run.weights_out, std::ios::binary);

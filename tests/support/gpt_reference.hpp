@@ -113,7 +113,7 @@ inline std::vector<torch::Tensor> reference_slices(RefGpt& ref, const torch::nn:
     replace("mlp.fc2.", "fc2.");
     return n;
   };
-  const auto shards = tp::tensor_shards_of(model);
+  const auto shards = tp::sliced_parameters_of(model);
   std::vector<torch::Tensor> out;
   for (const auto& p : model.named_parameters()) {
     auto w = at(map(p.key()));

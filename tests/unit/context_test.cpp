@@ -221,7 +221,7 @@ struct TensorAttentionNetImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const auto mine = cp::shard(x, 1, group, o.layout);
-    const auto b = mine.size(0), s = mine.size(1), heads = layer_heads / q->tensor_group().size();
+    const auto b = mine.size(0), s = mine.size(1), heads = layer_heads / q->slice_group().size();
     const auto qs = q(mine).view({b, s, heads, head_width}), ks = k(mine).view({b, s, heads, head_width}),
                vs = v(mine).view({b, s, heads, head_width});
     const auto a = whole ? cp::attention(qs, ks, vs, o) : cp::attention(qs, ks, vs, group, o);
@@ -273,7 +273,7 @@ double train_both(int degree, const cp::AttentionOptions& o, int tensor = 1) {
   }
   // The reference's parameters, each as the slice this rank holds of it.
   const auto want = ref->named_parameters();
-  const auto shards = tp::tensor_shards_of(*s.model());
+  const auto shards = tp::sliced_parameters_of(*s.model());
   std::vector<torch::Tensor> slices;
   for (const auto& p : s.model()->named_parameters()) {
     auto w = want[p.key()];

@@ -10,16 +10,25 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "paratrain/checkpoint/checkpointer.hpp"
+#include "paratrain/checkpoint/load.hpp"
 #include "paratrain/comm/mesh.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/experts/mixture_of_experts.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/sharded.hpp"
+#include "paratrain/strategy/unit.hpp"
+#include "paratrain/tensor_parallel/sharding.hpp"
 #include "support/doctest.hpp"
+#include "support/gpt_reference.hpp"
 #include "support/group_degrees.hpp"
+#include "support/shared_dir.hpp"
 
 namespace experts_test {
 
@@ -161,14 +170,116 @@ std::int64_t check(int ep, moe::Options o) {
   return dropped;
 }
 
-struct MoeNetImpl : torch::nn::Module {
-  explicit MoeNetImpl(tp::Group g) {
-    layer = register_module("layer", moe::MixtureOfExperts(moe::Options{.model = 4, .hidden = 4, .experts = 12}, g));
+// A dense layer, a mixture of experts (joining the expert group of the strategy that builds
+// it, or holding every expert outside one; a unit, which ZeRO-3 gathers over the ranks that
+// hold the same experts) and a dense layer.
+struct ExpertNetImpl : torch::nn::Module {
+  explicit ExpertNetImpl(moe::Options o, std::optional<tp::Group> g = std::nullopt) {
+    o.model = model;
+    o.hidden = hidden;
+    o.experts = 12;
+    in = register_module("in", torch::nn::Linear(model, model));
+    experts = register_module("experts", g ? paratrain::Unit<moe::MixtureOfExperts>(o, *g)
+                                           : paratrain::Unit<moe::MixtureOfExperts>(o));
+    out = register_module("out", torch::nn::Linear(model, model));
   }
-  torch::Tensor forward(torch::Tensor x) { return layer->forward(x); }
-  moe::MixtureOfExperts layer{nullptr};
+  torch::Tensor forward(torch::Tensor x) { return out(experts(torch::tanh(in(x)))); }
+  torch::nn::Linear in{nullptr}, out{nullptr};
+  paratrain::Unit<moe::MixtureOfExperts> experts{nullptr};  // a unit: what ZeRO-3 gathers
 };
-TORCH_MODULE(MoeNet);
+TORCH_MODULE(ExpertNet);
+
+// Data shard q's samples in step `step`: 2 + q mod 3 of them, so that the ranks of an expert
+// group route different numbers of tokens. Inputs and targets.
+std::pair<torch::Tensor, torch::Tensor> samples_of(int q, int step) {
+  auto gen = at::detail::createCPUGenerator(1000 * step + q);
+  const std::int64_t n = 2 + q % 3;
+  auto x = at::randn({n, model}, gen);
+  return {x, at::randn({n, model}, gen)};
+}
+
+// Three steps of `Update` (SGD with momentum, `clip` the largest gradient norm, 0: none) over
+// data x expert ranks at expert degree `ep`, against the single-device model on every data
+// shard's samples, each shard's tokens one call of the layer (its capacity group, as on its
+// rank), the loss the shards' sample-weighted mean of MSE plus the auxiliary loss. The worst
+// relative difference of this rank's parameters (its experts) from the reference's.
+template <class Update>
+double train_both(int ep, moe::Options o, double clip = 0) {
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  torch::manual_seed(7);
+  ExpertNet ref(o);
+  torch::optim::SGD ref_opt(ref->parameters(), sgd);
+  torch::manual_seed(7);
+  paratrain::DataParallel<ExpertNet, comm::Mpi, Update> s([&] { return ExpertNet(o); }, comm::Mpi(), sgd,
+                                                          {.max_grad_norm = clip, .expert_parallel = ep});
+  REQUIRE(s.expert_group().size() == ep);
+  REQUIRE(s.model()->experts->group().size() == ep);
+  const auto data = s.data_shard();
+  const auto loss = [&](const torch::Tensor& y, const torch::Tensor& target) {
+    return torch::mse_loss(y, target) + aux_weight * s.model()->experts->aux_loss();
+  };
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    ref_opt.zero_grad();
+    std::int64_t total = 0;
+    for (int q = 0; q < data.count; ++q) total += samples_of(q, step).first.size(0);
+    for (int q = 0; q < data.count; ++q) {
+      const auto [x, y] = samples_of(q, step);
+      const auto out = ref(x);  // before aux_loss(): it is this forward's
+      const auto l = torch::mse_loss(out, y) + aux_weight * ref->experts->aux_loss();
+      (l * (static_cast<double>(x.size(0)) / static_cast<double>(total))).backward();
+    }
+    if (clip > 0) torch::nn::utils::clip_grad_norm_(ref->parameters(), clip);
+    ref_opt.step();
+    const auto [x, y] = samples_of(data.index, step);
+    const auto r = s.step(paratrain::Batch(x, y), loss);
+    CHECK(r.global_samples == static_cast<double>(total));
+    if (clip > 0) CHECK(r.grad_norm > clip);  // the clip did cut
+  }
+  const auto want = ref->named_parameters();
+  const auto sliced = tp::sliced_parameters_of(*s.model());
+  std::vector<torch::Tensor> mine;
+  for (const auto& p : s.model()->named_parameters()) {
+    auto w = want[p.key()];
+    if (const auto it = sliced.find(p.key()); it != sliced.end())
+      w = w.narrow(it->second.slice.dim, it->second.slice.offset, p.value().size(it->second.slice.dim));
+    mine.push_back(w);
+  }
+  return paratrain_test::gpt::max_relative_difference(s.full_parameters(), mine);
+}
+
+// Steps [first, last) at expert degree `ep` under Update, Adam, dropless and without the
+// auxiliary loss (so that the tokens' grouping into ranks changes nothing), 12 samples a step
+// dealt over the data shards; loading `from` (unless empty) and saving to `to` (unless empty).
+// The parameters after, each whole (the experts gathered over the expert group).
+template <class Update>
+std::vector<torch::Tensor> leg(int ep, const std::filesystem::path& from, const std::filesystem::path& to, int first,
+                               int last) {
+  torch::manual_seed(11);
+  paratrain::DataParallel<ExpertNet, comm::Mpi, Update> s([] { return ExpertNet(moe::Options{.top_k = 2, .capacity_factor = 0}); },
+                                                          comm::Mpi(), torch::optim::AdamOptions(0.01).eps(1e-3),
+                                                          {.expert_parallel = ep});
+  if (!from.empty()) paratrain::checkpoint::load(s, paratrain::checkpoint::latest(from).value());
+  const auto data = s.data_shard();
+  const auto loss = [](const torch::Tensor& y, const torch::Tensor& target) { return torch::mse_loss(y, target); };
+  for (int step = first; step < last; ++step) {
+    auto gen = at::detail::createCPUGenerator(300 + step);
+    const auto x = at::randn({12, model}, gen), y = at::randn({12, model}, gen);
+    const auto begin = 12 * data.index / data.count, end = 12 * (data.index + 1) / data.count;
+    s.step(paratrain::Batch(x.narrow(0, begin, end - begin), y.narrow(0, begin, end - begin)), loss);
+  }
+  if (!to.empty()) paratrain::checkpoint::save(s, to, last);
+  std::vector<torch::Tensor> out;
+  const auto sliced = tp::sliced_parameters_of(*s.model());
+  auto params = s.full_parameters();
+  std::size_t i = 0;
+  for (const auto& p : s.model()->named_parameters()) {
+    auto t = params[i++];
+    if (sliced.count(p.key())) t = s.expert_group().all_gather(t, 0);
+    out.push_back(t);
+  }
+  return out;
+}
 
 }  // namespace experts_test
 
@@ -206,17 +317,105 @@ TEST_CASE("moe::MixtureOfExperts refuses experts its group cannot share, and a b
                        doctest::Contains("capacity_factor must be >= 0"), paratrain::error);
 }
 
-TEST_CASE("DataParallel refuses, on every rank, a model whose experts are cut over an expert group (not trained yet)") {
+TEST_CASE("DataParallel over data x expert ranks equals the single-device model: DDP and ZeRO 1-3, top-1 and top-2, "
+          "dropless and dropping, the auxiliary loss, clipping, ranks with different token counts") {
+  using namespace experts_test;
+  using SGD = torch::optim::SGD;
+  const int world = comm::Mpi().size();
+  for (const int ep : paratrain_test::group_degrees(world)) {
+    CAPTURE(ep);
+    CHECK(train_both<SGD>(ep, {.top_k = 2, .capacity_factor = 0}) <= 1e-5);
+    CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage1>>(ep, {.top_k = 1, .capacity_factor = 1.0}) <= 1e-5);
+    CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage2>>(ep, {.top_k = 2, .capacity_factor = 1.0},
+                                                                       /*clip=*/0.05) <= 1e-5);
+    CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage3>>(ep, {.top_k = 1, .capacity_factor = 0}) <= 1e-5);
+    CHECK(train_both<SGD>(ep, {.top_k = 1, .capacity_factor = 1.0}, /*clip=*/0.05) <= 1e-5);
+  }
+}
+
+TEST_CASE("checkpoints move between expert degrees: ep 2 x ZeRO-1 -> ep 1 (DDP) -> ep = world x ZeRO-3 with Adam, "
+          "against the uninterrupted single-device run") {
+  using namespace experts_test;
+  comm::Mpi world;
+  if (world.size() < 2) return;
+  const int first_degree = world.size() % 2 == 0 ? 2 : world.size();
+  torch::manual_seed(11);
+  ExpertNet ref(moe::Options{.top_k = 2, .capacity_factor = 0});
+  torch::optim::Adam opt(ref->parameters(), torch::optim::AdamOptions(0.01).eps(1e-3));
+  for (int step = 0; step < 6; ++step) {
+    auto gen = at::detail::createCPUGenerator(300 + step);
+    const auto x = at::randn({12, model}, gen), y = at::randn({12, model}, gen);
+    opt.zero_grad();
+    torch::mse_loss(ref(x), y).backward();
+    opt.step();
+  }
+  const auto a = paratrain_test::shared_dir(world, "ep_ckpt_a"), b = paratrain_test::shared_dir(world, "ep_ckpt_b");
+  leg<paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage1>>(first_degree, {}, a, 0, 2);
+  leg<torch::optim::Adam>(1, a, b, 2, 4);
+  const auto got = leg<paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage3>>(world.size(), b, {}, 4, 6);
+  CHECK(paratrain_test::gpt::max_relative_difference(got, ref->parameters()) <= 1e-5);
+  paratrain_test::remove_shared_dir(world, a);
+  paratrain_test::remove_shared_dir(world, b);
+}
+
+TEST_CASE("DataParallel under expert parallelism refuses, on every rank: a degree that does not divide the ranks, "
+          "deterministic mode, a rank without samples, different micro-batch counts, a layer built on another group") {
   using namespace experts_test;
   const int world = comm::Mpi().size();
+  using Ddp = paratrain::DataParallel<ExpertNet, comm::Mpi, torch::optim::SGD>;
+  const auto build = [] { return ExpertNet(moe::Options{}); };
+  CHECK_THROWS_WITH_AS(Ddp(build, comm::Mpi(), torch::optim::SGDOptions(0.1), {.expert_parallel = world + 1}),
+                       doctest::Contains("the expert degree must be at least 1 and divide them"), paratrain::error);
+  if (world == 1) return;
+  CHECK_THROWS_WITH_AS(Ddp(build, comm::Mpi(), torch::optim::SGDOptions(0.1),
+                           {.deterministic = {.shards = 12}, .expert_parallel = world}),
+                       doctest::Contains("deterministic mode does not take expert parallelism"), paratrain::error);
+  // Experts cut over a group the strategy does not know: the world's, under a strategy without experts.
   paratrain::Mesh<comm::Mpi> mesh(comm::Mpi(), {.expert = world});
   const tp::Group g(mesh, paratrain::Dim::expert);
-  using Ddp = paratrain::DataParallel<MoeNet, comm::Mpi, torch::optim::SGD>;
-  if (world > 1) {
-    CHECK_THROWS_WITH_AS(Ddp([&] { return MoeNet(g); }, comm::Mpi(), torch::optim::SGDOptions(0.1)),
-                         doctest::Contains("does not train expert parallelism yet"), paratrain::error);
+  CHECK_THROWS_WITH_AS(Ddp([&] { return ExpertNet(moe::Options{}, g); }, comm::Mpi(), torch::optim::SGDOptions(0.1)),
+                       doctest::Contains(("is cut over an expert group of " + std::to_string(world) + " ranks").c_str()),
+                       paratrain::error);
+  Ddp s(build, comm::Mpi(), torch::optim::SGDOptions(0.1), {.expert_parallel = world});
+  const auto loss = [](const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); };
+  const auto [x, y] = samples_of(s.data_shard().index, 0);
+  // Rank 1 has nothing this step.
+  if (s.rank() == 1) {
+    CHECK_THROWS_WITH_AS(s.join(), doctest::Contains("no samples this step"), paratrain::error);
+  } else {
+    CHECK_THROWS_WITH_AS(s.step(paratrain::Batch(x, y), loss), doctest::Contains("no samples this step"),
+                         paratrain::error);
   }
-  // Every expert on every rank is a plain model, which it trains.
-  Ddp whole([] { return MoeNet(tp::Group()); }, comm::Mpi(), torch::optim::SGDOptions(0.1));
-  CHECK(whole.world_size() == world);
+  // Rank 0 has two micro-batches, the others one.
+  std::vector<paratrain::Batch> two{paratrain::Batch(x, y), paratrain::Batch(x, y)};
+  CHECK_THROWS_WITH_AS(s.step(std::span<const paratrain::Batch>(two.data(), s.rank() == 0 ? 2 : 1), loss),
+                       doctest::Contains("micro-batches this step"), paratrain::error);
+  // And then a good step.
+  CHECK(s.step(paratrain::Batch(x, y), loss).global_samples > 0);
+}
+
+TEST_CASE("expert parallelism: the parameters and ZeRO-1 state per rank are plan::per_rank's at expert degree ep") {
+  using namespace experts_test;
+  const int world = comm::Mpi().size();
+  // The model's parameters counted by hand: the dense ones (in, the router, out) and the
+  // experts (12 of d -> hidden -> d with biases).
+  const double dense = (model * model + model) * 2 + model * 12,
+               experts = 12 * (model * hidden + hidden + hidden * model + model);
+  for (const int ep : paratrain_test::group_degrees(world)) {
+    CAPTURE(ep);
+    paratrain::DataParallel<ExpertNet, comm::Mpi, paratrain::Sharded<torch::optim::Adam, paratrain::zero::stage1>> s(
+        [] { return ExpertNet(moe::Options{}); }, comm::Mpi(), torch::optim::AdamOptions(1e-3), {.expert_parallel = ep});
+    const auto planned = paratrain::plan::per_rank(
+        {.parameters = dense + experts, .optimizer_bytes = 8, .ranks = world / ep, .expert = ep, .expert_parameters = experts},
+        paratrain::plan::stage::stage1);
+    const auto [x, y] = samples_of(s.data_shard().index, 0);  // a step: Adam's state exists after one
+    s.step(paratrain::Batch(x, y), [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); });
+    const auto held = s.model_state_bytes();
+    CHECK(static_cast<double>(held.parameters) == planned.parameters);
+    CHECK(static_cast<double>(held.parameters) == 4 * (dense + experts / ep));
+    // ZeRO-1's optimizer state (Adam: 8 bytes a parameter) shard, over the world / ep ranks
+    // that hold the same experts, within the padding of one bucket a rank.
+    CHECK(static_cast<double>(held.optimizer_state) >= planned.optimizer_state);
+    CHECK(static_cast<double>(held.optimizer_state) <= planned.optimizer_state + 8.0 * world);
+  }
 }

@@ -32,7 +32,7 @@ namespace paratrain {
 //   replicate   data-parallel ranks that hold the same model state (DDP; HSDP's outer dimension)
 //   shard       data-parallel ranks that share the model state out (ZeRO, FSDP)
 //   context     ranks that share a sequence's positions (context parallelism: cp::attention)
-//   expert      ranks that share a layer's experts (expert parallelism: coming)
+//   expert      ranks that share a layer's experts (expert parallelism: moe::MixtureOfExperts)
 //   tensor      ranks that share a layer's matrices (tensor parallelism: paratrain::tp's layers)
 //
 // with sizes P, R, S, C, E, T (1 where unused) whose product is W. World rank
@@ -48,15 +48,29 @@ namespace paratrain {
 // outer first). It is split from the world the first time any rank asks for it, so every
 // rank asks for the same groups in the same order (the strategies do, at construction), and
 // kept: a group whose dimensions cover every dimension of more than one rank is the world
-// itself, and no split is made. The data-parallel dimensions (replicate and shard) are
-// where the samples differ: `data_shard()` is a rank's place among them. The context ranks
-// see the same samples, each its own positions of them (Note [Sequence layouts]), so they too
-// hold the model alike and average its gradients: Dims::replicas() (data and context) is
-// where a strategy keeps the model's replicas and averages their gradients, and
-// Dims::sharding() (data-shard and context) where ZeRO cuts the model's state, as
-// torchtitan's dp_shard_cp does: context parallelism's ranks share the state's memory too,
-// and a context-parallel run averages over data × context what a run without it averages
-// over data. Every strategy
+// itself, and no split is made. Each dimension plays some of four roles, and a strategy asks
+// for the role, never for a list of dimensions:
+//
+//   Dims::data()      where the samples differ: replicate, shard and expert (the ranks of an
+//                     expert group route different tokens to each other's experts).
+//                     `data_shard()` is a rank's place among them; the samplers deal by it.
+//   Dims::replicas()  where every parameter is held alike and its gradient averaged: the
+//                     data-parallel dimensions and context (its ranks see the same samples,
+//                     each its own positions of them: Note [Sequence layouts]). An expert's
+//                     replicas are these: its gradient already holds every token of its
+//                     expert group (Note [Experts over a group]).
+//   Dims::batch()     the ranks that take each step together: the replicas and the expert
+//                     dimension. The step is agreed, the samples counted and the parameters
+//                     not cut over the expert dimension (the dense ones: a router, attention)
+//                     averaged over them.
+//   Dims::sharding()  where ZeRO cuts the model's state: data-shard and context, as
+//                     torchtitan's dp_shard_cp does (context parallelism's ranks share the
+//                     state's memory too). Experts and dense parameters alike: an expert's
+//                     state over the ranks that hold that expert.
+//
+// A context-parallel run averages over data × context what a run without it averages over
+// data, and counts each replica's samples once. The tensor dimension plays none of these
+// roles: its ranks hold different slices of a layer and see the same tokens. Every strategy
 // takes its groups, its replica index and its data shard from here, and no other code
 // computes one rank's place from another's: a new dimension changes this file alone.
 //
@@ -87,11 +101,16 @@ class Dims {
   }
   /// Every dimension.
   [[nodiscard]] static constexpr Dims all() noexcept { return from_bits((1u << dim_count) - 1); }
-  /// The data-parallel dimensions, where ranks see different samples: replicate and shard.
-  [[nodiscard]] static constexpr Dims data() noexcept { return {Dim::replicate, Dim::shard}; }
-  /// The dimensions whose ranks hold the model alike and average its gradients: the data
-  /// dimensions and the context one (Note [Process mesh]).
+  /// Where ranks see different samples: replicate, shard and expert (Note [Process mesh]).
+  [[nodiscard]] static constexpr Dims data() noexcept { return {Dim::replicate, Dim::shard, Dim::expert}; }
+  /// The dimensions whose ranks hold every parameter alike and average its gradient:
+  /// replicate, shard and context (Note [Process mesh]).
   [[nodiscard]] static constexpr Dims replicas() noexcept { return {Dim::replicate, Dim::shard, Dim::context}; }
+  /// The ranks that take each step together: the replicas and the expert dimension, over
+  /// which the parameters not cut over it are averaged (Note [Process mesh]).
+  [[nodiscard]] static constexpr Dims batch() noexcept {
+    return {Dim::replicate, Dim::shard, Dim::context, Dim::expert};
+  }
   /// Where ZeRO cuts the model's state: the data-shard and context dimensions.
   [[nodiscard]] static constexpr Dims sharding() noexcept { return {Dim::shard, Dim::context}; }
 

@@ -18,9 +18,11 @@
 #include <vector>
 
 #include "paratrain/core/error.hpp"
+#include "paratrain/tensor_parallel/context.hpp"
 #include "paratrain/tensor_parallel/group.hpp"
-#include "paratrain/tensor_parallel/regions.hpp"
 #include "paratrain/tensor_parallel/init.hpp"
+#include "paratrain/tensor_parallel/regions.hpp"
+#include "paratrain/tensor_parallel/sharding.hpp"
 
 namespace paratrain::moe {
 
@@ -56,7 +58,14 @@ namespace paratrain::moe {
 // its rank sums the contributions of every rank's tokens: the expert gradient of the whole
 // group's loss. It must therefore be reduced over the data ranks that hold the same expert
 // (the other expert groups), not over the expert group; the router, held whole by every rank,
-// over both. is_expert_parameter() tells a strategy which is which.
+// over both. The layer says which are which as a tp::ShardedLayer over the mesh's expert
+// dimension: w1, b1, w2 and b2 cut along their first (expert) dimension; DataParallel
+// averages them over Dims::replicas() and the router over Dims::batch() (Note [Process mesh]).
+//
+// Each rank's loss is scaled by its own sample count before backward (Note [Exact
+// averaging]), so an expert's gradient sums every source rank's tokens with their ranks'
+// weights: divided by the step's global sample count, it is the gradient of the mean over
+// every rank's samples, as the dense parameters' are.
 
 struct Options {
   std::int64_t model = 0;         ///< d: the tokens' width
@@ -94,10 +103,13 @@ struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
 
 /// A mixture of experts over an expert group (Note [Experts over a group]). forward takes
 /// tokens [T, d] (or [..., d], flattened and restored) and returns their outputs; a group of
-/// one holds every expert: the single-device layer.
-class MixtureOfExpertsImpl : public torch::nn::Module {
+/// one holds every expert: the single-device layer. Without a group it joins the expert group
+/// of the strategy building it (tp::expert_group(): DataParallelOptions::expert_parallel), or
+/// holds every expert outside one.
+class MixtureOfExpertsImpl : public torch::nn::Module, public tensor_parallel::ShardedLayer {
  public:
-  explicit MixtureOfExpertsImpl(Options o, tensor_parallel::Group g = {}) : options_(o), group_(std::move(g)) {
+  explicit MixtureOfExpertsImpl(Options o) : MixtureOfExpertsImpl(o, tensor_parallel::expert_group()) {}
+  MixtureOfExpertsImpl(Options o, tensor_parallel::Group g) : options_(o), group_(std::move(g)) {
     const auto ep = group_.size();
     if (o.model <= 0 || o.hidden <= 0)
       throw error("moe::MixtureOfExperts", group_.world_rank(), "model and hidden must be > 0");
@@ -182,6 +194,13 @@ class MixtureOfExpertsImpl : public torch::nn::Module {
   [[nodiscard]] bool is_expert_parameter(const at::Tensor& p) const noexcept {
     return p.is_same(w1) || p.is_same(b1) || p.is_same(w2) || p.is_same(b2);
   }
+  /// The experts' parameters, cut along their first dimension over the expert group.
+  [[nodiscard]] std::vector<tensor_parallel::ShardedParameter> slices() const override {
+    const std::int64_t first = group_.rank() * local_, whole = options_.experts;
+    return {{"w1", 0, first, whole}, {"b1", 0, first, whole}, {"w2", 0, first, whole}, {"b2", 0, first, whole}};
+  }
+  [[nodiscard]] const tensor_parallel::Group& slice_group() const override { return group_; }
+  [[nodiscard]] Dim slice_dim() const override { return Dim::expert; }
 
   torch::nn::Linear router{nullptr};
   at::Tensor w1, b1, w2, b2;  // this rank's experts: [local, d, hidden], [local, hidden], [local, hidden, d], [local, d]
@@ -237,15 +256,5 @@ class MixtureOfExpertsImpl : public torch::nn::Module {
   std::int64_t dropped_ = 0, capacity_ = -1;
 };
 TORCH_MODULE(MixtureOfExperts);
-
-/// The largest expert group among `model`'s MixtureOfExperts layers (1: none cut its experts).
-[[nodiscard]] inline int expert_degree(const torch::nn::Module& model) {
-  int degree = 1;
-  for (const auto& m : model.modules(/*include_self=*/false))
-    if (const auto* layer = dynamic_cast<const MixtureOfExpertsImpl*>(m.get()))
-      degree = std::max(degree, layer->group().size());
-  if (const auto* layer = dynamic_cast<const MixtureOfExpertsImpl*>(&model)) degree = std::max(degree, layer->group().size());
-  return degree;
-}
 
 }  // namespace paratrain::moe

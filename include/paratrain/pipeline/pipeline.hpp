@@ -325,6 +325,10 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const Options options = typed(given, comm.rank());
     const int K = pipeline::detail::pipeline_ranks<Comm>(S, comm, options, Steps::gathers_in_forward);
     const int t = options.data_parallel.tensor_parallel, W = comm.size();
+    if (options.data_parallel.expert_parallel != 1)
+      throw error("Pipeline", comm.rank(),
+                  "data_parallel.expert_parallel is " + std::to_string(options.data_parallel.expert_parallel) +
+                      "; a pipeline does not route its stages' tokens over an expert group yet: leave it 1");
     if (options.data_parallel.context_parallel != 1)
       throw error("Pipeline", comm.rank(),
                   "data_parallel.context_parallel is " + std::to_string(options.data_parallel.context_parallel) +

@@ -188,7 +188,7 @@ class DataParallel {
       if (micro_batches.size() != 1) refuse_in_deterministic_mode("DataParallel::step", "micro-batches");
       return step(micro_batches.front(), loss, has_next);
     }
-    std::string problem;
+    std::string problem = expert_problem(micro_batches);
     for (std::size_t i = 0; i < micro_batches.size() && problem.empty(); ++i)
       problem = detail::batch_problem(micro_batches[i]);
     steps_->agree_before_forward(problem);
@@ -217,7 +217,9 @@ class DataParallel {
   template <loss_for<output_type> Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
     if (deterministic()) return step_deterministic(batch, loss, has_next);
-    steps_->agree_before_forward(detail::batch_problem(batch));
+    auto problem = expert_problem(std::span<const Batch>(&batch, 1));
+    if (problem.empty()) problem = detail::batch_problem(batch);
+    steps_->agree_before_forward(problem);
     return step_agreed(batch, loss, has_next);
   }
 
@@ -248,7 +250,7 @@ class DataParallel {
       static_cast<void>(agree_on_shards(0, {}));
       throw error("DataParallel::join", rank(), "deterministic mode gives every rank samples in every step");
     }
-    steps_->agree_before_forward({});
+    steps_->agree_before_forward(expert_problem({}));
     steps_->begin_step();
     steps_->before_backward(/*last=*/true);
     return steps_->end_step(0, 0.0, has_next, /*joined=*/true);
@@ -296,6 +298,9 @@ class DataParallel {
   /// The group the model's sequences are cut over (DataParallelOptions::context_parallel):
   /// what its attention ran over, with its traffic.
   [[nodiscard]] const tp::Group& context_group() const noexcept { return context_group_; }
+  /// The group the model's experts are cut over (DataParallelOptions::expert_parallel): what
+  /// its moe::MixtureOfExperts layers route tokens over, with its traffic.
+  [[nodiscard]] const tp::Group& expert_group() const noexcept { return expert_group_; }
   [[nodiscard]] Model& model() noexcept { return model_; }
   /// Where the model's parameters are, as they were at construction: batches move there
   /// (Note [One move per batch]), and the communicator reduces there.
@@ -365,18 +370,25 @@ class DataParallel {
   static Mesh<Comm> mesh_of(Comm comm, const Options& options) {
     const int ranks = comm.size(), me = comm.rank();
     const auto o = typed(options, me);
-    return Mesh<Comm>(std::move(comm), options_mesh(o.shard_group, o.tensor_parallel, o.context_parallel, ranks, me));
+    return Mesh<Comm>(std::move(comm),
+                      options_mesh(o.shard_group, o.tensor_parallel, o.context_parallel, o.expert_parallel, ranks, me));
   }
-  /// A mesh of the user's: data, context and tensor dimensions only, shard_group unset or
-  /// its data-shard size, tensor_parallel and context_parallel 1 or their dimensions' sizes.
+  /// A mesh of the user's: data, context, expert and tensor dimensions only, shard_group
+  /// unset or its data-shard size, tensor_parallel, context_parallel and expert_parallel 1
+  /// or their dimensions' sizes.
   static Mesh<Comm> checked(Mesh<Comm> mesh, const Options& given) {
     const Options options = typed(given, mesh.rank());
-    if (mesh.size(~(Dims::replicas() | Dim::tensor)) != 1)
+    if (mesh.size(~(Dims::batch() | Dim::tensor)) != 1)
       throw error("DataParallel", mesh.rank(),
                   "the mesh " + mesh.shape().str() +
-                      " has dimensions besides the data, context and tensor ones; DataParallel trains one model on "
-                      "data-parallel ranks, its sequences cut over the context ones and its layers over the tensor "
-                      "ones (a pipeline: DataParallel<Pipeline<...>>)");
+                      " has dimensions besides the data, context, expert and tensor ones; DataParallel trains one "
+                      "model on data-parallel ranks, its sequences cut over the context ones, its experts over the "
+                      "expert ones and its layers over the tensor ones (a pipeline: DataParallel<Pipeline<...>>)");
+    if (options.expert_parallel != 1 && options.expert_parallel != mesh.size(Dim::expert))
+      throw error("DataParallel", mesh.rank(),
+                  "DataParallelOptions::expert_parallel is " + std::to_string(options.expert_parallel) +
+                      " but the mesh " + mesh.shape().str() + " has " + std::to_string(mesh.size(Dim::expert)) +
+                      " expert ranks; leave expert_parallel 1 where the mesh says it");
     if (options.context_parallel != 1 && options.context_parallel != mesh.size(Dim::context))
       throw error("DataParallel", mesh.rank(),
                   "DataParallelOptions::context_parallel is " + std::to_string(options.context_parallel) +
@@ -399,7 +411,7 @@ class DataParallel {
   /// works on a GPU (comm::Nccl), moved there first, as a build function's model is placed
   /// (a model on another GPU is refused, naming both devices: check_model_device).
   static auto as_builder(Model& model) {
-    return [&model](Mesh<Comm>& mesh, const tp::Group&, const tp::Group&, const Options&) {
+    return [&model](Mesh<Comm>& mesh, const tp::Context&, const Options&) {
       const auto target = detail::communicator_device(mesh.world());
       if (target.is_cuda() && detail::device_of(*model).is_cpu()) model->to(target);
       return std::move(model);
@@ -408,12 +420,12 @@ class DataParallel {
   /// `build()`, as the store builds it (Note [Sharded construction]).
   template <class Build>
   static auto constructed(Build& build) {
-    return [&build](Mesh<Comm>& mesh, const tp::Group& group, const tp::Group& context,
-                    const Options& options) -> Model {
+    return [&build](Mesh<Comm>& mesh, const tp::Context& groups, const Options& options) -> Model {
       // Note [Building a tensor-parallel model]: the layers join the mesh's tensor group, the
-      // model's attention its context group.
-      const tp::Construction tensor_group(
-          {.group = group, .sequence_parallel = options.sequence_parallel, .context = context});
+      // model's attention its context group, its mixtures of experts its expert group.
+      tp::Context context = groups;
+      context.sequence_parallel = options.sequence_parallel;
+      const tp::Construction scope(std::move(context));
       return Steps::Store::construct(build, mesh, Steps::store_options_of(options));
     };
   }
@@ -423,25 +435,40 @@ class DataParallel {
       : mesh_(std::move(mesh)),
         tensor_group_(mesh_),
         context_group_(mesh_, Dim::context),
+        expert_group_(mesh_, Dim::expert),
         model_((static_cast<void>(memory::install()), refuse_deterministic_context(options),
-                make(mesh_, tensor_group_, context_group_, typed(options, mesh_.rank())))),
-        device_((refuse_expert_groups(), detail::device_of(*model_))),
+                make(mesh_, tp::Context{.group = tensor_group_, .context = context_group_, .expert = expert_group_},
+                     typed(options, mesh_.rank())))),
+        device_(detail::device_of(*model_)),
         steps_(std::make_unique<Steps>(mesh_, *model_, device_, groups(model_), std::move(defaults),
                                        typed(options, mesh_.rank()), "DataParallel")) {}
 
-  // A mixture of experts whose experts are cut over an expert group needs its expert
-  // gradients reduced over the ranks that hold the same experts, and its tokens dealt as
-  // Note [Experts over a group] says: not built into the strategy yet. Averaged over the data
-  // ranks as every other gradient, different experts' gradients would be mixed: refused on
-  // every rank (every rank builds the same model) rather than trained wrong.
-  void refuse_expert_groups() const {
-    if (const auto ep = moe::expert_degree(*model_); ep > 1)
-      throw error("DataParallel", mesh_.rank(),
-                  "the model's moe::MixtureOfExperts layers cut their experts over an expert group of " +
-                      std::to_string(ep) +
-                      " ranks; DataParallel does not train expert parallelism yet (it would average different "
-                      "experts' gradients): build the layers without a group, every expert on every rank "
-                      "(docs/experts.md)");
+  // Note [Unusable batches]: under expert parallelism every rank of an expert group routes
+  // tokens in every forward, the same number of forwards a step; a rank without samples, or
+  // with another number of micro-batches than the rest of its group, cannot take part. The
+  // counts are compared (one all-reduce over the expert group) only where there is one.
+  [[nodiscard]] std::string expert_problem(std::span<const Batch> micro_batches) {
+    if (!steps_->exchanges_in_forward()) return {};
+    const auto n = static_cast<std::int64_t>(micro_batches.size());
+    auto counts = at::tensor(std::vector<std::int64_t>{n, -n}, at::kLong);
+    detail::all_reduce_on(mesh_.group(Dim::expert), counts, device_, reduce_op::max);
+    const auto most = counts[0].item<std::int64_t>(), least = -counts[1].item<std::int64_t>();
+    std::int64_t samples = 0;
+    for (const auto& b : micro_batches) samples += b.size();
+    if (least == 0 || samples == 0)
+      return std::string(samples == 0 ? "this rank has" : "a rank of this rank's expert group has") +
+             " no samples this step, and under expert parallelism every rank of an expert group routes tokens to the "
+             "others' experts in every forward: give every rank samples in every step (a DistributedSampler with "
+             "drop_last, or fit, does)";
+    if (most != least)
+      return "the ranks of an expert group have from " + std::to_string(least) + " to " + std::to_string(most) +
+             " micro-batches this step (this rank " + std::to_string(n) +
+             "); under expert parallelism each forward exchanges tokens with the whole group: give its ranks the "
+             "same number";
+    for (const auto& b : micro_batches)
+      if (b.size() == 0)
+        return "an empty micro-batch: under expert parallelism every forward routes tokens over the expert group";
+    return {};
   }
 
   // Deterministic mode cuts each global batch into virtual shards over the data ranks; the
@@ -530,6 +557,7 @@ class DataParallel {
   Mesh<Comm> mesh_;  // before model_, which sharded construction builds with it
   tp::Group tensor_group_;  // the one its layers joined: they share its traffic counters
   tp::Group context_group_;  // the one its attention runs over (Context::context)
+  tp::Group expert_group_;   // the one its mixtures of experts cut their experts over (Context::expert)
   Model model_;
   at::Device device_;  // the model's, where the communicator reduces (comm::Nccl: CUDA only)
   std::unique_ptr<Steps> steps_;

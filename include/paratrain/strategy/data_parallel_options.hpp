@@ -89,6 +89,13 @@ struct DataParallelOptions {
   /// strategy builds the model in a tp::Construction whose Context::context is that group,
   /// for its attention (cp::attention). 1: off.
   int context_parallel = 1;
+  /// Expert parallelism: the experts of the model's moe::MixtureOfExperts layers are cut over
+  /// groups of this many ranks (the mesh's expert dimension, inside the context one: Note
+  /// [Process mesh]), which see different samples and route their tokens to each other's
+  /// experts. The strategy builds the model in a tp::Construction whose Context::expert is
+  /// that group (tp::expert_group()); dense parameters are averaged over data × expert ranks,
+  /// experts over the data ranks that hold them (Note [Experts over a group]). 1: off.
+  int expert_parallel = 1;
 };
 
 /// A function that builds a `Model` (not a model itself: a module holder is callable too,
@@ -114,11 +121,11 @@ concept model_builder = !std::is_base_of_v<torch::detail::ModuleHolderIndicator,
 }
 
 /// The mesh DataParallelOptions spell over `ranks` ranks: the data dimensions of
-/// data_mesh() over what the tensor and context dimensions (tensor_parallel,
-/// context_parallel) leave. Throws, the same on every rank, where a degree does not divide
-/// the world.
-[[nodiscard]] inline MeshShape options_mesh(int shard_group, int tensor_parallel, int context_parallel, int ranks,
-                                            int rank) {
+/// data_mesh() over what the tensor, expert and context dimensions (tensor_parallel,
+/// expert_parallel, context_parallel) leave. Throws, the same on every rank, where a degree
+/// does not divide the world.
+[[nodiscard]] inline MeshShape options_mesh(int shard_group, int tensor_parallel, int context_parallel,
+                                            int expert_parallel, int ranks, int rank) {
   if (tensor_parallel < 1 || ranks % tensor_parallel != 0)
     throw error("DataParallel", rank,
                 "DataParallelOptions::tensor_parallel is " + std::to_string(tensor_parallel) + " but the world has " +
@@ -128,9 +135,17 @@ concept model_builder = !std::is_base_of_v<torch::detail::ModuleHolderIndicator,
                 "DataParallelOptions::context_parallel is " + std::to_string(context_parallel) + " but " +
                     std::to_string(ranks / tensor_parallel) +
                     " ranks remain beside the tensor dimension; the context degree must be at least 1 and divide them");
-  auto shape = data_mesh(shard_group, ranks / tensor_parallel / context_parallel, rank);
+  const int left = ranks / tensor_parallel / context_parallel;
+  if (expert_parallel < 1 || left % expert_parallel != 0)
+    throw error("DataParallel", rank,
+                "DataParallelOptions::expert_parallel is " + std::to_string(expert_parallel) + " but " +
+                    std::to_string(left) +
+                    " ranks remain beside the tensor and context dimensions; the expert degree must be at least 1 "
+                    "and divide them");
+  auto shape = data_mesh(shard_group, left / expert_parallel, rank);
   shape.tensor = tensor_parallel;
   shape.context = context_parallel;
+  shape.expert = expert_parallel;
   return shape;
 }
 

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -61,8 +62,11 @@ namespace paratrain {
 // buckets, agrees on the step (Note [Step agreement]), averages exactly (Note [Exact
 // averaging]), clips and checks over the ranks whose gradients together make the model's
 // (the store's partition and a pipeline's stages: the mesh's groups), and steps the store.
-// The module's replicas are the ranks of the mesh's data dimensions; its parameters are
-// cut along the pipeline dimension where there is one.
+// The module's replicas are the ranks of the mesh's replicas role; its parameters are cut
+// along the pipeline dimension where there is one. Under expert parallelism the step is
+// taken by the replicas and the expert dimension together (Dims::batch()): the gradients of
+// the parameters no layer cuts over it are summed over it once the buckets' sums are in
+// (Note [Experts over a group]).
 
 /// The parameter store an update policy asks for: Note [Parameter stores].
 template <class Comm, class Update>
@@ -88,7 +92,11 @@ class ReplicaSteps {
   template <class OptimOptions>
   ReplicaSteps(Mesh<Comm> mesh, torch::nn::Module& module, const at::Device& device, ParamGroups groups,
                OptimOptions defaults, const Options& options, const char* owner)
-      : mesh_(std::move(mesh)), module_(&module), data_(&mesh_.group(Dims::replicas())), options_(options),
+      : mesh_(std::move(mesh)),
+        module_(&module),
+        data_(&mesh_.group(Dims::batch())),
+        replicas_(&mesh_.group(Dims::replicas())),
+        options_(options),
         device_(device) {
     if (options.build.device && *options.build.device != device_)
       throw error(owner, rank(),
@@ -104,10 +112,26 @@ class ReplicaSteps {
     check_deterministic(options, owner);
     // Replicas start from rank 0's values; what units built sharded hold, no rank has
     // whole: their ranks checked instead that they drew the same (Note [Sharded construction]).
+    // Experts start from their replicas' first rank's: the expert group's ranks hold others.
     const auto sharded = detail::sharded_at_construction(module);
-    std::vector<at::Tensor> whole;
+    const auto sliced = tp::sliced_parameters_of(module);
+    std::set<const void*> experts;
+    for (const auto& [name, shard] : sliced)
+      if (shard.over == Dim::expert) {
+        experts.insert(shard.impl);
+        if (shard.degree != mesh_.size(Dim::expert))
+          throw error(owner, rank(),
+                      "the model's parameter '" + name + "' is cut over an expert group of " +
+                          std::to_string(shard.degree) + " ranks, and this strategy's expert dimension has " +
+                          std::to_string(mesh_.size(Dim::expert)) +
+                          " (the mesh " + mesh_.shape().str() +
+                          "); build its moe::MixtureOfExperts layers inside the strategy (they join "
+                          "tp::expert_group()), with DataParallelOptions::expert_parallel the degree");
+      }
+    std::vector<at::Tensor> whole, whole_experts;
     for (const auto& p : module.parameters())
-      if (!sharded.count(p.unsafeGetTensorImpl())) whole.push_back(p);
+      if (!sharded.count(p.unsafeGetTensorImpl()))
+        (experts.count(p.unsafeGetTensorImpl()) ? whole_experts : whole).push_back(p);
     // Note [Checking the plan]: before the strategy allocates anything of its own.
     if (options.prefetch < 0)
       throw error(owner, rank(),
@@ -121,10 +145,12 @@ class ReplicaSteps {
     if (options.memory.check) {
       double held = 0;  // what the model holds on this rank now: whole parameters, or shards
       for (const auto& p : whole) held += static_cast<double>(detail::bytes_of(p));
+      for (const auto& p : whole_experts) held += static_cast<double>(detail::bytes_of(p));
       held += detail::constructed_shard_bytes(module);
       detail::agree(data, owner, detail::plan_problem(plan_, Store::planned_stage, held, options.memory));
     }
     detail::broadcast_coalesced(*data_, whole, 0);
+    detail::broadcast_coalesced(*replicas_, whole_experts, 0);
     detail::broadcast_coalesced(*data_, module.buffers(), 0);
     store_ = std::make_unique<Store>(module, mesh_, store_options, groups, std::move(defaults));
     grads_ = std::make_unique<Grads>(store_->layout(), store_->gradients(), store_->gradient_group(),
@@ -132,9 +158,15 @@ class ReplicaSteps {
                                      [s = store_.get()](std::size_t b) { s->on_gradients_complete(b); });
     // The ranks whose parts make up the model's gradients (the store's partition, the
     // pipeline's stages): split now, while every rank constructs, for clipping and NaN checks.
-    if (const Dims parts = store_->partitions() | Dim::pipeline | Dim::tensor; mesh_.size(parts) > 1)
+    if (const Dims parts = store_->partitions() | Dim::pipeline | Dim::tensor | Dim::expert; mesh_.size(parts) > 1)
       parts_ = &mesh_.group(parts);
-    count_once_over_tensor_group();
+    count_once_over_slice_groups(sliced);
+    if (mesh_.size(Dim::expert) > 1) {
+      experts_ = &mesh_.group(Dim::expert);
+      const auto& params = store_->layout().params();
+      dense_.assign(params.size(), 1);
+      for (std::size_t i = 0; i < params.size(); ++i) dense_[i] = experts.count(params[i].tensor.unsafeGetTensorImpl()) ? 0 : 1;
+    }
   }
 
   ReplicaSteps(const ReplicaSteps&) = delete;
@@ -188,6 +220,7 @@ class ReplicaSteps {
     PhaseTimer sync(timeline_, Phase::sync);
     const auto start = std::chrono::steady_clock::now();
     grads_->flush();
+    sum_dense_over_experts();
     const auto& layout = store_->layout();
     const auto agreement = agree_on_step(
         *data_, device_, layout.params().size(),
@@ -291,7 +324,9 @@ class ReplicaSteps {
   [[nodiscard]] double exposed_communication_seconds() const noexcept {
     return exposed_seconds_ + store_->exposed_seconds();
   }
-  [[nodiscard]] std::int64_t gradient_bytes_sent() const noexcept { return grads_->sent_bytes(); }
+  /// This step's gradient bytes handed to collectives: the buckets', and the dense
+  /// parameters' sum over the expert group (Note [Experts over a group]).
+  [[nodiscard]] std::int64_t gradient_bytes_sent() const noexcept { return grads_->sent_bytes() + expert_sum_bytes_; }
   [[nodiscard]] ModelStateBytes model_state_bytes() const {
     ModelStateBytes out = store_->bytes();
     out.gradients = grads_->bytes();
@@ -318,38 +353,45 @@ class ReplicaSteps {
   [[nodiscard]] CheckpointLayout checkpoint_layout() const {
     auto layout = store_->checkpoint_layout(*module_);
     const auto world_writer = [&](TensorSlice& sl) {
-      if (sl.writer >= 0) sl.writer = mesh_.world_rank(Dims::replicas(), sl.writer);
+      if (sl.writer >= 0) sl.writer = mesh_.world_rank(Dims::batch(), sl.writer);
     };
     for (auto& sl : layout.model) world_writer(sl);
     for (auto& sl : layout.optimized) world_writer(sl);
-    if (mesh_.size(Dim::tensor) > 1) place_tensor_slices(layout);
+    if (mesh_.size(Dim::tensor) > 1 || mesh_.size(Dim::expert) > 1) place_slices(layout);
     return layout;
   }
 
   // Note [Tensor-parallel checkpoints]
   // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-  // A parameter cut over the tensor group is saved as the box of the whole tensor this rank
-  // holds (TensorSlice::box_offset, box_shape), the store's range (a ZeRO shard) counted in
-  // it: its runs of the whole are the chunks, so a checkpoint holds whole tensors whatever
-  // the degree, and a load at another degree (or none) reads its own box's runs. A box every
-  // data-parallel replica holds whole is written by one of them, in turn by tensor (the same
-  // choice on every rank: every rank lists the tensors in the same order), and it leaves the
-  // byte balance of the replicated tensors alone, so every rank still picks their writers alike.
-  // A tensor replicated over the tensor group that ZeRO shards is written by the group's
-  // first rank (its pieces are the same on every tensor rank).
-  void place_tensor_slices(CheckpointLayout& layout) const {
-    const auto shards = tp::tensor_shards_of(*module_);
+  // A parameter cut over the tensor group (or, a mixture's experts, over the expert group) is
+  // saved as the box of the whole tensor this rank holds (TensorSlice::box_offset, box_shape),
+  // the store's range (a ZeRO shard) counted in it: its runs of the whole are the chunks, so a
+  // checkpoint holds whole tensors whatever the degree, and a load at another degree (or none)
+  // reads its own box's runs. A box every replica holds whole is written by one of them, in
+  // turn (the same choice on every rank: every rank lists the tensors in the same order), and
+  // it leaves the byte balance of the replicated tensors alone, so every rank still picks their
+  // writers alike. The ranks of the tensor and expert dimensions a tensor is not cut over hold
+  // the same box (or, replicated and ZeRO-sharded, the same pieces): those at coordinate 0 of
+  // those dimensions write it.
+  void place_slices(CheckpointLayout& layout) const {
+    const auto shards = tp::sliced_parameters_of(*module_);
     const int replicas = mesh_.size(Dims::replicas()), me = mesh_.index(Dims::replicas());
+    const auto first_of = [&](Dims alike) {
+      for (const auto d : {Dim::tensor, Dim::expert})
+        if (alike.contains(d) && mesh_.index(d) != 0) return false;
+      return true;
+    };
     int turn = 0;
     const auto place = [&](TensorSlice& sl) {
       const auto it = shards.find(sl.name);
       if (it == shards.end()) {
-        // Replicated over the tensor group: ZeRO's pieces of it are the same on every tensor
-        // rank; those of the first write them.
-        if (!sl.replicated) sl.saved = sl.saved && mesh_.index(Dim::tensor) == 0;
+        // Replicated over the tensor and expert groups: ZeRO's pieces of it are the same on
+        // every rank of them; those at their coordinate 0 write them.
+        if (!sl.replicated) sl.saved = sl.saved && first_of({Dim::tensor, Dim::expert});
         return;
       }
       const auto& cut = it->second.slice;
+      const Dims alike = it->second.over == Dim::tensor ? Dims(Dim::expert) : Dims(Dim::tensor);
       const auto d = static_cast<std::size_t>(cut.dim);
       sl.box_shape = sl.shape;
       sl.box_offset.assign(sl.shape.size(), 0);
@@ -358,7 +400,9 @@ class ReplicaSteps {
       if (sl.replicated) {
         sl.replicated = false;
         sl.writer = -1;
-        sl.saved = turn++ % replicas == me;
+        sl.saved = turn++ % replicas == me && first_of(alike);
+      } else {
+        sl.saved = sl.saved && first_of(alike);
       }
     };
     for (auto& sl : layout.model) place(sl);
@@ -379,18 +423,22 @@ class ReplicaSteps {
   // step's agreement (Note [Step agreement]) tells every rank to throw. At stage 3 forward
   // itself gathers units, which a rank without a forward can only repeat from its last
   // step, so there the ranks agree on their batches before the step: one scalar all-reduce
-  // in every step(), and in join().
+  // in every step(), and in join(). Under expert parallelism forward exchanges tokens with
+  // the expert group, whose every rank must take part: the ranks agree alike, and a rank
+  // with no samples (join(), an empty batch) is a problem of its own.
 
-  /// Note [Unusable batches]: where forward gathers parameters (stage 3), throws on every
-  /// rank when one has a `problem`.
+  /// Note [Unusable batches]: where forward communicates (ZeRO-3's gathers, an expert
+  /// group's exchanges), throws on every rank when one has a `problem`.
   void agree_before_forward(const std::string& problem) {
-    if constexpr (Store::gathers_in_forward) {
+    if (Store::gathers_in_forward || experts_ != nullptr) {
       auto data = on_device();
       detail::agree(data, "DataParallel::step", problem);
     }
   }
   /// Whether forward gathers parameters (Note [Unusable batches]).
   static constexpr bool gathers_in_forward = Store::gathers_in_forward;
+  /// Whether forward exchanges tokens with an expert group (Note [Unusable batches]).
+  [[nodiscard]] bool exchanges_in_forward() const noexcept { return experts_ != nullptr; }
 
   /// The data-parallel ranks, reducing on the model's device: what the strategies' own
   /// agreements (deterministic mode's sample counts) run over.
@@ -428,16 +476,54 @@ class ReplicaSteps {
   // hold it. A parameter cut over the tensor group holds a different slice on each of its
   // ranks: each slice counts, summed over the group. A parameter replicated over it (a layer
   // norm, a row-parallel bias, a plain layer) holds the same gradient on every rank: it
-  // counts on the group's first rank only, or it would count t times. The sum then runs
-  // over the store's partition, the pipeline's stages and the tensor group together.
-  void count_once_over_tensor_group() {
-    if (mesh_.size(Dim::tensor) == 1 || mesh_.index(Dim::tensor) == 0) return;
-    const auto sharded = tp::tensor_shards_of(*module_);
-    std::set<const void*> impls;
-    for (const auto& [name, shard] : sharded) impls.insert(shard.impl);
+  // counts on the group's first rank only, or it would count t times. The expert group
+  // alike: each rank's experts count, the dense parameters (summed over it by then) on its
+  // first rank only. The sum then runs over the store's partition, the pipeline's stages and
+  // the tensor and expert groups together.
+  void count_once_over_slice_groups(const std::map<std::string, tp::ModelShard>& sliced) {
+    std::map<const void*, Dim> over;
+    for (const auto& [name, shard] : sliced) over.emplace(shard.impl, shard.over);
     const auto& params = store_->layout().params();
-    counted_.assign(params.size(), 0);
-    for (std::size_t i = 0; i < params.size(); ++i) counted_[i] = impls.count(params[i].tensor.unsafeGetTensorImpl()) ? 1 : 0;
+    std::vector<char> counted(params.size(), 1);
+    bool any = false;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto it = over.find(params[i].tensor.unsafeGetTensorImpl());
+      for (const auto d : {Dim::tensor, Dim::expert})
+        if (mesh_.index(d) != 0 && (it == over.end() || it->second != d)) counted[i] = 0;
+      any = any || counted[i] == 0;
+    }
+    if (any) counted_ = std::move(counted);
+  }
+
+  // Note [Experts over a group]: the gradient of an expert already holds every token of its
+  // expert group, and the buckets summed it over its replicas; a dense parameter's holds this
+  // rank's tokens only, and is summed over the expert group too, here: its parts of this
+  // rank's bucket sums (whole buckets, or ZeRO's shards: the same elements on every rank of
+  // the expert group, whose layouts match), in one all-reduce.
+  void sum_dense_over_experts() {
+    if (experts_ == nullptr) return;
+    const auto& layout = store_->layout();
+    std::vector<at::Tensor> parts;
+    for (std::size_t b = 0; b < layout.buckets().size(); ++b) {
+      const auto& g = grads_->output(b);
+      const auto begin = grads_->output_offset(b), end = begin + g.numel();
+      for (const auto i : layout.buckets()[b].params) {
+        if (!dense_[i]) continue;
+        const auto& p = layout.params()[i];
+        const auto lo = std::max(begin, p.offset), hi = std::min(end, p.offset + p.tensor.numel());
+        if (lo < hi) parts.push_back(g.narrow(0, lo - begin, hi - lo));
+      }
+    }
+    expert_sum_bytes_ = 0;
+    if (parts.empty()) return;
+    auto flat = at::cat(parts);
+    expert_sum_bytes_ = static_cast<std::int64_t>(flat.numel() * flat.element_size());
+    detail::all_reduce_on(*experts_, flat, device_, reduce_op::sum);
+    std::int64_t at = 0;
+    for (auto& part : parts) {
+      part.copy_(flat.narrow(0, at, part.numel()));
+      at += part.numel();
+    }
   }
 
   /// Note [Deterministic training]: every rank checks alike, turns on LibTorch's
@@ -457,6 +543,11 @@ class ReplicaSteps {
                 "): its order of addition is fixed for whole gradients, and the tensor group's all-reduces and "
                 "reduce-scatters sum the activations' parts in an order of their own; train at tensor degree 1 "
                 "or without deterministic mode";
+    if (problem.empty() && options.deterministic.on() && mesh_.size(Dim::expert) > 1)
+      problem = "deterministic mode does not take expert parallelism (an expert degree of " +
+                std::to_string(mesh_.size(Dim::expert)) +
+                "): its virtual shards deal each sample to one rank, and an expert group's all-to-alls send every "
+                "rank's tokens to every other; train at expert degree 1 or without deterministic mode";
     if (options.deterministic.on() && problem.empty()) {
       try {
         at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
@@ -483,8 +574,12 @@ class ReplicaSteps {
 
   Mesh<Comm> mesh_;
   torch::nn::Module* module_;
-  Comm* data_;  // the mesh's replicas group (data and context): the module's replicas
-  Comm* parts_ = nullptr;  // the ranks whose gradients make up the model's, where more than this one
+  Comm* data_;      // the mesh's batch group: the ranks that take each step together
+  Comm* replicas_;  // the mesh's replicas group: the ranks that hold every parameter alike
+  Comm* parts_ = nullptr;    // the ranks whose gradients make up the model's, where more than this one
+  Comm* experts_ = nullptr;  // the expert group, where more than this one: Note [Experts over a group]
+  std::vector<char> dense_;  // per layout parameter, whether no layer cuts it over the expert group
+  std::int64_t expert_sum_bytes_ = 0;  // the last step's dense gradients summed over the expert group
   std::vector<char> counted_;  // per layout parameter, whether its squares count here: Note [Norms over a tensor group]
   Options options_;
   at::Device device_;  // the module's, where the communicator reduces (comm::Nccl: CUDA only)

@@ -149,13 +149,13 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public ShardedLayer {
 
   at::Tensor forward(const at::Tensor& x);
 
-  [[nodiscard]] std::vector<ShardedParameter> tensor_shards() const override {
+  [[nodiscard]] std::vector<ShardedParameter> slices() const override {
     const auto off = context_.group.rank() * part_;
     std::vector<ShardedParameter> out{{"weight", 0, off, options_.out_features()}};
     if (bias.defined()) out.push_back({"bias", 0, off, options_.out_features()});
     return out;
   }
-  [[nodiscard]] const Group& tensor_group() const override { return context_.group; }
+  [[nodiscard]] const Group& slice_group() const override { return context_.group; }
   [[nodiscard]] const Context& context() const noexcept { return context_; }
   [[nodiscard]] const ColumnParallelLinearOptions& options() const noexcept { return options_; }
 

@@ -29,12 +29,18 @@ struct Context {
   Group group{};
   bool sequence_parallel = false;
   Group context{};  ///< the mesh's context dimension; one rank: sequences whole
+  Group expert{};   ///< the mesh's expert dimension; one rank: every expert on every rank
 };
 
 /// The context group of the model being built on this thread (Context::context of the
 /// strategy's Construction), or a group of one outside any: what a model's attention runs
 /// over (cp::attention), taken where the model is built.
 [[nodiscard]] inline Group context_group();
+
+/// The expert group of the model being built on this thread (Context::expert of the
+/// strategy's Construction), or a group of one outside any: what its moe::MixtureOfExperts
+/// layers cut their experts over, taken where the model is built.
+[[nodiscard]] inline Group expert_group();
 
 /// While one exists on this thread, every tensor-parallel layer built without a Context of
 /// its own joins this one (Note [Building a tensor-parallel model]). Scopes do not nest.
@@ -61,6 +67,10 @@ class Construction {
 inline Group context_group() {
   const auto* c = Construction::current();
   return c ? c->context : Group{};
+}
+inline Group expert_group() {
+  const auto* c = Construction::current();
+  return c ? c->expert : Group{};
 }
 
 /// The context a layer named `layer` joins: `given`, else the scope's, else an error.

@@ -191,7 +191,8 @@ class Group {
   [[nodiscard]] at::Tensor all_to_all(const at::Tensor& x, std::span<const std::int64_t> in_rows,
                                       std::span<const std::int64_t> out_rows) const {
     if (!impl_) return x;
-    const auto row = x.dim() == 0 ? 1 : x.numel() / std::max<std::int64_t>(x.size(0), 1);
+    std::int64_t row = 1;  // elements a row: from the sizes, which a tensor of no rows still has
+    for (std::int64_t d = 1; d < x.dim(); ++d) row *= x.size(d);
     std::vector<std::int64_t> in_counts, out_counts;
     std::int64_t rows = 0;
     for (const auto r : in_rows) in_counts.push_back(r * row);

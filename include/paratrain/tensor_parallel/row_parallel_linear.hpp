@@ -63,10 +63,10 @@ class RowParallelLinearImpl : public torch::nn::Module, public ShardedLayer {
     return y + (context_.sequence_parallel ? copy_to_region(bias, g) : bias);
   }
 
-  [[nodiscard]] std::vector<ShardedParameter> tensor_shards() const override {
+  [[nodiscard]] std::vector<ShardedParameter> slices() const override {
     return {{"weight", 1, context_.group.rank() * part_, options_.in_features()}};
   }
-  [[nodiscard]] const Group& tensor_group() const override { return context_.group; }
+  [[nodiscard]] const Group& slice_group() const override { return context_.group; }
   [[nodiscard]] const Context& context() const noexcept { return context_; }
 
   at::Tensor weight, bias;

@@ -1,7 +1,8 @@
 #pragma once
 /// \file
-/// Which parameters of a model are cut over its tensor group, and how: what strategies
-/// (clipping, checks) and checkpoints ask of tensor-parallel layers.
+/// Which parameters of a model are cut over a group of the mesh, and how: what strategies
+/// (clipping, checks, averaging) and checkpoints ask of tensor-parallel layers and of
+/// mixtures of experts.
 
 #include <torch/nn/module.h>
 
@@ -14,7 +15,7 @@
 
 namespace paratrain::tensor_parallel {
 
-/// A parameter of a tensor-parallel layer that each rank of the group holds a slice of:
+/// A parameter of a sliced layer that each rank of the layer's group holds a slice of:
 /// along `dim`, the elements [offset, offset + its size) of `whole`.
 struct ShardedParameter {
   std::string name;  ///< within its layer ("weight")
@@ -23,36 +24,42 @@ struct ShardedParameter {
   std::int64_t whole = 0;
 };
 
-/// What a tensor-parallel layer says of itself. Its parameters not named here are whole on
-/// every rank of its group (replicated): layer norms, a row-parallel layer's bias.
+/// What a layer whose parameters are cut over a group of the mesh says of itself: a
+/// tensor-parallel layer (over the tensor dimension: slices of its matrices) or a mixture of
+/// experts (over the expert dimension: its experts). Its parameters not named here are whole
+/// on every rank of its group (replicated): layer norms, a row-parallel layer's bias, a router.
 class ShardedLayer {
  public:
   virtual ~ShardedLayer() = default;
   /// This rank's slices.
-  [[nodiscard]] virtual std::vector<ShardedParameter> tensor_shards() const = 0;
-  [[nodiscard]] virtual const Group& tensor_group() const = 0;
+  [[nodiscard]] virtual std::vector<ShardedParameter> slices() const = 0;
+  /// The ranks that hold the other slices.
+  [[nodiscard]] virtual const Group& slice_group() const = 0;
+  /// The mesh dimension that group is.
+  [[nodiscard]] virtual Dim slice_dim() const { return Dim::tensor; }
 };
 
-/// A tensor-sharded parameter of a model, by its full name.
+/// A sliced parameter of a model, by its full name.
 struct ModelShard {
   ShardedParameter slice;
   const void* impl = nullptr;  ///< the parameter's TensorImpl
   int degree = 1;              ///< its group's size
+  Dim over = Dim::tensor;      ///< the mesh dimension it is cut over
 };
 
-/// Every tensor-sharded parameter of `model` (degree > 1 only), by full name (as
-/// named_parameters() spells it).
-[[nodiscard]] inline std::map<std::string, ModelShard> tensor_shards_of(const torch::nn::Module& model) {
+/// Every sliced parameter of `model` (degree > 1 only), by full name (as named_parameters()
+/// spells it).
+[[nodiscard]] inline std::map<std::string, ModelShard> sliced_parameters_of(const torch::nn::Module& model) {
   std::map<std::string, ModelShard> out;
   for (const auto& m : model.named_modules()) {
     const auto* layer = dynamic_cast<const ShardedLayer*>(m.value().get());
-    if (layer == nullptr || layer->tensor_group().size() == 1) continue;
+    if (layer == nullptr || layer->slice_group().size() == 1) continue;
     const auto params = m.value()->named_parameters(/*recurse=*/false);
-    for (auto& s : layer->tensor_shards()) {
+    for (auto& s : layer->slices()) {
       const auto* p = params.find(s.name);
       if (p == nullptr) continue;
       const auto full = m.key().empty() ? s.name : m.key() + "." + s.name;
-      out.emplace(full, ModelShard{s, p->unsafeGetTensorImpl(), layer->tensor_group().size()});
+      out.emplace(full, ModelShard{s, p->unsafeGetTensorImpl(), layer->slice_group().size(), layer->slice_dim()});
     }
   }
   return out;

@@ -51,10 +51,10 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public ShardedLayer
                                       : reduce_from_region(looked, g);
   }
 
-  [[nodiscard]] std::vector<ShardedParameter> tensor_shards() const override {
+  [[nodiscard]] std::vector<ShardedParameter> slices() const override {
     return {{"weight", 0, context_.group.rank() * part_, count_}};
   }
-  [[nodiscard]] const Group& tensor_group() const override { return context_.group; }
+  [[nodiscard]] const Group& slice_group() const override { return context_.group; }
   [[nodiscard]] const Context& context() const noexcept { return context_; }
 
   at::Tensor weight;
