@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark side by side with its reference and prints the table.
-# Usage: scripts/bench.sh allreduce | sharding_collectives | all_to_all | context_attention | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart
+# Usage: scripts/bench.sh allreduce | sharding_collectives | all_to_all | context_attention | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart | moe
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The benchmarks' own build, at -O3 (the tests' build/ is at -O0: scripts/build.sh).
@@ -96,12 +96,17 @@ case "${1:-}" in
     scripts/build.sh --target transformer_ddp >&2
     shift
     benchmarks/checkpoint_cost.sh "$@" ;;
+  moe)
+    scripts/deps.sh
+    scripts/build.sh --target gpt_ddp >&2
+    shift
+    benchmarks/moe.sh "$@" ;;
   elastic_restart)
     PARATRAIN_WITH_PEER=1 scripts/deps.sh  # torchrun: python3-torch
     scripts/build.sh --target transformer_ddp fashion_mnist_ddp_gloo elastic_train bench_elastic_transformer >&2
     shift
     /usr/bin/python3 benchmarks/elastic_restart.py "$build" "$@" ;;
   *)
-    echo "usage: scripts/bench.sh allreduce | sharding_collectives | all_to_all | context_attention | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart" >&2
+    echo "usage: scripts/bench.sh allreduce | sharding_collectives | all_to_all | context_attention | ddp_vs_torch | zero | zero_memory | memory_breakdown | hooks | zero_progress | transformer_memory | fit_loop | deterministic | checkpoint | pipeline | transformer | io | memory | fashion_mnist | checkpoint_cost | elastic_restart | moe" >&2
     exit 2 ;;
 esac

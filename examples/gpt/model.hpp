@@ -3,15 +3,20 @@
 // blocks (causal attention and an MLP, their matrices cut over the tensor group), a final
 // layer norm and an untied head whose vocabulary is cut too. At tensor degree 1 it is the
 // plain model; at degree t each rank holds 1/t of every matrix (docs/tensor-parallelism.md).
+// With Config::experts > 0 each block's MLP is a mixture of that many experts
+// (moe::MixtureOfExperts), cut over the strategy's expert group (docs/experts.md).
 #include <torch/torch.h>
 
 #include <string>
 #include <vector>
 
+#include "paratrain/experts/mixture_of_experts.hpp"
 #include "paratrain/strategy/unit.hpp"
 #include "paratrain/tensor_parallel/column_parallel_linear.hpp"
 #include "paratrain/tensor_parallel/embeddings.hpp"
+#include "paratrain/tensor_parallel/dropout.hpp"
 #include "paratrain/tensor_parallel/layer_norm.hpp"
+#include "paratrain/tensor_parallel/self_attention.hpp"
 #include "paratrain/tensor_parallel/transformer_block.hpp"
 
 namespace gpt {
@@ -22,16 +27,53 @@ namespace gpt {
 struct Config {
   std::int64_t vocabulary = 96, positions = 12, hidden = 48, heads = 12, ffn = 96, layers = 2;
   double dropout = 0.1;
+  int experts = 0;                ///< > 0: each block's MLP a mixture of this many experts (of ffn inner features)
+  int top_k = 2;                  ///< experts per token
+  double capacity_factor = 1.25;  ///< 0: dropless
 };
+
+// A block whose MLP is a mixture of experts: x + drop(attention(ln1(x))), then
+// + drop(experts(ln2(x))). The experts see whole sequences (no sequence parallelism: the
+// tensor ranks must route the same tokens), join the strategy's expert group, and are held
+// whole on every tensor rank.
+struct MoeBlockImpl : torch::nn::Module {
+  explicit MoeBlockImpl(const Config& c) {
+    namespace tp = paratrain::tp;
+    ln1 = register_module("ln1", tp::LayerNorm(c.hidden));
+    attention = register_module("attention", tp::SelfAttention(c.hidden, c.heads, c.dropout));
+    drop1 = register_module("drop1", tp::Dropout(c.dropout));
+    ln2 = register_module("ln2", tp::LayerNorm(c.hidden));
+    experts = register_module("experts", paratrain::moe::MixtureOfExperts(paratrain::moe::Options{
+                                             .model = c.hidden,
+                                             .hidden = c.ffn,
+                                             .experts = c.experts,
+                                             .top_k = c.top_k,
+                                             .capacity_factor = c.capacity_factor}));
+    drop2 = register_module("drop2", tp::Dropout(c.dropout));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = x + drop1(attention(ln1(x)));
+    return h + drop2(experts(ln2(h)));
+  }
+  paratrain::tp::LayerNorm ln1{nullptr}, ln2{nullptr};
+  paratrain::tp::SelfAttention attention{nullptr};
+  paratrain::moe::MixtureOfExperts experts{nullptr};
+  paratrain::tp::Dropout drop1{nullptr}, drop2{nullptr};
+};
+TORCH_MODULE(MoeBlock);
 
 struct GptImpl : torch::nn::Module {
   explicit GptImpl(const Config& c = {}) {
     namespace tp = paratrain::tp;
     embeddings = register_module("embeddings", tp::Embeddings(c.vocabulary, c.positions, c.hidden, c.dropout));
-    for (std::int64_t i = 0; i < c.layers; ++i)
-      blocks.push_back(register_module(
-          "block" + std::to_string(i),
-          paratrain::Unit<tp::TransformerBlock>(tp::TransformerBlockOptions(c.hidden, c.heads).ffn(c.ffn).dropout(c.dropout))));
+    for (std::int64_t i = 0; i < c.layers; ++i) {
+      const auto name = "block" + std::to_string(i);
+      if (c.experts > 0)
+        moe_blocks.push_back(register_module(name, paratrain::Unit<MoeBlock>(c)));
+      else
+        blocks.push_back(register_module(name, paratrain::Unit<tp::TransformerBlock>(
+                                                   tp::TransformerBlockOptions(c.hidden, c.heads).ffn(c.ffn).dropout(c.dropout))));
+    }
     ln = register_module("ln", tp::LayerNorm(c.hidden));
     head = register_module("head",
                            tp::ColumnParallelLinear(tp::ColumnParallelLinearOptions(c.hidden, c.vocabulary).bias(false)));
@@ -40,10 +82,18 @@ struct GptImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor ids) {
     auto x = embeddings(ids);
     for (auto& b : blocks) x = b(x);
+    for (auto& b : moe_blocks) x = b(x);
     return head(ln(x));
+  }
+  /// The last forward's auxiliary load-balancing losses, summed over the blocks (0 without experts).
+  torch::Tensor aux_loss() const {
+    auto sum = torch::zeros({});
+    for (const auto& b : moe_blocks) sum = sum + b->experts->aux_loss();
+    return sum;
   }
   paratrain::tp::Embeddings embeddings{nullptr};
   std::vector<paratrain::Unit<paratrain::tp::TransformerBlock>> blocks;
+  std::vector<paratrain::Unit<MoeBlock>> moe_blocks;
   paratrain::tp::LayerNorm ln{nullptr};
   paratrain::tp::ColumnParallelLinear head{nullptr};
 };

@@ -3,16 +3,24 @@
 //
 //   mpirun -n 2 build/examples/gpt_ddp --tensor-parallel 2 [--sequence-parallel]
 //   mpirun -n 4 build/examples/gpt_ddp --tensor-parallel 2      (2 replicas of 2 tensor ranks)
+//   mpirun -n 4 build/examples/gpt_ddp --experts 8 --expert-parallel 4   (a mixture of 8 experts
+//                                                   a block, 2 on each of 4 ranks)
 //
 // The strategy alias is the build's (gpt_ddp: DDP, gpt_zero3: ZeRO-3 over the data ranks);
 // the mesh is {data: ranks / t, tensor: t}. The data: sequences of a fixed random bigram
 // chain (each token's successor drawn from 4 candidates), the same global batch each step
 // whatever the layout, so that the losses printed at t = 1, 2, 4 agree (dropout included:
-// its masks are keyed by place, Note [Keyed dropout]).
+// its masks are keyed by place, Note [Keyed dropout]). With --experts the same holds across
+// expert degrees at one world size: the ranks see the same samples, each its tokens' one
+// capacity group. It prints each step's loss, then a JSON line with the median step time and
+// the bytes the expert group's all-to-alls sent a step.
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "model.hpp"
 #include "../../benchmarks/cli.hpp"
@@ -33,8 +41,9 @@ namespace {
 
 struct Run {
   gpt::Config model;
-  int tensor_parallel = 1, steps = 8;
+  int tensor_parallel = 1, expert_parallel = 1, steps = 8;
   bool sequence_parallel = false;
+  double aux_weight = 0.01;  // Switch's
   std::int64_t batch = 8;  // sequences per step, over all data replicas
   double lr = 3e-3;
 };
@@ -72,12 +81,29 @@ int main(int argc, char** argv) {
     app.add_option("--sequence", run.model.positions, "tokens per sequence")->capture_default_str();
     app.add_option("--dropout", run.model.dropout, "dropout")->capture_default_str();
     app.add_option("--lr", run.lr, "AdamW's learning rate")->capture_default_str();
+    app.add_option("--experts", run.model.experts, "experts a block (0: a dense MLP)")->capture_default_str();
+    app.add_option("--expert-parallel", run.expert_parallel, "ranks per expert group (divides the experts)")
+        ->capture_default_str();
+    app.add_option("--top-k", run.model.top_k, "experts per token")->capture_default_str();
+    app.add_option("--capacity-factor", run.model.capacity_factor, "each expert's capacity (0: dropless)")
+        ->capture_default_str();
+    app.add_option("--aux-weight", run.aux_weight, "the auxiliary load-balancing loss's weight")->capture_default_str();
     if (auto status = paratrain::bench::parse(app, argc, argv)) return *status;
 
+    if (run.model.experts > 0 && run.sequence_parallel)
+      throw paratrain::error("gpt", -1,
+                             "--experts with --sequence-parallel: the experts would see each tensor rank's sequence "
+                             "shard, and their tensor ranks must route the same tokens; leave one out");
     torch::manual_seed(1);  // the weights: the same on every rank, at every degree
     Strategy s([&] { return gpt::Gpt(run.model); }, torch::optim::AdamWOptions(run.lr),
-               {.tensor_parallel = run.tensor_parallel, .sequence_parallel = run.sequence_parallel});
-    const paratrain::tp::CrossEntropy loss{s.tensor_group()};
+               {.tensor_parallel = run.tensor_parallel,
+                .sequence_parallel = run.sequence_parallel,
+                .expert_parallel = run.expert_parallel});
+    const paratrain::tp::CrossEntropy cross_entropy{s.tensor_group()};
+    const auto loss = [&](const torch::Tensor& logits, const torch::Tensor& targets) {
+      const auto l = cross_entropy(logits, targets);
+      return run.model.experts > 0 ? l + run.aux_weight * s.model()->aux_loss() : l;
+    };
     const auto data = s.data_shard();
     if (run.batch % data.count != 0)
       throw paratrain::error("gpt", s.rank(),
@@ -85,26 +111,39 @@ int main(int argc, char** argv) {
                                  std::to_string(data.count) + " data replicas");
     const auto mine = run.batch / data.count;
     double last = 0;
+    std::vector<double> seconds;
     for (int step = 0; step < run.steps; ++step) {
       const auto [ids, targets] = batch_of(run, step);
+      const auto start = std::chrono::steady_clock::now();
       const auto r = s.step(paratrain::Batch(ids.narrow(0, data.index * mine, mine),
                                              targets.narrow(0, data.index * mine, mine)),
                             loss);
+      seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       // The mean over every replica's sequences: each replica's mean, weighted.
       auto mean = torch::tensor({r.loss * static_cast<double>(r.samples)}, torch::kDouble);
       s.all_reduce(mean, paratrain::reduce_op::sum);
       last = mean.item<double>() / (r.global_samples * s.mesh().size(paratrain::Dim::tensor));
       if (s.rank() == 0) std::printf("step %d loss %.8f\n", step + 1, last);
     }
+    // The median step, the first left out (it allocates); the slowest rank's.
+    std::sort(seconds.begin() + (seconds.size() > 1 ? 1 : 0), seconds.end());
+    auto median = torch::tensor({seconds[(seconds.size() + (seconds.size() > 1 ? 1 : 0)) / 2]}, torch::kDouble);
+    s.all_reduce(median, paratrain::reduce_op::max);
+    const auto all_to_all = s.expert_group().traffic().all_to_all_bytes / std::max(run.steps, 1);
+    const auto parameters = [&] {
+      std::int64_t n = 0;
+      for (const auto& p : s.full_parameters()) n += p.numel();
+      return n;
+    }();
     if (s.rank() == 0)
       std::printf("{\"example\": \"gpt\", \"ranks\": %d, \"tensor_parallel\": %d, \"sequence_parallel\": %s, "
-                  "\"steps\": %d, \"loss\": %.8f, \"parameters_per_rank\": %lld}\n",
-                  s.world_size(), run.tensor_parallel, run.sequence_parallel ? "true" : "false", run.steps, last,
-                  static_cast<long long>([&] {
-                    std::int64_t n = 0;
-                    for (const auto& p : s.full_parameters()) n += p.numel();
-                    return n;
-                  }()));
+                  "\"experts\": %d, \"expert_parallel\": %d, \"steps\": %d, \"loss\": %.8f, "
+                  "\"parameters_per_rank\": %lld, \"step_ms\": %.3f, \"all_to_all_bytes_per_step\": %lld, "
+                  "\"gradient_bytes_per_step\": %lld}\n",
+                  s.world_size(), run.tensor_parallel, run.sequence_parallel ? "true" : "false", run.model.experts,
+                  run.expert_parallel, run.steps, last, static_cast<long long>(parameters),
+                  1e3 * median.item<double>(), static_cast<long long>(all_to_all),
+                  static_cast<long long>(s.gradient_bytes_sent()));
     return 0;
   });
 }
