@@ -68,6 +68,7 @@
 #include "paratrain/context/attention.hpp"
 #include "paratrain/context/layout.hpp"
 #include "paratrain/context/ring_attention.hpp"
+#include "paratrain/context/self_attention.hpp"
 #include "paratrain/experts/mixture_of_experts.hpp"
 
 #include "paratrain/strategy/buckets/bucket_layout.hpp"
