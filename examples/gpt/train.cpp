@@ -5,6 +5,8 @@
 //   mpirun -n 4 build/examples/gpt_ddp --tensor-parallel 2      (2 replicas of 2 tensor ranks)
 //   mpirun -n 4 build/examples/gpt_ddp --experts 8 --expert-parallel 4   (a mixture of 8 experts
 //                                                   a block, 2 on each of 4 ranks)
+//   mpirun -n 4 build/examples/gpt_ddp --context-parallel 4 --sequence 16 [--attention all_to_all]
+//                                                  (each sequence cut over 4 ranks)
 //
 // The strategy alias is the build's (gpt_ddp: DDP, gpt_zero3: ZeRO-3 over the data ranks);
 // the mesh is {data: ranks / t, tensor: t}. The data: sequences of a fixed random bigram
@@ -41,7 +43,9 @@ namespace {
 
 struct Run {
   gpt::Config model;
-  int tensor_parallel = 1, expert_parallel = 1, steps = 8;
+  int tensor_parallel = 1, expert_parallel = 1, context_parallel = 1, steps = 8;
+  std::string attention;  // "": tp::SelfAttention unless context_parallel > 1; ring or all_to_all
+  std::string layout = "zigzag";
   bool sequence_parallel = false;
   double aux_weight = 0.01;  // Switch's
   std::int64_t batch = 8;  // sequences per step, over all data replicas
@@ -88,20 +92,34 @@ int main(int argc, char** argv) {
     app.add_option("--capacity-factor", run.model.capacity_factor, "each expert's capacity (0: dropless)")
         ->capture_default_str();
     app.add_option("--aux-weight", run.aux_weight, "the auxiliary load-balancing loss's weight")->capture_default_str();
+    app.add_option("--context-parallel", run.context_parallel, "ranks per context group: each sequence cut over them")
+        ->capture_default_str();
+    app.add_option("--attention", run.attention,
+                   "context-parallel attention: ring or all_to_all (default ring with --context-parallel above 1)")
+        ->check(CLI::IsMember({"ring", "all_to_all"}));
+    app.add_option("--layout", run.layout, "how sequences are cut over the context group")
+        ->check(CLI::IsMember({"zigzag", "contiguous"}))
+        ->capture_default_str();
     if (auto status = paratrain::bench::parse(app, argc, argv)) return *status;
 
     if (run.model.experts > 0 && run.sequence_parallel)
       throw paratrain::error("gpt", -1,
                              "--experts with --sequence-parallel: the experts would see each tensor rank's sequence "
                              "shard, and their tensor ranks must route the same tokens; leave one out");
+    run.model.context = run.context_parallel > 1 || !run.attention.empty();
+    run.model.algorithm = run.attention == "all_to_all" ? paratrain::cp::Algorithm::all_to_all : paratrain::cp::Algorithm::ring;
+    run.model.layout = run.layout == "contiguous" ? paratrain::cp::Layout::contiguous : paratrain::cp::Layout::zigzag;
     torch::manual_seed(1);  // the weights: the same on every rank, at every degree
     Strategy s([&] { return gpt::Gpt(run.model); }, torch::optim::AdamWOptions(run.lr),
                {.tensor_parallel = run.tensor_parallel,
                 .sequence_parallel = run.sequence_parallel,
+                .context_parallel = run.context_parallel,
                 .expert_parallel = run.expert_parallel});
     const paratrain::tp::CrossEntropy cross_entropy{s.tensor_group()};
     const auto loss = [&](const torch::Tensor& logits, const torch::Tensor& targets) {
-      const auto l = cross_entropy(logits, targets);
+      // Under context parallelism the logits are this rank's positions: the targets' alike.
+      const auto l = cross_entropy(
+          logits, run.model.context ? paratrain::cp::shard(targets, 1, s.context_group(), run.model.layout) : targets);
       return run.model.experts > 0 ? l + run.aux_weight * s.model()->aux_loss() : l;
     };
     const auto data = s.data_shard();
@@ -122,7 +140,10 @@ int main(int argc, char** argv) {
       // The mean over every replica's sequences: each replica's mean, weighted.
       auto mean = torch::tensor({r.loss * static_cast<double>(r.samples)}, torch::kDouble);
       s.all_reduce(mean, paratrain::reduce_op::sum);
-      last = mean.item<double>() / (r.global_samples * s.mesh().size(paratrain::Dim::tensor));
+      // Every tensor and context rank reported its replica's samples: each rank's mean, over
+      // its positions under context parallelism.
+      last = mean.item<double>() / (r.global_samples * s.mesh().size(paratrain::Dims{paratrain::Dim::tensor,
+                                                                                     paratrain::Dim::context}));
       if (s.rank() == 0) std::printf("step %d loss %.8f\n", step + 1, last);
     }
     // The median step, the first left out (it allocates); the slowest rank's.
@@ -137,11 +158,11 @@ int main(int argc, char** argv) {
     }();
     if (s.rank() == 0)
       std::printf("{\"example\": \"gpt\", \"ranks\": %d, \"tensor_parallel\": %d, \"sequence_parallel\": %s, "
-                  "\"experts\": %d, \"expert_parallel\": %d, \"steps\": %d, \"loss\": %.8f, "
+                  "\"experts\": %d, \"expert_parallel\": %d, \"context_parallel\": %d, \"steps\": %d, \"loss\": %.8f, "
                   "\"parameters_per_rank\": %lld, \"step_ms\": %.3f, \"all_to_all_bytes_per_step\": %lld, "
                   "\"gradient_bytes_per_step\": %lld}\n",
                   s.world_size(), run.tensor_parallel, run.sequence_parallel ? "true" : "false", run.model.experts,
-                  run.expert_parallel, run.steps, last, static_cast<long long>(parameters),
+                  run.expert_parallel, run.context_parallel, run.steps, last, static_cast<long long>(parameters),
                   1e3 * median.item<double>(), static_cast<long long>(all_to_all),
                   static_cast<long long>(s.gradient_bytes_sent()));
     return 0;
