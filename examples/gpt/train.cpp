@@ -9,7 +9,7 @@
 //                                                  (each sequence cut over 4 ranks)
 //
 // The strategy alias is the build's (gpt_ddp: DDP, gpt_zero3: ZeRO-3 over the data ranks);
-// the mesh is {data: ranks / t, tensor: t}. The data: sequences of a fixed random bigram
+// the mesh is {data, context cp, expert ep, tensor t} from the degrees. The data: sequences of a fixed random bigram
 // chain (each token's successor drawn from 4 candidates), the same global batch each step
 // whatever the layout, so that the losses printed at t = 1, 2, 4 agree (dropout included:
 // its masks are keyed by place, Note [Keyed dropout]). With --experts the same holds across
