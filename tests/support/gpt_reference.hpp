@@ -24,6 +24,22 @@ namespace paratrain_test::gpt {
 
 namespace tp = paratrain::tp;
 
+// The whole parameters `whole_of(name)` gives (a single-device reference's), each as the part
+// `model`'s rank holds of it: its slice where a layer cuts the parameter over a group of the
+// mesh (tp::sliced_parameters_of: tensor or expert), else whole; `model`'s parameters order.
+template <class WholeOf>
+std::vector<torch::Tensor> as_held(const torch::nn::Module& model, WholeOf&& whole_of) {
+  const auto sliced = tp::sliced_parameters_of(model);
+  std::vector<torch::Tensor> out;
+  for (const auto& p : model.named_parameters()) {
+    torch::Tensor w = whole_of(p.key());
+    if (const auto it = sliced.find(p.key()); it != sliced.end())
+      w = w.narrow(it->second.slice.dim, it->second.slice.offset, p.value().size(it->second.slice.dim));
+    out.push_back(w);
+  }
+  return out;
+}
+
 // The model is the GPT example's (examples/gpt/model.hpp), at its default sizes, which every
 // degree of 1-4 divides; the reference below is the same model written without paratrain.
 using Config = ::gpt::Config;
@@ -113,15 +129,7 @@ inline std::vector<torch::Tensor> reference_slices(RefGpt& ref, const torch::nn:
     replace("mlp.fc2.", "fc2.");
     return n;
   };
-  const auto shards = tp::sliced_parameters_of(model);
-  std::vector<torch::Tensor> out;
-  for (const auto& p : model.named_parameters()) {
-    auto w = at(map(p.key()));
-    if (const auto s = shards.find(p.key()); s != shards.end())
-      w = w.narrow(s->second.slice.dim, s->second.slice.offset, p.value().size(s->second.slice.dim));
-    out.push_back(w);
-  }
-  return out;
+  return as_held(model, [&](const std::string& name) { return at(map(name)); });
 }
 
 inline double max_relative_difference(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {

@@ -273,14 +273,7 @@ double train_both(int degree, const cp::AttentionOptions& o, int tensor = 1) {
   }
   // The reference's parameters, each as the slice this rank holds of it.
   const auto want = ref->named_parameters();
-  const auto shards = tp::sliced_parameters_of(*s.model());
-  std::vector<torch::Tensor> slices;
-  for (const auto& p : s.model()->named_parameters()) {
-    auto w = want[p.key()];
-    if (const auto it = shards.find(p.key()); it != shards.end())
-      w = w.narrow(it->second.slice.dim, it->second.slice.offset, p.value().size(it->second.slice.dim));
-    slices.push_back(w);
-  }
+  const auto slices = paratrain_test::gpt::as_held(*s.model(), [&](const std::string& n) { return want[n]; });
   return paratrain_test::gpt::max_relative_difference(s.full_parameters(), slices);
 }
 

@@ -236,15 +236,9 @@ double train_both(int ep, moe::Options o, double clip = 0) {
     CHECK(r.global_samples == static_cast<double>(total));
     if (clip > 0) CHECK(r.grad_norm > clip);  // the clip did cut
   }
+  // The reference's parameters, each as the part this rank holds (its experts).
   const auto want = ref->named_parameters();
-  const auto sliced = tp::sliced_parameters_of(*s.model());
-  std::vector<torch::Tensor> mine;
-  for (const auto& p : s.model()->named_parameters()) {
-    auto w = want[p.key()];
-    if (const auto it = sliced.find(p.key()); it != sliced.end())
-      w = w.narrow(it->second.slice.dim, it->second.slice.offset, p.value().size(it->second.slice.dim));
-    mine.push_back(w);
-  }
+  const auto mine = paratrain_test::gpt::as_held(*s.model(), [&](const std::string& n) { return want[n]; });
   return paratrain_test::gpt::max_relative_difference(s.full_parameters(), mine);
 }
 

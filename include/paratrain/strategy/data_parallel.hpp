@@ -384,21 +384,17 @@ class DataParallel {
                       " has dimensions besides the data, context, expert and tensor ones; DataParallel trains one "
                       "model on data-parallel ranks, its sequences cut over the context ones, its experts over the "
                       "expert ones and its layers over the tensor ones (a pipeline: DataParallel<Pipeline<...>>)");
-    if (options.expert_parallel != 1 && options.expert_parallel != mesh.size(Dim::expert))
-      throw error("DataParallel", mesh.rank(),
-                  "DataParallelOptions::expert_parallel is " + std::to_string(options.expert_parallel) +
-                      " but the mesh " + mesh.shape().str() + " has " + std::to_string(mesh.size(Dim::expert)) +
-                      " expert ranks; leave expert_parallel 1 where the mesh says it");
-    if (options.context_parallel != 1 && options.context_parallel != mesh.size(Dim::context))
-      throw error("DataParallel", mesh.rank(),
-                  "DataParallelOptions::context_parallel is " + std::to_string(options.context_parallel) +
-                      " but the mesh " + mesh.shape().str() + " has " + std::to_string(mesh.size(Dim::context)) +
-                      " context ranks; leave context_parallel 1 where the mesh says it");
-    if (options.tensor_parallel != 1 && options.tensor_parallel != mesh.size(Dim::tensor))
-      throw error("DataParallel", mesh.rank(),
-                  "DataParallelOptions::tensor_parallel is " + std::to_string(options.tensor_parallel) +
-                      " but the mesh " + mesh.shape().str() + " has " + std::to_string(mesh.size(Dim::tensor)) +
-                      " tensor ranks; leave tensor_parallel 1 where the mesh says it");
+    // A degree option is 1 (the mesh says it) or the mesh's size of its dimension.
+    const auto degree = [&](const char* option, int given_degree, Dim d, const char* ranks) {
+      if (given_degree != 1 && given_degree != mesh.size(d))
+        throw error("DataParallel", mesh.rank(),
+                    std::string("DataParallelOptions::") + option + " is " + std::to_string(given_degree) +
+                        " but the mesh " + mesh.shape().str() + " has " + std::to_string(mesh.size(d)) + " " + ranks +
+                        " ranks; leave " + option + " 1 where the mesh says it");
+    };
+    degree("expert_parallel", options.expert_parallel, Dim::expert, "expert");
+    degree("context_parallel", options.context_parallel, Dim::context, "context");
+    degree("tensor_parallel", options.tensor_parallel, Dim::tensor, "tensor");
     if (options.shard_group != 0 && options.shard_group != mesh.size(Dim::shard))
       throw error("DataParallel", mesh.rank(),
                   "DataParallelOptions::shard_group is " + std::to_string(options.shard_group) + " but the mesh " +
