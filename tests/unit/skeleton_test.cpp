@@ -124,6 +124,44 @@ TEST_CASE("skeleton: without validation, the 64th collective compares fingerprin
   CHECK(errors[0].substr(errors[0].find(": the ranks")) == errors[1].substr(errors[1].find(": the ranks")));
 }
 
+// What a rank tells the others' watchdogs (Note [Watchdog]): the oldest operation pending on
+// the communicator asked about, or else the oldest pending anywhere (pending 2), with the
+// communicator's count; a watch ended leaves the table, and the next takes its place.
+TEST_CASE("watchdog: a rank's status names the oldest operation pending on the communicator asked about, else anywhere") {
+  using namespace std::chrono_literals;
+  const pd::Watched a("a", {0}, 0, 60s), b("b", {0}, 0, 60s), idle("idle", {0}, 0, 60s);
+  const auto& dog = pd::Watchdog::instance();
+  const auto status = [&](const pd::Watched& w) { return dog.status(w.ledger().id()); };
+  auto [b1, due_b1] = b.collective("broadcast", at::kFloat, 3, 0);  // the oldest anywhere
+  auto [a1, due_a1] = a.collective("all_reduce", at::kFloat, 5, 0);
+  auto [a2, due_a2] = a.collective("all_gather", at::kLong, 7, 0);
+  auto s = status(a);
+  CHECK(s.pending == 1);
+  CHECK(s.operation == pd::OperationRecord{1, pd::operation_code("all_reduce"), static_cast<std::int64_t>(at::kFloat), 5, 0});
+  CHECK(s.count == 2);
+  CHECK(s.history[1].op == pd::operation_code("all_gather"));
+  s = status(idle);
+  CHECK(s.pending == 2);
+  CHECK(s.operation.op == pd::operation_code("broadcast"));
+  CHECK(s.count == 0);
+  a1.release();  // the newer one on a is now the oldest there
+  s = status(a);
+  CHECK(s.pending == 1);
+  CHECK(s.operation.op == pd::operation_code("all_gather"));
+  CHECK(s.operation.seq == 2);
+  b1 = {}, a2 = {};
+  CHECK(status(a).pending == 0);
+  CHECK(status(idle).pending == 0);
+  // The slots given back are taken again, in start order still.
+  auto [a3, due_a3] = a.collective("all_to_all", at::kFloat, -1, 0);
+  auto [b2, due_b2] = b.collective("barrier", at::ScalarType::Undefined, 0, 0);
+  s = status(idle);
+  CHECK(s.pending == 2);
+  CHECK(s.operation.op == pd::operation_code("all_to_all"));
+  CHECK(s.operation.seq == 3);
+  CHECK(status(b).operation.op == pd::operation_code("barrier"));
+}
+
 TEST_CASE("skeleton: check_peer names the communicator's ranks") {
   const auto s = make_skeleton(0, false);
   CHECK_NOTHROW(s.check_peer("send", 1));

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <functional>
 #include <map>
 #include <memory>
@@ -25,6 +26,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -51,9 +53,13 @@ namespace paratrain::detail {
 //   3. ends the whole job: MPI_Abort under MPI (mpirun then ends every rank, stopped ones
 //      included), an exit under a torchrun-style launch (the peers' next operation then
 //      fails: comm::Gloo throws paratrain::error "Gloo failed: ..." on each of them).
-// Nothing is done on the training threads but two map updates per operation; the
-// watchdog thread sleeps otherwise, waking every tick (a tenth of the shortest timeout,
-// at most 1 s) to answer questions and look at the clock.
+// Nothing is done on the training threads but taking a slot of a table when an operation
+// starts and giving it back when it ends, under one uncontended lock, with no allocation
+// once the table has grown to the most operations ever pending at once, and the time read
+// from the kernel's last tick (coarse_now: ~3 ns where steady_clock's ~27 ns was a tenth
+// of a 4 KiB all-to-all's overhead on a VM's kvm-clock; docs/benchmarks.md). The watchdog
+// thread sleeps otherwise, waking every tick (a tenth of the shortest timeout, at most
+// 1 s) to answer questions and look at the clock.
 
 /// What a rank says of itself when asked: fixed-size, so that it travels as bytes.
 struct RankStatus {
@@ -100,6 +106,19 @@ inline std::chrono::milliseconds default_timeout() {
   return std::chrono::minutes(10);
 }
 
+/// steady_clock's time as of the kernel's last tick (CLOCK_MONOTONIC_COARSE: the same clock,
+/// up to a few milliseconds behind, read without a clock-source access); steady_clock's own
+/// where there is no such clock. Precise enough for timeouts of seconds.
+inline std::chrono::steady_clock::time_point coarse_now() noexcept {
+#if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
+  static_assert(std::is_same_v<std::chrono::steady_clock::duration, std::chrono::nanoseconds>);
+  timespec ts{};
+  if (clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) == 0)
+    return std::chrono::steady_clock::time_point(std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec));
+#endif
+  return std::chrono::steady_clock::now();
+}
+
 class Watchdog {
  public:
   using clock = std::chrono::steady_clock;
@@ -136,17 +155,18 @@ class Watchdog {
   /// Starts watching an operation of `ledger`'s communicator; `peer` >= 0 for a send or receive.
   Watch begin(const std::shared_ptr<Ledger>& ledger, const OperationRecord& operation, std::chrono::milliseconds timeout,
               int peer = -1) {
+    const auto now = coarse_now();
     std::unique_lock lock(mutex_);
-    const auto id = ++next_id_;
-    const auto now = clock::now();
-    pending_.emplace(id, Pending{ledger, operation, peer, now, now + timeout});
-    last_activity_ = now;
-    if (!started_) start(lock);
-    if (timeout < shortest_timeout_) {
-      shortest_timeout_ = timeout;
-      wake_.notify_all();
-    }
-    return Watch(id);
+    return begin_held(lock, now, ledger, operation, timeout, peer);
+  }
+  /// Counts a collective on `ledger` (Ledger::record) and starts watching it, under one
+  /// acquisition of the lock; says whether the fingerprints are due for comparison.
+  std::pair<Watch, bool> begin_counted(const std::shared_ptr<Ledger>& ledger, const OperationRecord& operation,
+                                       std::chrono::milliseconds timeout) {
+    const auto now = coarse_now();
+    std::unique_lock lock(mutex_);
+    const auto [counted, due] = ledger->record_held(operation);
+    return {begin_held(lock, now, ledger, counted, timeout, -1), due};
   }
 
   /// Lets the watchdog reach the other ranks (the first channel given is kept).
@@ -190,15 +210,18 @@ class Watchdog {
     const auto now = clock::now();
     if (auto it = ledgers_.find(ledger_id); it != ledgers_.end())
       if (auto l = it->second.lock()) {
-        s.count = l->count();
-        s.history = l->history();
+        s.count = static_cast<std::int64_t>(l->count_);
+        s.history = l->history_held();
         s.world_rank = l->members()[static_cast<std::size_t>(l->rank())];
       }
+    // The oldest pending here or, failing that, the oldest anywhere.
     const Pending* chosen = nullptr;
-    for (const auto& [id, p] : pending_) {
-      const bool here = p.ledger && p.ledger->id() == ledger_id;
-      if (chosen == nullptr || (here && !(chosen->ledger && chosen->ledger->id() == ledger_id))) chosen = &p;
-      if (here) break;  // the map is in start order: the first here is the oldest here
+    const auto is_here = [&](const Pending* p) { return p->ledger && p->ledger->id() == ledger_id; };
+    for (const auto& p : slots_) {
+      if (p.order == 0) continue;
+      const bool here = is_here(&p);
+      if (chosen == nullptr || (here && !is_here(chosen)) || (here == is_here(chosen) && p.order < chosen->order))
+        chosen = &p;
     }
     if (chosen != nullptr) {
       s.pending = chosen->ledger && chosen->ledger->id() == ledger_id ? 1 : 2;
@@ -214,22 +237,51 @@ class Watchdog {
   struct Pending {
     std::shared_ptr<Ledger> ledger;
     OperationRecord operation;
-    int peer;
+    int peer = -1;
     clock::time_point started;
     clock::time_point deadline;
+    std::uint64_t order = 0;  // start order, from 1; 0: a free slot
   };
 
   Watchdog() = default;
 
+  Watch begin_held(std::unique_lock<LedgerLock>& lock, clock::time_point now, const std::shared_ptr<Ledger>& ledger,
+                   const OperationRecord& operation, std::chrono::milliseconds timeout, int peer) {
+    std::size_t slot = slots_.size();
+    if (free_.empty()) {
+      slots_.emplace_back();
+      // free_ keeps a place for every slot, so that end() never allocates.
+      if (free_.capacity() < slots_.size()) free_.reserve(slots_.capacity());
+    } else {
+      slot = free_.back(), free_.pop_back();
+    }
+    auto& p = slots_[slot];
+    // A free slot keeps its last ledger: the same communicator's next operation takes the
+    // same slot (free_ is a stack) and copies no shared_ptr, which costs two atomic
+    // operations a call. A ledger kept so is ~3 KB, at most one a slot.
+    if (p.ledger != ledger) p.ledger = ledger;
+    p.operation = operation, p.peer = peer, p.started = now, p.deadline = now + timeout, p.order = ++started_count_;
+    last_activity_ = now;
+    if (!started_) start(lock);
+    if (timeout < shortest_timeout_) {
+      shortest_timeout_ = timeout;
+      wake_.notify_all();
+    }
+    return Watch(slot + 1);
+  }
+
   static std::int64_t ms(clock::duration d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); }
 
   void end(std::uint64_t id) noexcept {
+    const auto now = coarse_now();
     std::lock_guard lock(mutex_);
-    pending_.erase(id);
-    last_activity_ = clock::now();
+    const auto slot = static_cast<std::size_t>(id - 1);
+    slots_[slot].order = 0;
+    free_.push_back(static_cast<std::uint32_t>(slot));
+    last_activity_ = now;
   }
 
-  void start(std::unique_lock<std::mutex>&) {
+  void start(std::unique_lock<LedgerLock>&) {
     std::thread([this] { run(); }).detach();  // one for the process's lifetime
     started_ = true;
   }
@@ -247,8 +299,8 @@ class Watchdog {
         std::unique_lock lock(mutex_);
         wake_.wait_for(lock, tick());
         const auto now = clock::now();
-        for (const auto& [id, p] : pending_)
-          if (now >= p.deadline && (!expired || p.started < expired->started)) expired = p;
+        for (const auto& p : slots_)
+          if (p.order != 0 && now >= p.deadline && (!expired || p.order < expired->order)) expired = p;
       }
       std::lock_guard serving(channel_mutex_);  // channel_ changes only under both locks
       if (expired) fire(*expired, channel_.get(), self);  // does not return
@@ -323,12 +375,13 @@ class Watchdog {
     return b;
   }
 
-  mutable std::mutex mutex_;
-  std::mutex channel_mutex_;  // held while the channel is used; taken before mutex_
-  std::condition_variable wake_;
-  std::map<std::uint64_t, Pending> pending_;  // by id: start order
+  LedgerLock& mutex_ = ledger_lock();  // also every ledger's: Watchdog::begin_counted
+  std::mutex channel_mutex_;           // held while the channel is used; taken before mutex_
+  std::condition_variable_any wake_;
+  std::vector<Pending> slots_;        // a Watch's id is its slot + 1
+  std::vector<std::uint32_t> free_;  // the free slots
+  std::uint64_t started_count_ = 0;
   std::map<std::int64_t, std::weak_ptr<Ledger>> ledgers_;
-  std::uint64_t next_id_ = 0;
   clock::time_point last_activity_ = clock::now();
   std::chrono::milliseconds shortest_timeout_ = std::chrono::hours(24);
   std::unique_ptr<WatchdogChannel> channel_;
@@ -357,14 +410,13 @@ class Watched {
   }
   /// Counts a collective and watches it; says whether the fingerprints are due for comparison.
   [[nodiscard]] std::pair<Watch, bool> collective(std::string_view op, const at::Tensor& t, int detail) const {
-    const auto [record, due] = ledger_->record(record_of(op, t, detail));
-    return {operation(record), due};
+    return Watchdog::instance().begin_counted(ledger_, record_of(op, t, detail), timeout_);
   }
   /// The same for a buffer known by its dtype and element count (comm::Nccl's device pointers).
   [[nodiscard]] std::pair<Watch, bool> collective(std::string_view op, at::ScalarType dtype, std::int64_t numel,
                                                   int detail) const {
-    const auto [record, due] = ledger_->record(record_of(op, static_cast<std::int64_t>(dtype), numel, detail));
-    return {operation(record), due};
+    return Watchdog::instance().begin_counted(ledger_, record_of(op, static_cast<std::int64_t>(dtype), numel, detail),
+                                              timeout_);
   }
   /// Counts and watches a collective without a tensor (barrier, split).
   [[nodiscard]] Watch collective(std::string_view op) const { return collective(op, at::Tensor(), 0).first; }

@@ -49,7 +49,7 @@ inline void check_reduction(const char* op, int rank, const at::Tensor& t, reduc
 /// `in` and `out` of a scatter or gather: same dtype, and `out` `factor` times larger
 /// (or smaller, for reduce_scatter) than `in`.
 inline void check_pair(const char* op, int rank, const at::Tensor& in, const at::Tensor& out, std::int64_t in_numel,
-                       std::int64_t out_numel, const std::string& rule) {
+                       std::int64_t out_numel, const char* rule) {
   check_buffer(op, rank, in, "in");
   check_buffer(op, rank, out, "out");
   if (in.scalar_type() != out.scalar_type())
