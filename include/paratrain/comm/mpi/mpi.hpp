@@ -236,7 +236,8 @@ class Mpi {
       check(MPI_Alltoall(in.data_ptr(), part, type, out.data_ptr(), part, type, native()), "all_to_all");
       return;
     }
-    const auto l = int_layout(layout);
+    auto& l = state_->layout;  // no allocation a call: this rank's one blocking call at a time uses it
+    int_layout(layout, l);
     const auto n = size();
     check(MPI_Alltoallv(in.data_ptr(), l.data(), l.data() + n, type, out.data_ptr(), l.data() + 2 * n, l.data() + 3 * n,
                         type, native()),
@@ -249,7 +250,7 @@ class Mpi {
     auto r = request("all_to_all", {in, out});
     r.watch_ = std::move(watch);
     // MPI reads the counts and displacements until the operation completes: the request keeps them.
-    r.native_.counts = int_layout(layout);
+    int_layout(layout, r.native_.counts);
     const auto* l = r.native_.counts.data();
     const auto n = size();
     const auto type = datatype(in);
@@ -332,6 +333,7 @@ class Mpi {
     Options options;
     std::weak_ptr<Segments> pending;  // Note [Segment order]
     detail::Skeleton skeleton;        // rank, size; Note [Watchdog], Note [Collective fingerprint]
+    std::vector<int> layout;          // a blocking all-to-all's counts and displacements, reused
   };
 
   explicit Mpi(std::shared_ptr<State> s) : state_(std::move(s)) {}
@@ -486,10 +488,10 @@ class Mpi {
   }
 
   // MPI's int counts and displacements of an all-to-all: in_counts, in_offsets, out_counts,
-  // out_offsets, size() each (fit in int: prepare_all_to_all checked the sizes).
-  std::vector<int> int_layout(const detail::AllToAllLayout& l) const {
+  // out_offsets, size() each (fit in int: prepare_all_to_all checked the sizes), into `ints`.
+  void int_layout(const detail::AllToAllLayout& l, std::vector<int>& ints) const {
     const auto n = static_cast<std::size_t>(size());
-    std::vector<int> ints(4 * n);
+    ints.resize(4 * n);
     int sent = 0, received = 0;
     for (std::size_t i = 0; i < n; ++i) {
       ints[i] = static_cast<int>(l.in_count(i));
@@ -498,7 +500,6 @@ class Mpi {
       ints[3 * n + i] = received;
       sent += ints[i], received += ints[2 * n + i];
     }
-    return ints;
   }
 
   Request start_reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op, detail::Watch watch) {
