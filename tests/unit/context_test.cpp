@@ -11,12 +11,16 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "paratrain/checkpoint/checkpointer.hpp"
 #include "paratrain/checkpoint/load.hpp"
 #include "paratrain/comm/mesh.hpp"
 #include "paratrain/comm/mpi/mpi.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"
@@ -187,13 +191,15 @@ namespace context_test {
 constexpr std::int64_t features = 6, layer_heads = 4, head_width = 3, sequence = 24;
 
 struct AttentionNetImpl : torch::nn::Module {
-  AttentionNetImpl(cp::AttentionOptions options, bool whole)
-      : group(tp::context_group()), o(std::move(options)), whole(whole) {
+  // `cut`: whether the input is whole sequences, cut here; a pipeline's second stage takes
+  // the first's positions.
+  AttentionNetImpl(cp::AttentionOptions options, bool whole, bool cut = true)
+      : group(tp::context_group()), o(std::move(options)), whole(whole), cut(cut) {
     qkv = register_module("qkv", paratrain::Unit<torch::nn::Linear>(features, 3 * layer_heads * head_width));
     proj = register_module("proj", paratrain::Unit<torch::nn::Linear>(layer_heads * head_width, features));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    const auto mine = cp::shard(x, 1, group, o.layout);
+    const auto mine = cut ? cp::shard(x, 1, group, o.layout) : x;
     const auto b = mine.size(0), s = mine.size(1);
     const auto t = qkv(mine).view({b, s, 3, layer_heads, head_width});
     const auto q = t.select(2, 0), k = t.select(2, 1), v = t.select(2, 2);
@@ -202,7 +208,7 @@ struct AttentionNetImpl : torch::nn::Module {
   }
   tp::Group group;
   cp::AttentionOptions o;
-  bool whole;
+  bool whole, cut;
   paratrain::Unit<torch::nn::Linear> qkv{nullptr}, proj{nullptr};
 };
 TORCH_MODULE(AttentionNet);
@@ -277,7 +283,81 @@ double train_both(int degree, const cp::AttentionOptions& o, int tensor = 1) {
   return paratrain_test::gpt::max_relative_difference(s.full_parameters(), slices);
 }
 
+// Two attention layers as a pipeline of two stages on K pipeline ranks (K = 1: one rank
+// runs both, interleaved), their sequences cut over context groups of `degree`, the stages
+// replicated over what the world leaves (replica r given 2 micro-batches of 2 + r % 2
+// sequences a step); the reference, the two layers on one device over every replica's
+// sequences. Returns the worst relative difference of this rank's stages' parameters after
+// 3 steps.
+template <class Update>
+double pipeline_both(int degree, int K, const cp::AttentionOptions& o) {
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  auto [ref0, ref1] = [&] {
+    const tp::Construction one_rank(tp::Context{});
+    torch::manual_seed(7);
+    auto first = AttentionNet(o, /*whole=*/true);
+    torch::manual_seed(8);
+    return std::pair(first, AttentionNet(o, /*whole=*/true, /*cut=*/false));
+  }();
+  auto ref_params = ref0->parameters();
+  for (const auto& p : ref1->parameters()) ref_params.push_back(p);
+  torch::optim::SGD ref_opt(ref_params, sgd);
+  using P = paratrain::Pipeline<AttentionNet, AttentionNet>;
+  paratrain::DataParallel<P, comm::Mpi, Update> s(
+      P([&] { torch::manual_seed(7); return AttentionNet(o, false); },
+        [&] { torch::manual_seed(8); return AttentionNet(o, false, /*cut=*/false); }),
+      comm::Mpi(), sgd,
+      {.schedule = K == 1 ? paratrain::pipeline::Kind::interleaved_1f1b : paratrain::pipeline::Kind::one_f_one_b,
+       .virtual_stages = 2 / K,
+       .data_parallel = {.context_parallel = degree}});
+  REQUIRE(s.pipeline_size() == K);
+  REQUIRE(s.context_group().size() == degree);
+  const auto per = [](int r) { return std::int64_t{2} + r % 2; };
+  std::int64_t total = 0, first = 0;
+  for (int r = 0; r < s.replicas(); ++r) total += 2 * per(r), first += r < s.replica() ? 2 * per(r) : 0;
+  const auto loss = [&](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::mse_loss(out, cp::shard(target, 1, s.context_group(), o.layout));
+  };
+  for (int step = 0; step < 3; ++step) {
+    auto gen = at::detail::createCPUGenerator(200 + step);
+    const auto x = at::randn({total, sequence, features}, gen), y = at::randn({total, sequence, features}, gen);
+    ref_opt.zero_grad();
+    torch::mse_loss(ref1(ref0(x)), y).backward();
+    ref_opt.step();
+    const auto n = per(s.replica());
+    const std::vector<paratrain::Batch> mine{paratrain::Batch(x.narrow(0, first, n), y.narrow(0, first, n)),
+                                             paratrain::Batch(x.narrow(0, first + n, n), y.narrow(0, first + n, n))};
+    const auto r = s.step(std::span<const paratrain::Batch>(mine), loss);
+    CHECK(r.global_samples == static_cast<double>(total));
+  }
+  // The reference's parameters by the pipeline's names ("<stage>.<parameter>", the stages
+  // named by their places).
+  std::map<std::string, torch::Tensor> want;
+  for (const auto& [name, ref] : {std::pair(std::string("0"), ref0), std::pair(std::string("1"), ref1)})
+    for (const auto& item : ref->named_parameters()) want[name + "." + item.key()] = item.value();
+  const auto held = paratrain_test::gpt::as_held(*s.stages(), [&](const std::string& n) { return want.at(n); });
+  return paratrain_test::gpt::max_relative_difference(s.full_parameters(), held);
+}
+
 }  // namespace context_test
+
+TEST_CASE("a pipeline over data x context equals the single-device model: ring and all-to-all attention, on one "
+          "pipeline rank and across two, DDP and ZeRO 1 and 3") {
+  using namespace context_test;
+  using SGD = torch::optim::SGD;
+  const int world = comm::Mpi().size();
+  const cp::AttentionOptions ring{.causal = true, .layout = cp::Layout::zigzag};
+  const cp::AttentionOptions a2a{.causal = true, .algorithm = cp::Algorithm::all_to_all};
+  // The whole world one context group, both stages on each rank.
+  CHECK(pipeline_both<SGD>(world, 1, ring) <= 1e-5);
+  if (layer_heads % world == 0) CHECK(pipeline_both<paratrain::Sharded<SGD, paratrain::zero::stage1>>(world, 1, a2a) <= 1e-5);
+  if (world == 4) {
+    // Context 2 x pipeline 2: activations cross ranks; context 2 x data 2 on one pipeline rank.
+    CHECK(pipeline_both<SGD>(2, 2, ring) <= 1e-5);
+    CHECK(pipeline_both<paratrain::Sharded<SGD, paratrain::zero::stage3>>(2, 2, a2a) <= 1e-5);
+    CHECK(pipeline_both<paratrain::Sharded<SGD, paratrain::zero::stage1>>(2, 1, ring) <= 1e-5);
+  }
+}
 
 TEST_CASE("DataParallel over data x context equals the single-device model, under DDP and ZeRO 1-3, ring and "
           "all-to-all attention") {
@@ -326,8 +406,8 @@ TEST_CASE("context-parallel attention refuses heads its group cannot share, a ma
                        doctest::Contains("cannot be cut"), paratrain::error);
 }
 
-TEST_CASE("DataParallel refuses, on every rank, a context degree the world cannot take and deterministic mode over a "
-          "context group") {
+TEST_CASE("DataParallel and a pipeline refuse, on every rank, a context degree the world cannot take; DataParallel "
+          "deterministic mode over a context group") {
   using namespace context_test;
   using Strategy = paratrain::DataParallel<AttentionNet, comm::Mpi, torch::optim::SGD>;
   const int world = comm::Mpi().size();
@@ -339,6 +419,16 @@ TEST_CASE("DataParallel refuses, on every rank, a context degree the world canno
                                         {.deterministic = {.shards = 12}, .context_parallel = world}),
                          doctest::Contains("deterministic mode does not cut sequences over a context group"),
                          paratrain::error);
+  // Both stages on each rank: the pipeline's one rank times the context degree must divide the world.
+  using P = paratrain::Pipeline<AttentionNet, AttentionNet>;
+  using Piped = paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD>;
+  const auto refusal = "their sequences over context groups of " + std::to_string(world + 1) +
+                       " (data_parallel.context_parallel), runs on a multiple of " + std::to_string(world + 1) +
+                       " ranks; this run has " + std::to_string(world);
+  CHECK_THROWS_WITH_AS((void)Piped(P(build, build), comm::Mpi(), torch::optim::SGDOptions(0.1),
+                                   {.schedule = paratrain::pipeline::Kind::interleaved_1f1b, .virtual_stages = 2,
+                                    .data_parallel = {.context_parallel = world + 1}}),
+                       doctest::Contains(refusal.c_str()), paratrain::error);
 }
 
 namespace context_test {

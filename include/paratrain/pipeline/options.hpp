@@ -54,6 +54,12 @@ struct PipelineStepStats {
 // so Sharded (ZeRO 1-3) shards a stage over its replicas, and hybrid sharding splits them
 // as shard_group says. The pipeline ranks of one replica pass activations forward and
 // gradients backward.
+// With a tensor degree t and a context degree c (data_parallel.tensor_parallel,
+// context_parallel), R = W / (K t c): each of a replica's t c pipelines runs every stage on
+// its slice of the layers and its positions of the replica's sequences, passing activations
+// to the next stage's rank of the same tensor and context coordinates (the pipeline group);
+// a stage's gradients are summed over its replicas and its context group together
+// (Dims::replicas()), its samples counted once per context group, as DataParallel does.
 
 namespace pipeline::detail {
 

@@ -88,10 +88,13 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
         pipe_(mesh_.group(Dim::pipeline)) {
     group_ = std::make_shared<detail::StageGroupImpl>();
     tensor_group_ = tp::Group(mesh_);
+    context_group_ = tp::Group(mesh_, Dim::context);
     const auto build_stages = [&] {
-      // Note [Building a tensor-parallel model]: the stages' layers join the tensor group.
-      const tp::Construction tensor_group(
-          {.group = tensor_group_, .sequence_parallel = options_.data_parallel.sequence_parallel});
+      // Note [Building a tensor-parallel model]: the stages' layers join the tensor group,
+      // their attention the context group.
+      const tp::Construction tensor_group({.group = tensor_group_,
+                                           .sequence_parallel = options_.data_parallel.sequence_parallel,
+                                           .context = context_group_});
       build(stages, std::index_sequence_for<Stage...>{});
       return group_;
     };
@@ -208,6 +211,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// The ranks this rank's stages cut their tensor-parallel layers over (one rank without
   /// tensor parallelism): what tp::CrossEntropy reduces over in the last stage.
   [[nodiscard]] const tp::Group& tensor_group() const noexcept { return tensor_group_; }
+  /// The group the stages' sequences are cut over (data_parallel.context_parallel): the last
+  /// stage's loss cuts the targets over it alike (cp::shard).
+  [[nodiscard]] const tp::Group& context_group() const noexcept { return context_group_; }
   /// Dynamic loss scaling's state, the same on every stage (Note [Loss scaling]).
   [[nodiscard]] LossScaler& loss_scaler() noexcept { return steps_->loss_scaler(); }
   [[nodiscard]] const LossScaler& loss_scaler() const noexcept { return steps_->loss_scaler(); }
@@ -329,18 +335,23 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       throw error("Pipeline", comm.rank(),
                   "data_parallel.expert_parallel is " + std::to_string(options.data_parallel.expert_parallel) +
                       "; a pipeline does not route its stages' tokens over an expert group yet: leave it 1");
-    if (options.data_parallel.context_parallel != 1)
-      throw error("Pipeline", comm.rank(),
-                  "data_parallel.context_parallel is " + std::to_string(options.data_parallel.context_parallel) +
-                      "; a pipeline does not cut its stages' sequences over a context group yet: leave it 1");
     if (t < 1 || W % (K * t) != 0)
       throw error("Pipeline", comm.rank(),
                   "a pipeline of " + std::to_string(K) + " ranks whose stages are cut over tensor groups of " +
                       std::to_string(t) + " (data_parallel.tensor_parallel) runs on a multiple of " +
                       std::to_string(K * t) + " ranks; this run has " + std::to_string(W));
-    auto shape = data_mesh(options.data_parallel.shard_group, W / (K * t), comm.rank());
+    // Note [Pipeline layout]: each context rank runs the pipeline on its positions.
+    const int c = options.data_parallel.context_parallel;
+    if (c < 1 || W % (K * t * c) != 0)
+      throw error("Pipeline", comm.rank(),
+                  "a pipeline of " + std::to_string(K) + " ranks, its stages cut over tensor groups of " +
+                      std::to_string(t) + " and their sequences over context groups of " + std::to_string(c) +
+                      " (data_parallel.context_parallel), runs on a multiple of " + std::to_string(K * t * c) +
+                      " ranks; this run has " + std::to_string(W));
+    auto shape = data_mesh(options.data_parallel.shard_group, W / (K * t * c), comm.rank());
     shape.pipeline = K;
     shape.tensor = t;
+    shape.context = c;
     return Mesh<Comm>(std::move(comm), shape);
   }
 
@@ -547,7 +558,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   std::unique_ptr<Comm> pipe_back_;  // the same, for gradients, where sends are unbuffered: Note [One group per direction]
   std::tuple<Stage...> stages_{Stage(nullptr)...};
   detail::StageGroup group_;
-  tp::Group tensor_group_;  // the one the stages' layers joined
+  tp::Group tensor_group_;   // the one the stages' layers joined
+  tp::Group context_group_;  // the one their attention runs over (tp::Context::context)
   at::Device device_{at::kCPU};  // where this rank's stages live: received tensors go there
   std::unique_ptr<Steps> steps_;
   std::unique_ptr<pipeline::detail::Link<Comm>> link_;
