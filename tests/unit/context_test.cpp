@@ -241,6 +241,13 @@ struct TensorAttentionNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(TensorAttentionNet);
 
+// The loss on this rank's positions: the targets cut over `group` as the model cut the inputs.
+auto loss_on_positions(const tp::Group& group, cp::Layout layout) {
+  return [group, layout](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::mse_loss(out, cp::shard(target, 1, group, layout));
+  };
+}
+
 // Trains Update's strategy at context degree `degree` and tensor degree `tensor` (the data
 // ranks what the world leaves, replica d given 3 - d % 2 sequences a step) and the reference
 // on all replicas' sequences; returns the worst relative difference of the parameters (this
@@ -264,9 +271,7 @@ double train_both(int degree, const cp::AttentionOptions& o, int tensor = 1) {
   std::int64_t total = 0, first = 0;
   const auto batch_of = [](int d) { return std::int64_t{3} - d % 2; };
   for (int d = 0; d < data.count; ++d) total += batch_of(d), first += d < data.index ? batch_of(d) : 0;
-  const auto loss = [&](const torch::Tensor& out, const torch::Tensor& target) {
-    return torch::mse_loss(out, cp::shard(target, 1, s.context_group(), o.layout));
-  };
+  const auto loss = loss_on_positions(s.context_group(), o.layout);
   for (int step = 0; step < 3; ++step) {
     auto gen = at::detail::createCPUGenerator(100 + step);
     const auto x = at::randn({total, sequence, features}, gen), y = at::randn({total, sequence, features}, gen);
@@ -315,9 +320,7 @@ double pipeline_both(int degree, int K, const cp::AttentionOptions& o) {
   const auto per = [](int r) { return std::int64_t{2} + r % 2; };
   std::int64_t total = 0, first = 0;
   for (int r = 0; r < s.replicas(); ++r) total += 2 * per(r), first += r < s.replica() ? 2 * per(r) : 0;
-  const auto loss = [&](const torch::Tensor& out, const torch::Tensor& target) {
-    return torch::mse_loss(out, cp::shard(target, 1, s.context_group(), o.layout));
-  };
+  const auto loss = loss_on_positions(s.context_group(), o.layout);
   for (int step = 0; step < 3; ++step) {
     auto gen = at::detail::createCPUGenerator(200 + step);
     const auto x = at::randn({total, sequence, features}, gen), y = at::randn({total, sequence, features}, gen);
@@ -453,9 +456,7 @@ std::vector<torch::Tensor> leg(int degree, const std::filesystem::path& from, co
   if (!from.empty()) paratrain::checkpoint::load(s, paratrain::checkpoint::latest(from).value());
   const auto data = s.data_shard();
   const std::int64_t global = 4;
-  const auto loss = [&](const torch::Tensor& out, const torch::Tensor& target) {
-    return torch::mse_loss(out, cp::shard(target, 1, s.context_group(), o.layout));
-  };
+  const auto loss = loss_on_positions(s.context_group(), o.layout);
   for (int step = first; step < last; ++step) {
     const auto [x, y] = batch_of_step(step, global);
     const auto begin = global * data.index / data.count, end = global * (data.index + 1) / data.count;
