@@ -335,19 +335,14 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       throw error("Pipeline", comm.rank(),
                   "data_parallel.expert_parallel is " + std::to_string(options.data_parallel.expert_parallel) +
                       "; a pipeline does not route its stages' tokens over an expert group yet: leave it 1");
-    if (t < 1 || W % (K * t) != 0)
-      throw error("Pipeline", comm.rank(),
-                  "a pipeline of " + std::to_string(K) + " ranks whose stages are cut over tensor groups of " +
-                      std::to_string(t) + " (data_parallel.tensor_parallel) runs on a multiple of " +
-                      std::to_string(K * t) + " ranks; this run has " + std::to_string(W));
-    // Note [Pipeline layout]: each context rank runs the pipeline on its positions.
+    // Note [Pipeline layout]: each tensor and context rank runs the pipeline on its slice.
     const int c = options.data_parallel.context_parallel;
-    if (c < 1 || W % (K * t * c) != 0)
+    if (t < 1 || c < 1 || W % (K * t * c) != 0)
       throw error("Pipeline", comm.rank(),
                   "a pipeline of " + std::to_string(K) + " ranks, its stages cut over tensor groups of " +
-                      std::to_string(t) + " and their sequences over context groups of " + std::to_string(c) +
-                      " (data_parallel.context_parallel), runs on a multiple of " + std::to_string(K * t * c) +
-                      " ranks; this run has " + std::to_string(W));
+                      std::to_string(t) + " (data_parallel.tensor_parallel) and their sequences over context groups of " +
+                      std::to_string(c) + " (data_parallel.context_parallel), runs on a multiple of " +
+                      std::to_string(K * t * c) + " ranks; this run has " + std::to_string(W));
     auto shape = data_mesh(options.data_parallel.shard_group, W / (K * t * c), comm.rank());
     shape.pipeline = K;
     shape.tensor = t;

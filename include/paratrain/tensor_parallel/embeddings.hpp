@@ -51,8 +51,9 @@ class EmbeddingsImpl : public torch::nn::Module {
 
   /// forward(), for `ids` [batch, n] at the given `positions` [n] of their sequences (under
   /// context parallelism, this rank's: cp::positions) → [batch, n, hidden]. Without sequence
-  /// parallelism. (Not an overload of forward: a module holder calls a forward of one kind.) The dropout's masks are keyed by the n places given here, not by the
-  /// positions: train with dropout 0 to compare context degrees (Note [Keyed dropout]).
+  /// parallelism. (Not an overload of forward: a module holder calls a forward of one kind.)
+  /// The dropout's masks are keyed by the n places given here, not by the positions: train
+  /// with dropout 0 to compare context degrees (Note [Keyed dropout]).
   at::Tensor at_positions(const at::Tensor& ids, const at::Tensor& positions) {
     if (context_.sequence_parallel)
       throw error("tp::Embeddings", context_.group.world_rank(),
@@ -61,11 +62,15 @@ class EmbeddingsImpl : public torch::nn::Module {
       throw error("tp::Embeddings", context_.group.world_rank(),
                   "positions of shape " + std::to_string(positions.dim() == 1 ? positions.size(0) : -1) + " for " +
                       std::to_string(ids.size(1)) + " tokens a sequence; give one position a token, 1-D");
-    const auto last = positions.numel() > 0 ? positions.max().item<std::int64_t>() : -1;
-    if (last >= position.size(0) || (positions.numel() > 0 && positions.min().item<std::int64_t>() < 0))
-      throw error("tp::Embeddings", context_.group.world_rank(),
-                  "a position of " + std::to_string(last) + ", and the table has " + std::to_string(position.size(0)) +
-                      " positions");
+    if (positions.numel() > 0) {
+      const auto [low, high] = at::aminmax(positions);
+      const auto first = low.item<std::int64_t>(), last = high.item<std::int64_t>();
+      if (first < 0 || last >= position.size(0))
+        throw error("tp::Embeddings", context_.group.world_rank(),
+                    "a position of " + std::to_string(first < 0 ? first : last) + ", and the table has " +
+                        std::to_string(position.size(0)) + " positions (0.." + std::to_string(position.size(0) - 1) +
+                        ")");
+    }
     return drop(tokens(ids) + position.index_select(0, positions.to(position.device())));
   }
 
