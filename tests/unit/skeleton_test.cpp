@@ -149,9 +149,13 @@ TEST_CASE("watchdog: a rank's status names the oldest operation pending on the c
   CHECK(s.pending == 1);
   CHECK(s.operation.op == pd::operation_code("all_gather"));
   CHECK(s.operation.seq == 2);
+  // An operation's end is noticed without the lock or the clock (Note [Watchdog]): a rank
+  // whose last operation ended just now is not idle since that operation's start.
+  std::this_thread::sleep_for(300ms);
   b1 = {}, a2 = {};
   CHECK(status(a).pending == 0);
   CHECK(status(idle).pending == 0);
+  CHECK(status(idle).idle_ms < 250);
   // The slots given back are taken again, in start order still.
   auto [a3, due_a3] = a.collective("all_to_all", at::kFloat, -1, 0);
   auto [b2, due_b2] = b.collective("barrier", at::ScalarType::Undefined, 0, 0);

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -54,8 +55,10 @@ namespace paratrain::detail {
 //      included), an exit under a torchrun-style launch (the peers' next operation then
 //      fails: comm::Gloo throws paratrain::error "Gloo failed: ..." on each of them).
 // Nothing is done on the training threads but taking a slot of a table when an operation
-// starts and giving it back when it ends, under one uncontended lock, with no allocation
-// once the table has grown to the most operations ever pending at once, and the time read
+// starts, under one uncontended lock (the ledger's: the collective is counted under the
+// same acquisition), and marking the slot ended when it ends, without the lock (an atomic
+// store; the next start gives it back to the free ones), with no allocation once the table
+// has grown to the most operations ever pending at once, and the time read
 // from the kernel's last tick (coarse_now: ~3 ns where steady_clock's ~27 ns was a tenth
 // of a 4 KiB all-to-all's overhead on a VM's kvm-clock; docs/benchmarks.md). The watchdog
 // thread sleeps otherwise, waking every tick (a tenth of the shortest timeout, at most
@@ -120,6 +123,8 @@ inline std::chrono::steady_clock::time_point coarse_now() noexcept {
 }
 
 class Watchdog {
+  struct Pending;
+
  public:
   using clock = std::chrono::steady_clock;
 
@@ -133,23 +138,23 @@ class Watchdog {
   class Watch {
    public:
     Watch() = default;
-    Watch(Watch&& o) noexcept : id_(std::exchange(o.id_, 0)) {}
+    Watch(Watch&& o) noexcept : pending_(std::exchange(o.pending_, nullptr)) {}
     Watch& operator=(Watch&& o) noexcept {
       if (this != &o) {
         release();
-        id_ = std::exchange(o.id_, 0);
+        pending_ = std::exchange(o.pending_, nullptr);
       }
       return *this;
     }
     ~Watch() { release(); }
     void release() noexcept {
-      if (id_ != 0) instance().end(std::exchange(id_, 0));
+      if (pending_ != nullptr) end(std::exchange(pending_, nullptr));
     }
 
    private:
     friend class Watchdog;
-    explicit Watch(std::uint64_t id) : id_(id) {}
-    std::uint64_t id_ = 0;
+    explicit Watch(Pending* pending) : pending_(pending) {}
+    Pending* pending_ = nullptr;
   };
 
   /// Starts watching an operation of `ledger`'s communicator; `peer` >= 0 for a send or receive.
@@ -218,7 +223,7 @@ class Watchdog {
     const Pending* chosen = nullptr;
     const auto is_here = [&](const Pending* p) { return p->ledger && p->ledger->id() == ledger_id; };
     for (const auto& p : slots_) {
-      if (p.order == 0) continue;
+      if (!p.pending()) continue;
       const bool here = is_here(&p);
       if (chosen == nullptr || (here && !is_here(chosen)) || (here == is_here(chosen) && p.order < chosen->order))
         chosen = &p;
@@ -229,56 +234,91 @@ class Watchdog {
       s.peer = chosen->peer;
       s.age_ms = ms(now - chosen->started);
     }
-    s.idle_ms = ms(now - last_activity_);
+    // An operation that ended since the last tick (noticed_ends_held) ended about now.
+    s.idle_ms = ends_.load(std::memory_order_relaxed) != ends_seen_ ? 0 : ms(now - last_activity_);
     return s;
   }
 
  private:
-  struct Pending {
+  // A slot of the table: written under the lock when its operation starts (begin_held),
+  // read under it (status, run); its state alone changes without the lock, when the
+  // operation ends (end: pending -> ended, a release store). The lock's holder gives an
+  // ended slot back to the free ones (reclaim_held). Slots live in a deque: end() touches
+  // one while begin_held may append others.
+  enum : std::uint8_t { slot_free, slot_pending, slot_ended };
+  struct Operation {
     std::shared_ptr<Ledger> ledger;
     OperationRecord operation;
     int peer = -1;
     clock::time_point started;
     clock::time_point deadline;
-    std::uint64_t order = 0;  // start order, from 1; 0: a free slot
+    std::uint64_t order = 0;  // start order, from 1
+  };
+  struct Pending : Operation {
+    std::uint32_t index = 0;  // in slots_
+    std::atomic<std::uint8_t> state{slot_free};
+
+    [[nodiscard]] bool pending() const noexcept { return state.load(std::memory_order_acquire) == slot_pending; }
   };
 
   Watchdog() = default;
 
   Watch begin_held(std::unique_lock<LedgerLock>& lock, clock::time_point now, const std::shared_ptr<Ledger>& ledger,
                    const OperationRecord& operation, std::chrono::milliseconds timeout, int peer) {
-    std::size_t slot = slots_.size();
+    if (free_.empty()) reclaim_held();
+    Pending* slot = nullptr;
     if (free_.empty()) {
-      slots_.emplace_back();
-      // free_ keeps a place for every slot, so that end() never allocates.
-      if (free_.capacity() < slots_.size()) free_.reserve(slots_.capacity());
+      slot = &slots_.emplace_back();
+      slot->index = static_cast<std::uint32_t>(slots_.size() - 1);
+      // free_ keeps a place for every slot, so that reclaim_held() never allocates.
+      if (free_.capacity() < slots_.size()) free_.reserve(2 * slots_.size());
     } else {
-      slot = free_.back(), free_.pop_back();
+      slot = &slots_[free_.back()], free_.pop_back();
     }
-    auto& p = slots_[slot];
+    auto& p = *slot;
     // A free slot keeps its last ledger: the same communicator's next operation takes the
-    // same slot (free_ is a stack) and copies no shared_ptr, which costs two atomic
-    // operations a call. A ledger kept so is ~3 KB, at most one a slot.
+    // same slot (free_ is a stack, and the slot ended last is reclaimed first) and copies no
+    // shared_ptr, which costs two atomic operations a call. A ledger kept so is ~3 KB, at
+    // most one a slot.
     if (p.ledger != ledger) p.ledger = ledger;
     p.operation = operation, p.peer = peer, p.started = now, p.deadline = now + timeout, p.order = ++started_count_;
+    p.state.store(slot_pending, std::memory_order_relaxed);  // the lock's release publishes it
     last_activity_ = now;
     if (!started_) start(lock);
     if (timeout < shortest_timeout_) {
       shortest_timeout_ = timeout;
       wake_.notify_all();
     }
-    return Watch(slot + 1);
+    return Watch(slot);
+  }
+
+  // Gives the ended slots back, the one that ended last first (last_ended_, when it has not
+  // been reclaimed since): a communicator's operations, one after another, find their slot
+  // without a scan.
+  void reclaim_held() noexcept {
+    const auto give_back = [&](Pending& p) {
+      if (p.state.load(std::memory_order_acquire) != slot_ended) return false;
+      p.state.store(slot_free, std::memory_order_relaxed);
+      free_.push_back(p.index);
+      return true;
+    };
+    if (const auto hint = last_ended_.load(std::memory_order_relaxed); hint < slots_.size() && give_back(slots_[hint]))
+      return;
+    for (auto& p : slots_) give_back(p);
   }
 
   static std::int64_t ms(clock::duration d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); }
 
-  void end(std::uint64_t id) noexcept {
-    const auto now = coarse_now();
-    std::lock_guard lock(mutex_);
-    const auto slot = static_cast<std::size_t>(id - 1);
-    slots_[slot].order = 0;
-    free_.push_back(static_cast<std::uint32_t>(slot));
-    last_activity_ = now;
+  // Without the lock or the clock: an operation's end is three stores (on x86, plain
+  // moves). The watchdog's tick notices that operations ended (ends_ moved) and counts
+  // the rank active then (noticed_ends_held): idle times are a tick coarse.
+  static void end(Pending* p) noexcept {
+    ends_.store(ends_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);  // racing ends still move it
+    last_ended_.store(p->index, std::memory_order_relaxed);
+    p->state.store(slot_ended, std::memory_order_release);
+  }
+  void noticed_ends_held(clock::time_point now) {
+    if (const auto e = ends_.load(std::memory_order_relaxed); e != ends_seen_) ends_seen_ = e, last_activity_ = now;
   }
 
   void start(std::unique_lock<LedgerLock>&) {
@@ -294,13 +334,14 @@ class Watchdog {
   void run() {
     const auto self = [this](std::int64_t ledger) { return status(ledger); };
     for (;;) {
-      std::optional<Pending> expired;
+      std::optional<Operation> expired;
       {
         std::unique_lock lock(mutex_);
         wake_.wait_for(lock, tick());
         const auto now = clock::now();
+        noticed_ends_held(now);
         for (const auto& p : slots_)
-          if (p.order != 0 && now >= p.deadline && (!expired || p.order < expired->order)) expired = p;
+          if (p.pending() && now >= p.deadline && (!expired || p.order < expired->order)) expired = static_cast<const Operation&>(p);
       }
       std::lock_guard serving(channel_mutex_);  // channel_ changes only under both locks
       if (expired) fire(*expired, channel_.get(), self);  // does not return
@@ -308,7 +349,7 @@ class Watchdog {
     }
   }
 
-  [[noreturn]] void fire(const Pending& p, WatchdogChannel* channel,
+  [[noreturn]] void fire(const Operation& p, WatchdogChannel* channel,
                          const std::function<RankStatus(std::int64_t)>& self) {
     const auto& ledger = *p.ledger;
     const int me = ledger.members()[static_cast<std::size_t>(ledger.rank())];
@@ -378,8 +419,11 @@ class Watchdog {
   LedgerLock& mutex_ = ledger_lock();  // also every ledger's: Watchdog::begin_counted
   std::mutex channel_mutex_;           // held while the channel is used; taken before mutex_
   std::condition_variable_any wake_;
-  std::vector<Pending> slots_;        // a Watch's id is its slot + 1
-  std::vector<std::uint32_t> free_;  // the free slots
+  std::deque<Pending> slots_;        // a Watch points at its slot
+  std::vector<std::uint32_t> free_;  // the free slots, by index
+  static inline std::atomic<std::uint32_t> last_ended_{0};  // the slot that ended last
+  static inline std::atomic<std::uint64_t> ends_{0};        // operations ended, about
+  std::uint64_t ends_seen_ = 0;                             // at the last tick
   std::uint64_t started_count_ = 0;
   std::map<std::int64_t, std::weak_ptr<Ledger>> ledgers_;
   clock::time_point last_activity_ = clock::now();
