@@ -7,9 +7,12 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <concepts>
+#include <cstddef>
 #include <exception>
 #include <functional>
+#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -47,6 +50,40 @@ concept native_handles = std::default_initializable<N> && std::movable<N> &&
 // it does not: a peer may have failed, and waiting could hang the rank that is
 // about to report the error. The buffer is then leaked on purpose (and, under
 // AddressSanitizer, registered with __lsan_ignore_object as a leak on purpose).
+
+/// The tensors a pending operation keeps alive: up to four (what every operation keeps)
+/// without an allocation, more in a vector.
+class KeptTensors {
+ public:
+  KeptTensors() = default;
+  KeptTensors(std::initializer_list<at::Tensor> tensors) {
+    for (const auto& t : tensors) push(t);
+  }
+  KeptTensors(std::vector<at::Tensor> tensors) {  // NOLINT(google-explicit-constructor): a request's keep_ = vector
+    if (tensors.size() > few_.size()) {
+      more_ = std::move(tensors);
+      return;
+    }
+    for (auto& t : tensors) push(std::move(t));
+  }
+  void clear() noexcept {
+    for (auto& t : few_) t.reset();
+    more_.clear();
+    n_ = 0;
+  }
+
+ private:
+  void push(at::Tensor t) {
+    if (n_ < few_.size())
+      few_[n_++] = std::move(t);
+    else
+      more_.push_back(std::move(t));
+  }
+
+  std::array<at::Tensor, 4> few_;
+  std::size_t n_ = 0;
+  std::vector<at::Tensor> more_;
+};
 
 /// A pending non-blocking operation of the communicator `Native::owner`. Dropping one waits
 /// for it: Note [Dropped requests].
@@ -99,7 +136,7 @@ class BasicRequest {
 
  private:
   friend typename Native::owner;
-  BasicRequest(const char* op, int rank, std::vector<at::Tensor> keep) : keep_(std::move(keep)), op_(op), rank_(rank) {}
+  BasicRequest(const char* op, int rank, KeptTensors keep) : keep_(std::move(keep)), op_(op), rank_(rank) {}
 
   void complete() {
     watch_.release();
@@ -111,7 +148,7 @@ class BasicRequest {
     if (!native_.pending()) return;
     if (std::uncaught_exceptions() > 0) {
       native_.abandon();
-      [[maybe_unused]] auto* kept = new std::vector<at::Tensor>(std::move(keep_));  // never freed, on purpose
+      [[maybe_unused]] auto* kept = new KeptTensors(std::move(keep_));  // never freed, on purpose
 #ifdef PARATRAIN_LSAN
       __lsan_ignore_object(kept);
 #endif
@@ -125,7 +162,7 @@ class BasicRequest {
   }
 
   Native native_;
-  std::vector<at::Tensor> keep_;  // must outlive the operation
+  KeptTensors keep_;              // must outlive the operation
   std::function<void()> then_;    // runs once it completes (an average's division, a copy back)
   Watch watch_;                   // Note [Watchdog]
   const char* op_ = "";

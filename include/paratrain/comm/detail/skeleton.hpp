@@ -60,17 +60,10 @@ class Skeleton {
   template <word_collectives Words>
   [[nodiscard]] Watch begin(std::string_view op, at::ScalarType dtype, std::int64_t numel, int detail,
                             Words&& words) const {
-    if (validate_) {  // first: a collective refused on every rank is not counted
-      CollectiveSignature signature(op, dtype, numel, detail);
-      const auto watch = watched_.operation(record_of("validate", signature.packed(), 0));
-      words.all_reduce_max("validate", signature.packed());
-      signature.check(rank_);
-    }
+    // first: a collective refused on every rank is not counted
+    if (validate_) [[unlikely]] validate(op, dtype, numel, detail, words);
     auto [watch, due] = watched_.collective(op, dtype, numel, detail);
-    if (due)
-      watched_.compare_fingerprints(
-          rank_, size_, [&](at::Tensor& w) { words.all_reduce_max("fingerprint", w); },
-          [&](const at::Tensor& in, at::Tensor& out) { words.all_gather("fingerprint", in, out); });
+    if (due) [[unlikely]] compare_fingerprints(words);
     return std::move(watch);
   }
   template <word_collectives Words>
@@ -107,6 +100,22 @@ class Skeleton {
   }
 
  private:
+  // The rare parts of begin(), out of line, so that a collective's common path stays short.
+  template <word_collectives Words>
+  [[gnu::noinline]] void validate(std::string_view op, at::ScalarType dtype, std::int64_t numel, int detail,
+                                  Words& words) const {
+    CollectiveSignature signature(op, dtype, numel, detail);
+    const auto watch = watched_.operation(record_of("validate", signature.packed(), 0));
+    words.all_reduce_max("validate", signature.packed());
+    signature.check(rank_);
+  }
+  template <word_collectives Words>
+  [[gnu::noinline]] void compare_fingerprints(Words& words) const {
+    watched_.compare_fingerprints(
+        rank_, size_, [&](at::Tensor& w) { words.all_reduce_max("fingerprint", w); },
+        [&](const at::Tensor& in, at::Tensor& out) { words.all_gather("fingerprint", in, out); });
+  }
+
   template <word_collectives Words>
   void check_counts(const char* op, const AllToAllLayout& layout, Words&& words) const {
     const auto n = static_cast<std::size_t>(size_);

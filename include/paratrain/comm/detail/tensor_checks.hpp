@@ -25,16 +25,17 @@ namespace paratrain::detail {
 
 /// A buffer a collective may read or write: defined, contiguous, of a supported dtype.
 inline void check_buffer(const char* op, int rank, const at::Tensor& t, const char* name = "tensor") {
-  if (!t.defined()) throw error(op, rank, std::string(name) + " is undefined; pass an allocated tensor");
+  if (!t.defined()) fail_with(op, rank, [&] { return std::string(name) + " is undefined; pass an allocated tensor"; });
   if (!t.is_contiguous())
-    throw error(op, rank,
-                std::string(name) +
-                    " is not contiguous; communicate `auto c = t.contiguous();` and copy the result back with "
-                    "`t.copy_(c)`");
+    fail_with(op, rank, [&] {
+      return std::string(name) +
+             " is not contiguous; communicate `auto c = t.contiguous();` and copy the result back with `t.copy_(c)`";
+    });
   if (!is_supported_dtype(t.scalar_type()))
-    throw error(op, rank,
-                std::string(name) + " has dtype " + std::string(c10::toString(t.scalar_type())) +
-                    "; supported are float32, float64, bfloat16, float16, int32 and int64");
+    fail_with(op, rank, [&] {
+      return std::string(name) + " has dtype " + std::string(c10::toString(t.scalar_type())) +
+             "; supported are float32, float64, bfloat16, float16, int32 and int64";
+    });
 }
 
 /// A buffer that will be reduced with `r`.
@@ -53,13 +54,14 @@ inline void check_pair(const char* op, int rank, const at::Tensor& in, const at:
   check_buffer(op, rank, in, "in");
   check_buffer(op, rank, out, "out");
   if (in.scalar_type() != out.scalar_type())
-    throw error(op, rank,
-                "in is " + std::string(c10::toString(in.scalar_type())) + " but out is " +
-                    std::string(c10::toString(out.scalar_type())) + "; give both the same dtype");
+    fail_with(op, rank, [&] {
+      return "in is " + std::string(c10::toString(in.scalar_type())) + " but out is " +
+             std::string(c10::toString(out.scalar_type())) + "; give both the same dtype";
+    });
   if (in.numel() != in_numel || out.numel() != out_numel)
-    throw error(op, rank,
-                "in has " + std::to_string(in.numel()) + " elements and out " + std::to_string(out.numel()) + "; " +
-                    rule);
+    fail_with(op, rank, [&] {
+      return "in has " + std::to_string(in.numel()) + " elements and out " + std::to_string(out.numel()) + "; " + rule;
+    });
 }
 
 /// The arguments of a reduce-scatter over `ranks` ranks: `in` divides into `ranks` equal
@@ -100,47 +102,54 @@ inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in
                                        const at::Tensor& out, std::span<const std::int64_t> out_counts) {
   const char* op = "all_to_all";
   check_pair(op, rank, in, out, in.numel(), out.numel(), "");
+  const auto in_numel = in.numel(), out_numel = out.numel();
   const auto bytes = static_cast<std::int64_t>(in.element_size());
   const auto* a = static_cast<const char*>(in.data_ptr());
   const auto* b = static_cast<const char*>(out.data_ptr());
-  if (in.numel() > 0 && out.numel() > 0 && a < b + out.numel() * bytes && b < a + in.numel() * bytes)
-    throw error(op, rank, "in and out overlap; an all-to-all reads every part of in while it writes out: pass two "
-                          "separate tensors");
+  if (in_numel > 0 && out_numel > 0 && a < b + out_numel * bytes && b < a + in_numel * bytes)
+    fail_with(op, rank, [] {
+      return "in and out overlap; an all-to-all reads every part of in while it writes out: pass two separate tensors";
+    });
   const auto n = static_cast<std::size_t>(ranks);
   if (in_counts.empty() && out_counts.empty()) {
-    if (in.numel() % ranks != 0)
-      throw error(op, rank,
-                  "in has " + std::to_string(in.numel()) + " elements, not a multiple of the " + std::to_string(ranks) +
-                      " ranks; pad it, or pass each rank's count (the uneven form: all_to_all(in, in_counts, out, "
-                      "out_counts))");
-    if (out.numel() != in.numel())
-      throw error(op, rank,
-                  "in has " + std::to_string(in.numel()) + " elements and out " + std::to_string(out.numel()) +
-                      "; out must have as many as in (size() equal parts each)");
+    if (in_numel % ranks != 0)
+      fail_with(op, rank, [&] {
+        return "in has " + std::to_string(in_numel) + " elements, not a multiple of the " + std::to_string(ranks) +
+               " ranks; pad it, or pass each rank's count (the uneven form: all_to_all(in, in_counts, out, "
+               "out_counts))";
+      });
+    if (out_numel != in_numel)
+      fail_with(op, rank, [&] {
+        return "in has " + std::to_string(in_numel) + " elements and out " + std::to_string(out_numel) +
+               "; out must have as many as in (size() equal parts each)";
+      });
     AllToAllLayout equal;
-    equal.part = in.numel() / ranks;
+    equal.part = in_numel / ranks;
     return equal;
   }
-  const auto check_counts = [&](std::span<const std::int64_t> counts, const at::Tensor& t, const char* name) {
+  const auto check_counts = [&](std::span<const std::int64_t> counts, std::int64_t numel, const char* name) {
     if (counts.size() != n)
-      throw error(op, rank,
-                  std::string(name) + "_counts has " + std::to_string(counts.size()) + " entries; give one per rank (" +
-                      std::to_string(ranks) + ")");
+      fail_with(op, rank, [&] {
+        return std::string(name) + "_counts has " + std::to_string(counts.size()) + " entries; give one per rank (" +
+               std::to_string(ranks) + ")";
+      });
     std::int64_t sum = 0;
     for (std::size_t i = 0; i < n; ++i) {
       if (counts[i] < 0)
-        throw error(op, rank,
-                    std::string(name) + "_counts[" + std::to_string(i) + "] is " + std::to_string(counts[i]) +
-                        "; counts are elements, >= 0");
+        fail_with(op, rank, [&] {
+          return std::string(name) + "_counts[" + std::to_string(i) + "] is " + std::to_string(counts[i]) +
+                 "; counts are elements, >= 0";
+        });
       sum += counts[i];
     }
-    if (sum != t.numel())
-      throw error(op, rank,
-                  std::string(name) + "_counts sum to " + std::to_string(sum) + " elements but " + name + " has " +
-                      std::to_string(t.numel()) + "; the parts must cover the tensor exactly");
+    if (sum != numel)
+      fail_with(op, rank, [&] {
+        return std::string(name) + "_counts sum to " + std::to_string(sum) + " elements but " + name + " has " +
+               std::to_string(numel) + "; the parts must cover the tensor exactly";
+      });
   };
-  check_counts(in_counts, in, "in");
-  check_counts(out_counts, out, "out");
+  check_counts(in_counts, in_numel, "in");
+  check_counts(out_counts, out_numel, "out");
   AllToAllLayout uneven;
   uneven.in_counts = in_counts, uneven.out_counts = out_counts;
   return uneven;

@@ -485,7 +485,7 @@ class Gloo {
   [[nodiscard]] c10d::ProcessGroupGloo& group() const noexcept { return *state_->group; }
 
   // A request of this group: with its peer-loss flag where it has one.
-  [[nodiscard]] Request request(const char* op, std::vector<at::Tensor> keep) const {
+  [[nodiscard]] Request request(const char* op, detail::KeptTensors keep) const {
     Request r(op, rank(), std::move(keep));
     r.native_.loss = options().peer_loss;
     r.native_.limit = options().timeout;

@@ -162,7 +162,7 @@ class Mpi {
     auto* p = static_cast<char*>(t.data_ptr());
     for (std::int64_t off = 0; off < t.numel(); off += seg)
       check(MPI_Iallreduce(MPI_IN_PLACE, p + off * t.element_size(), static_cast<int>(std::min(seg, t.numel() - off)),
-                           datatype(t), state_->ops.op(t.scalar_type(), op), native(), &r.native_.requests.emplace_back()),
+                           datatype(t), state_->ops.op(t.scalar_type(), op), native(), r.native_.add()),
             "iall_reduce");
     if (op == reduce_op::average) r.then_ = [t, n = size()]() mutable { t.div_(n); };
     return r;
@@ -176,7 +176,7 @@ class Mpi {
     skeleton().check_peer("broadcast", root);
     auto r = request("broadcast", {t});
     r.watch_ = begin("broadcast", t, root);
-    check(MPI_Ibcast(t.data_ptr(), count("broadcast", t), datatype(t), root, native(), &r.native_.requests.emplace_back()),
+    check(MPI_Ibcast(t.data_ptr(), count("broadcast", t), datatype(t), root, native(), r.native_.add()),
           "broadcast");
     return r;
   }
@@ -255,7 +255,7 @@ class Mpi {
     const auto n = size();
     const auto type = datatype(in);
     check(MPI_Ialltoallv(in.data_ptr(), l, l + n, type, out.data_ptr(), l + 2 * n, l + 3 * n, type, native(),
-                         &r.native_.requests.emplace_back()),
+                         r.native_.add()),
           "all_to_all");
     return r;
   }
@@ -292,7 +292,7 @@ class Mpi {
     skeleton().check_peer("send", peer);
     auto r = request("send", {t});
     r.watch_ = skeleton().point_to_point("send", peer, tag);
-    check(MPI_Isend(t.data_ptr(), count("send", t), datatype(t), peer, tag, native(), &r.native_.requests.emplace_back()),
+    check(MPI_Isend(t.data_ptr(), count("send", t), datatype(t), peer, tag, native(), r.native_.add()),
           "send");
     return r;
   }
@@ -305,7 +305,7 @@ class Mpi {
     skeleton().check_peer("recv", peer);
     auto r = request("recv", {t});
     r.watch_ = skeleton().point_to_point("recv", peer, tag);
-    check(MPI_Irecv(t.data_ptr(), count("recv", t), datatype(t), peer, tag, native(), &r.native_.requests.emplace_back()),
+    check(MPI_Irecv(t.data_ptr(), count("recv", t), datatype(t), peer, tag, native(), r.native_.add()),
           "recv");
     return r;
   }
@@ -360,8 +360,10 @@ class Mpi {
   // MPI could take it, but nothing tells which MPI this is).
   void check_on_host(const char* op, const at::Tensor& t) const {
     if (!t.is_cpu())
-      throw error(op, rank(), "comm::Mpi takes CPU tensors; this one is on " + t.device().str() +
-                                  " (use comm::Nccl for GPU tensors, or comm::Gloo, which copies them through the host)");
+      detail::fail_with(op, rank(), [&] {
+        return "comm::Mpi takes CPU tensors; this one is on " + t.device().str() +
+               " (use comm::Nccl for GPU tensors, or comm::Gloo, which copies them through the host)";
+      });
   }
 
   static void check(int rc, const char* op, int rank) { detail::mpi_check(rc, op, rank); }
@@ -481,8 +483,10 @@ class Mpi {
     check_on_host("all_to_all", out);
     for (const auto* side : {&in, &out})
       if (side->numel() > INT_MAX)
-        skeleton().fail("all_to_all", std::string(side == &in ? "in" : "out") + " has " + std::to_string(side->numel()) +
-                                          " elements; MPI's counts and displacements stop at 2^31-1, so split it");
+        detail::fail_with("all_to_all", rank(), [&] {
+          return std::string(side == &in ? "in" : "out") + " has " + std::to_string(side->numel()) +
+                 " elements; MPI's counts and displacements stop at 2^31-1, so split it";
+        });
     start_pending_segments();
     return {layout, skeleton().begin_all_to_all("all_to_all", in.scalar_type(), layout, Words{*this})};
   }
@@ -511,7 +515,7 @@ class Mpi {
     const auto part = out.numel(), seg = reduce_scatter_segment(in);
     if (seg >= part) {
       check(MPI_Ireduce_scatter_block(in.data_ptr(), out.data_ptr(), count("reduce_scatter", out), type, mpi_op,
-                                      native(), &r.native_.requests.emplace_back()),
+                                      native(), r.native_.add()),
             "reduce_scatter");
       return r;
     }
@@ -548,7 +552,7 @@ class Mpi {
     const auto part = in.numel(), seg = all_gather_segment(out);
     if (seg >= part) {
       check(MPI_Iallgather(in_place ? MPI_IN_PLACE : in.data_ptr(), count("all_gather", in), type, out.data_ptr(),
-                           count("all_gather", in), type, native(), &r.native_.requests.emplace_back()),
+                           count("all_gather", in), type, native(), r.native_.add()),
             "all_gather");
       return r;
     }
@@ -580,7 +584,7 @@ class Mpi {
 
   // A pending operation's request, which keeps the progress thread calling MPI until it
   // completes: Note [Progress thread].
-  Request request(const char* op, std::vector<at::Tensor> keep) {
+  Request request(const char* op, detail::KeptTensors keep) {
     Request r(op, rank(), std::move(keep));
     r.native_.progress = detail::MpiProgress::instance().lease(options().progress);
     return r;

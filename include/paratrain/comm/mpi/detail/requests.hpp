@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "paratrain/comm/mpi/progress.hpp"
@@ -97,12 +98,30 @@ struct MpiSegments {
 // its requests, or its segments.
 struct MpiHandles {
   using owner = comm::Mpi;
-  std::vector<MPI_Request> requests;
+  // An operation's MPI requests: the first inline (most operations make one: no allocation),
+  // the others (an all-reduce in segments) in `more`. MPI sets a complete one to MPI_REQUEST_NULL.
+  MPI_Request request = MPI_REQUEST_NULL;
+  std::vector<MPI_Request> more;
   std::shared_ptr<MpiSegments> segments;
   std::vector<int> counts;      // an alltoallv's counts and displacements, read by MPI until it completes
   MpiProgress::Lease progress;  // Note [Progress thread]
 
-  [[nodiscard]] bool pending() const noexcept { return !requests.empty() || segments; }
+  [[nodiscard]] bool pending() const noexcept { return request != MPI_REQUEST_NULL || !more.empty() || segments; }
+  /// Where the operation's next MPI request goes.
+  [[nodiscard]] MPI_Request* add() {
+    return request == MPI_REQUEST_NULL && more.empty() ? &request : &more.emplace_back(MPI_REQUEST_NULL);
+  }
+  MpiHandles() = default;
+  MpiHandles(MpiHandles&& o) noexcept { *this = std::move(o); }
+  MpiHandles& operator=(MpiHandles&& o) noexcept {
+    request = std::exchange(o.request, MPI_REQUEST_NULL);
+    more = std::move(o.more);
+    o.more.clear();
+    segments = std::move(o.segments);
+    counts = std::move(o.counts);
+    progress = std::move(o.progress);
+    return *this;
+  }
   void wait(const char* op, int rank) {
     if (segments) {
       while (!segments->in_flight.empty()) {
@@ -114,8 +133,11 @@ struct MpiHandles {
       progress.reset();
       return;
     }
-    mpi_check(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE), op, rank);
-    requests.clear();
+    mpi_check(MPI_Wait(&request, MPI_STATUS_IGNORE), op, rank);
+    if (!more.empty()) {
+      mpi_check(MPI_Waitall(static_cast<int>(more.size()), more.data(), MPI_STATUSES_IGNORE), op, rank);
+      more.clear();
+    }
     progress.reset();
   }
   // MPI progresses only inside its calls: this is one.
@@ -132,18 +154,20 @@ struct MpiHandles {
       progress.reset();
       return true;
     }
-    int done = 0;
-    mpi_check(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE), op, rank);
-    if (done) {
-      requests.clear();
-      progress.reset();
+    int done = 1;
+    if (request != MPI_REQUEST_NULL) mpi_check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), op, rank);
+    if (done && !more.empty()) {
+      mpi_check(MPI_Testall(static_cast<int>(more.size()), more.data(), &done, MPI_STATUSES_IGNORE), op, rank);
+      if (done) more.clear();
     }
+    if (done) progress.reset();
     return done != 0;
   }
   void abandon() noexcept {
     if (segments) new std::shared_ptr<MpiSegments>(std::move(segments));
     if (!counts.empty()) new std::vector<int>(std::move(counts));  // MPI may still read them
-    requests.clear();
+    request = MPI_REQUEST_NULL;
+    more.clear();
     progress.reset();
   }
 };
