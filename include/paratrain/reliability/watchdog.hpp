@@ -341,7 +341,8 @@ class Watchdog {
         const auto now = clock::now();
         noticed_ends_held(now);
         for (const auto& p : slots_)
-          if (p.pending() && now >= p.deadline && (!expired || p.order < expired->order)) expired = static_cast<const Operation&>(p);
+          if (p.pending() && now >= p.deadline && (!expired || p.order < expired->order))
+            expired = static_cast<const Operation&>(p);
       }
       std::lock_guard serving(channel_mutex_);  // channel_ changes only under both locks
       if (expired) fire(*expired, channel_.get(), self);  // does not return
