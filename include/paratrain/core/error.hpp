@@ -50,9 +50,9 @@ class peer_lost : public error {
 namespace detail {
 
 /// Throws error(operation, rank, message()) from a function kept out of its caller's hot
-/// path: a check's message is built only when the check fails, and the check itself stays
-/// a compare and a branch (a communicator checks its arguments on every call; the strings
-/// of an inlined throw would cost every call a larger stack frame).
+/// path: a check's message is built only when the check fails, out of line, and the check
+/// itself stays a compare and a branch in the caller (a communicator checks its arguments
+/// on every call).
 template <class Message>
 [[noreturn, gnu::cold, gnu::noinline]] void fail_with(std::string_view operation, int rank, Message&& message) {
   throw error(operation, rank, std::forward<Message>(message)());
