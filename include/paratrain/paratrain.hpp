@@ -4,6 +4,7 @@
 /// are linked (paratrain::mpi, paratrain::nccl, paratrain::gloo, paratrain::hdf5).
 
 // Bottom to top, one group per layer (docs/architecture.md).
+#include "paratrain/core/backward_scale.hpp"
 #include "paratrain/core/batch.hpp"
 #include "paratrain/core/config.hpp"
 #include "paratrain/core/error.hpp"

@@ -16,7 +16,7 @@ import sys
 
 # Folder (first path component under paratrain/) -> what it holds. Order is the layer order.
 LAYERS = [
-    ("core", "vocabulary: error, config, reduce_op, Batch, StepResult, the step timeline probe"),
+    ("core", "vocabulary: error, config, reduce_op, Batch, StepResult, the step timeline probe, the backward scale"),
     ("util", "utilities with no paratrain vocabulary of their own: hashes, LibTorch version shims"),
     ("memory", "the process's memory: the heap's settings, mapped construction, pooled transients, tensor counts, usage"),
     ("plan", "the memory model: per-rank bytes and the peak of a step under DDP and ZeRO, from sizes alone"),

@@ -7,9 +7,11 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -21,7 +23,10 @@
 #include "paratrain/comm/mpi/mpi.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/experts/mixture_of_experts.hpp"
+#include "paratrain/core/backward_scale.hpp"
+#include "paratrain/pipeline/pipeline.hpp"
 #include "paratrain/strategy/data_parallel.hpp"
+#include "paratrain/strategy/recompute.hpp"
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/strategy/unit.hpp"
 #include "paratrain/tensor_parallel/sharding.hpp"
@@ -203,20 +208,26 @@ std::pair<torch::Tensor, torch::Tensor> samples_of(int q, int step) {
 // shard's samples, each shard's tokens one call of the layer (its capacity group, as on its
 // rank), the loss the shards' sample-weighted mean of MSE plus the auxiliary loss. The worst
 // relative difference of this rank's parameters (its experts) from the reference's.
+// `aux_in_backward`: the strategy's layer adds its auxiliary loss in backward itself (Note
+// [Auxiliary loss in backward]) and its loss function leaves it out; the reference still adds
+// it to its loss.
 template <class Update>
-double train_both(int ep, moe::Options o, double clip = 0) {
+double train_both(int ep, moe::Options o, double clip = 0, bool aux_in_backward = false) {
   const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
   torch::manual_seed(7);
   ExpertNet ref(o);
   torch::optim::SGD ref_opt(ref->parameters(), sgd);
   torch::manual_seed(7);
-  paratrain::DataParallel<ExpertNet, comm::Mpi, Update> s([&] { return ExpertNet(o); }, comm::Mpi(), sgd,
+  auto adding = o;
+  if (aux_in_backward) adding.aux_weight = aux_weight;
+  paratrain::DataParallel<ExpertNet, comm::Mpi, Update> s([&] { return ExpertNet(adding); }, comm::Mpi(), sgd,
                                                           {.max_grad_norm = clip, .expert_parallel = ep});
   REQUIRE(s.expert_group().size() == ep);
   REQUIRE(s.model()->experts->group().size() == ep);
   const auto data = s.data_shard();
   const auto loss = [&](const torch::Tensor& y, const torch::Tensor& target) {
-    return torch::mse_loss(y, target) + aux_weight * s.model()->experts->aux_loss();
+    return aux_in_backward ? torch::mse_loss(y, target)
+                           : torch::mse_loss(y, target) + aux_weight * s.model()->experts->aux_loss();
   };
   for (int step = 0; step < 3; ++step) {
     CAPTURE(step);
@@ -275,6 +286,81 @@ std::vector<torch::Tensor> leg(int ep, const std::filesystem::path& from, const 
   return out;
 }
 
+// A pipeline stage: a dense layer, then a mixture of experts joining the strategy's expert
+// group (every expert outside one), adding its auxiliary loss in backward with weight `aux`
+// (0: not at all).
+struct ExpertStageImpl : torch::nn::Module {
+  ExpertStageImpl(moe::Options o, double aux) {
+    o.model = model;
+    o.hidden = hidden;
+    o.experts = 12;
+    o.aux_weight = aux;
+    dense = register_module("dense", torch::nn::Linear(model, model));
+    experts = register_module("experts", paratrain::Unit<moe::MixtureOfExperts>(o));
+  }
+  torch::Tensor forward(torch::Tensor x) { return experts(torch::tanh(dense(x))); }
+  torch::nn::Linear dense{nullptr};
+  paratrain::Unit<moe::MixtureOfExperts> experts{nullptr};
+};
+TORCH_MODULE(ExpertStage);
+
+// Two such stages as a pipeline on K pipeline ranks (K = 1: one rank runs both, interleaved),
+// their experts cut over expert groups of `ep`, replicated over what the world leaves; replica
+// r is given 2 micro-batches a step, of 2 + r mod 3 and 3 samples, and each stage's layer adds
+// its auxiliary loss in backward. The reference: the two stages on one device, each
+// micro-batch one call (its capacity group, as on its rank), the loss the micro-batches'
+// sample-weighted mean of MSE plus both layers' auxiliary losses. Three steps of SGD with
+// momentum; the worst relative difference of this rank's stages' parameters.
+template <class Update>
+double pipeline_both(int ep, int K, moe::Options o) {
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  torch::manual_seed(7);
+  ExpertStage ref0(o, 0.0);
+  torch::manual_seed(8);
+  ExpertStage ref1(o, 0.0);
+  auto ref_params = ref0->parameters();
+  for (const auto& p : ref1->parameters()) ref_params.push_back(p);
+  torch::optim::SGD ref_opt(ref_params, sgd);
+  using P = paratrain::Pipeline<ExpertStage, ExpertStage>;
+  paratrain::DataParallel<P, comm::Mpi, Update> s(
+      P([&] { torch::manual_seed(7); return ExpertStage(o, aux_weight); },
+        [&] { torch::manual_seed(8); return ExpertStage(o, aux_weight); }),
+      comm::Mpi(), sgd,
+      {.schedule = K == 1 ? paratrain::pipeline::Kind::interleaved_1f1b : paratrain::pipeline::Kind::one_f_one_b,
+       .virtual_stages = 2 / K,
+       .data_parallel = {.expert_parallel = ep}});
+  REQUIRE(s.pipeline_size() == K);
+  REQUIRE(s.expert_group().size() == ep);
+  const auto sizes = [](int r) { return std::array<std::int64_t, 2>{2 + r % 3, 3}; };
+  const auto loss = [](const torch::Tensor& y, const torch::Tensor& target) { return torch::mse_loss(y, target); };
+  for (int step = 0; step < 3; ++step) {
+    CAPTURE(step);
+    std::int64_t total = 0;
+    for (int r = 0; r < s.replicas(); ++r) total += sizes(r)[0] + sizes(r)[1];
+    ref_opt.zero_grad();
+    std::vector<paratrain::Batch> mine;
+    for (int r = 0; r < s.replicas(); ++r)
+      for (int j = 0; j < 2; ++j) {
+        auto gen = at::detail::createCPUGenerator(1000 * step + 10 * r + j);
+        const auto n = sizes(r)[static_cast<std::size_t>(j)];
+        const auto x = at::randn({n, model}, gen), y = at::randn({n, model}, gen);
+        if (r == s.replica()) mine.emplace_back(x, y);
+        const auto hidden_out = ref0(x);  // each layer's aux_loss() is this forward's
+        const auto out = ref1(hidden_out);
+        const auto l = torch::mse_loss(out, y) + aux_weight * (ref0->experts->aux_loss() + ref1->experts->aux_loss());
+        (l * (static_cast<double>(n) / static_cast<double>(total))).backward();
+      }
+    ref_opt.step();
+    const auto r = s.step(std::span<const paratrain::Batch>(mine), loss);
+    CHECK(r.global_samples == static_cast<double>(total));
+  }
+  std::map<std::string, torch::Tensor> want;
+  for (const auto& [name, ref] : {std::pair(std::string("0"), ref0), std::pair(std::string("1"), ref1)})
+    for (const auto& item : ref->named_parameters()) want[name + "." + item.key()] = item.value();
+  const auto held = paratrain_test::gpt::as_held(*s.stages(), [&](const std::string& n) { return want.at(n); });
+  return paratrain_test::gpt::max_relative_difference(s.full_parameters(), held);
+}
+
 }  // namespace experts_test
 
 TEST_CASE("moe::MixtureOfExperts over an expert group equals the single-device layer: top-1 and top-2, dropless and "
@@ -324,6 +410,89 @@ TEST_CASE("DataParallel over data x expert ranks equals the single-device model:
                                                                        /*clip=*/0.05) <= 1e-5);
     CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage3>>(ep, {.top_k = 1, .capacity_factor = 0}) <= 1e-5);
     CHECK(train_both<SGD>(ep, {.top_k = 1, .capacity_factor = 1.0}, /*clip=*/0.05) <= 1e-5);
+    // The layer adding its auxiliary loss in backward: the same training.
+    CHECK(train_both<SGD>(ep, {.top_k = 2, .capacity_factor = 1.0}, 0, /*aux_in_backward=*/true) <= 1e-5);
+  }
+}
+
+TEST_CASE("moe::MixtureOfExperts with aux_weight adds its auxiliary loss in backward, scaled by BackwardScale: the "
+          "gradients of loss + w * aux_loss() (times the scale)") {
+  using namespace experts_test;
+  const moe::Options o{.model = model, .hidden = hidden, .experts = 4, .top_k = 2, .capacity_factor = 1.0};
+  for (const double scale : {1.0, 3.5}) {
+    CAPTURE(scale);
+    torch::manual_seed(5);
+    moe::MixtureOfExperts plain(o);
+    auto w = o;
+    w.aux_weight = aux_weight;
+    torch::manual_seed(5);
+    moe::MixtureOfExperts adding(w);
+    const auto x = tokens(1);
+    const auto plain_y = plain(x);  // before aux_loss(): it is this forward's
+    ((plain_y * loss_weights(1)).sum() + aux_weight * plain->aux_loss()).backward();
+    {
+      const paratrain::BackwardScale in_scope(scale);
+      const auto y = adding(x);  // the scale is forward's
+      CHECK(paratrain::BackwardScale::current() == scale);
+      ((y * loss_weights(1)).sum() * scale).backward();
+    }
+    CHECK(paratrain::BackwardScale::current() == 1.0);
+    const auto p = plain->named_parameters(), a = adding->named_parameters();
+    for (const auto& item : p) {
+      CAPTURE(item.key());
+      CHECK(close(a[item.key()].grad(), item.value().grad() * scale));
+    }
+    // The router's gradient includes the auxiliary loss's: the weight matters.
+    torch::manual_seed(5);
+    moe::MixtureOfExperts none(o);
+    (none(x) * loss_weights(1)).sum().backward();
+    CHECK(!close(none->router->weight.grad(), plain->router->weight.grad()));
+  }
+  CHECK_THROWS_WITH_AS(moe::MixtureOfExperts(moe::Options{.model = 4, .hidden = 4, .experts = 4, .aux_weight = -1}),
+                       doctest::Contains("aux_weight is"), paratrain::error);
+}
+
+TEST_CASE("a recomputed mixture adds its auxiliary loss under forward's BackwardScale, when backward runs it again") {
+  using namespace experts_test;
+  moe::Options o{.model = model, .hidden = hidden, .experts = 4, .top_k = 2, .capacity_factor = 1.0,
+                 .aux_weight = aux_weight};
+  torch::manual_seed(5);
+  moe::MixtureOfExperts plain(o);
+  torch::manual_seed(5);
+  paratrain::Recompute<moe::MixtureOfExperts> again(o);
+  const auto x = tokens(2);
+  const auto train = [&](auto& layer) {
+    torch::Tensor y;
+    {
+      const paratrain::BackwardScale in_scope(2.5);
+      y = layer(x);
+    }
+    ((y * loss_weights(2)).sum() * 2.5).backward();  // outside the scope, as a pipeline's backward is
+  };
+  train(plain);
+  train(again);
+  const auto want = plain->named_parameters();
+  for (const auto& item : again->named_parameters()) {
+    CAPTURE(item.key());
+    CHECK(close(item.value().grad(), want[item.key()].grad()));
+  }
+}
+
+TEST_CASE("a pipeline over data x expert ranks equals the single-device model: its stages' mixtures adding their "
+          "auxiliary losses in backward, top-1 and top-2, dropless and dropping, across pipeline ranks and on one") {
+  using namespace experts_test;
+  using SGD = torch::optim::SGD;
+  const int world = comm::Mpi().size();
+  // Every expert degree on one pipeline rank (both stages, interleaved).
+  for (const int ep : paratrain_test::group_degrees(world)) {
+    CAPTURE(ep);
+    CHECK(pipeline_both<SGD>(ep, 1, {.top_k = 2, .capacity_factor = 1.0}) <= 1e-5);
+  }
+  if (world % 2 == 0) {
+    // Two pipeline ranks: activations and the auxiliary losses' gradients cross ranks.
+    CHECK(pipeline_both<SGD>(world / 2, 2, {.top_k = 1, .capacity_factor = 0}) <= 1e-5);
+    CHECK(pipeline_both<paratrain::Sharded<SGD, paratrain::zero::stage1>>(world / 2, 2,
+                                                                         {.top_k = 2, .capacity_factor = 1.0}) <= 1e-5);
   }
 }
 
@@ -386,6 +555,46 @@ TEST_CASE("DataParallel under expert parallelism refuses, on every rank: a degre
                        doctest::Contains("micro-batches this step"), paratrain::error);
   // And then a good step.
   CHECK(s.step(paratrain::Batch(x, y), loss).global_samples > 0);
+}
+
+TEST_CASE("a pipeline under expert parallelism refuses, on every rank: a degree the world cannot take, replicas of an "
+          "expert group with different micro-batch counts, an empty micro-batch, a replica without any") {
+  using namespace experts_test;
+  const int world = comm::Mpi().size();
+  using P = paratrain::Pipeline<ExpertStage, ExpertStage>;
+  using Pipe = paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD>;
+  const auto stages = [] {
+    return P([] { return ExpertStage(moe::Options{}, aux_weight); }, [] { return ExpertStage(moe::Options{}, aux_weight); });
+  };
+  const paratrain::PipelineOptions one_rank{.schedule = paratrain::pipeline::Kind::interleaved_1f1b, .virtual_stages = 2};
+  auto too_many = one_rank;
+  too_many.data_parallel.expert_parallel = world + 1;
+  CHECK_THROWS_WITH_AS(Pipe(stages(), comm::Mpi(), torch::optim::SGDOptions(0.1), too_many),
+                       doctest::Contains(("expert groups of " + std::to_string(world + 1)).c_str()), paratrain::error);
+  if (world == 1) return;
+  auto options = one_rank;
+  options.data_parallel.expert_parallel = world;
+  Pipe s(stages(), comm::Mpi(), torch::optim::SGDOptions(0.1), options);
+  const auto loss = [](const torch::Tensor& y, const torch::Tensor& t) { return torch::mse_loss(y, t); };
+  const auto [x, y] = samples_of(s.replica(), 0);
+  const std::vector<paratrain::Batch> two{paratrain::Batch(x, y), paratrain::Batch(x, y)};
+  // Replica 0 has two micro-batches, the others one.
+  CHECK_THROWS_WITH_AS(s.step(std::span<const paratrain::Batch>(two.data(), s.replica() == 0 ? 2 : 1), loss),
+                       doctest::Contains("was given from 1 to 2 micro-batches"), paratrain::error);
+  // Replica 1's second micro-batch is empty.
+  const std::vector<paratrain::Batch> empty_second{paratrain::Batch(x, y),
+                                                   s.replica() == 1 ? paratrain::Batch(x.narrow(0, 0, 0), y.narrow(0, 0, 0))
+                                                                    : paratrain::Batch(x, y)};
+  CHECK_THROWS_WITH_AS(s.step(std::span<const paratrain::Batch>(empty_second), loss),
+                       doctest::Contains("has an empty micro-batch"), paratrain::error);
+  // Replica 1 joins.
+  if (s.replica() == 1)
+    CHECK_THROWS_WITH_AS(s.join(), doctest::Contains("was given from 0 to 2 micro-batches"), paratrain::error);
+  else
+    CHECK_THROWS_WITH_AS(s.step(std::span<const paratrain::Batch>(two), loss),
+                         doctest::Contains("was given from 0 to 2 micro-batches"), paratrain::error);
+  // And then a good step.
+  CHECK(s.step(std::span<const paratrain::Batch>(two), loss).global_samples > 0);
 }
 
 TEST_CASE("expert parallelism: the parameters and ZeRO-1 state per rank are plan::per_rank's at expert degree ep") {

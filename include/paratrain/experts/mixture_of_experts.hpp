@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "paratrain/core/backward_scale.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/tensor_parallel/context.hpp"
 #include "paratrain/tensor_parallel/group.hpp"
@@ -67,12 +68,29 @@ namespace paratrain::moe {
 // weights: divided by the step's global sample count, it is the gradient of the mean over
 // every rank's samples, as the dense parameters' are.
 
+// Note [Auxiliary loss in backward]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A loss function sees the model's output, not its layers: under a pipeline the loss is the
+// last stage's, and a mixture in an earlier stage cannot add its auxiliary loss there. With
+// Options::aux_weight = w the layer adds it itself, as Megatron-Core's MoEAuxLossAutoScaler
+// does: its output passes through a node whose backward passes the output's gradient on and
+// gives the auxiliary loss the gradient w · s, where s is what the strategy multiplies the loss
+// by before backward (BackwardScale, captured at forward: this rank's samples of the (micro-)
+// batch times the loss scale; 1 outside a strategy). Backward through the output therefore
+// computes the gradient of (loss + w · aux_loss) · s, on every stage alike: the gradient a
+// user's `loss + w * aux_loss()` gives. The reported loss leaves it out. w = 0 (the default)
+// adds nothing: add aux_loss() to the loss yourself, where the loss function can reach it.
+
 struct Options {
   std::int64_t model = 0;         ///< d: the tokens' width
   std::int64_t hidden = 0;        ///< each expert's hidden width (an MLP d → hidden → d)
   int experts = 8;                ///< E: a multiple of the expert group's size
   int top_k = 1;                  ///< experts per token: 1 (Switch) or more (2: GShard)
   double capacity_factor = 1.25;  ///< capacity = ceil(factor · T · k / E) per expert; 0: dropless
+  /// The auxiliary loss's weight when the layer adds it to backward itself (Note [Auxiliary
+  /// loss in backward]: what a pipeline's stages need); 0: it adds nothing, add aux_loss()
+  /// times a weight to the loss yourself.
+  double aux_weight = 0;
 };
 
 namespace detail {
@@ -99,6 +117,22 @@ struct AllToAllRows : torch::autograd::Function<AllToAllRows> {
   }
 };
 
+// The output unchanged; in backward its gradient passes on and `aux` gets `weight`: Note
+// [Auxiliary loss in backward].
+struct AuxLossInBackward : torch::autograd::Function<AuxLossInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& out, const at::Tensor& aux,
+                            double weight) {
+    ctx->saved_data["weight"] = weight;
+    ctx->saved_data["aux"] = aux.detach();  // a scalar: its dtype and device
+    return out.view_as(out);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto aux = ctx->saved_data["aux"].toTensor();
+    return {grads[0], at::full({}, ctx->saved_data["weight"].toDouble(), aux.options()), at::Tensor()};
+  }
+};
+
 }  // namespace detail
 
 /// A mixture of experts over an expert group (Note [Experts over a group]). forward takes
@@ -122,6 +156,9 @@ class MixtureOfExpertsImpl : public torch::nn::Module, public tensor_parallel::S
                   "top_k is " + std::to_string(o.top_k) + "; it must be 1.." + std::to_string(o.experts));
     if (o.capacity_factor < 0)
       throw error("moe::MixtureOfExperts", group_.world_rank(), "capacity_factor must be >= 0 (0: dropless)");
+    if (!(o.aux_weight >= 0))
+      throw error("moe::MixtureOfExperts", group_.world_rank(),
+                  "aux_weight is " + std::to_string(o.aux_weight) + "; it must be >= 0 (0: the layer adds no loss)");
     local_ = o.experts / ep;
     router = register_module("router", torch::nn::Linear(torch::nn::LinearOptions(o.model, o.experts).bias(false)));
     // Every expert's weights drawn whole, as nn::Linear draws its own, and this rank's kept:
@@ -173,6 +210,8 @@ class MixtureOfExpertsImpl : public torch::nn::Module, public tensor_parallel::S
     const auto results = experts_on_ranks(rows, per_expert);
     const auto weighted = results * gate_of.index_select(0, sent).unsqueeze(1);
     auto out = at::zeros({T, o.model}, weighted.options()).index_add(0, token_of.index_select(0, sent), weighted);
+    if (o.aux_weight > 0 && out.requires_grad())  // Note [Auxiliary loss in backward]
+      out = detail::AuxLossInBackward::apply(out, aux_loss_, o.aux_weight * BackwardScale::current());
     return out.view(input.sizes());
   }
 

@@ -60,6 +60,14 @@ struct PipelineStepStats {
 // to the next stage's rank of the same tensor and context coordinates (the pipeline group);
 // a stage's gradients are summed over its replicas and its context group together
 // (Dims::replicas()), its samples counted once per context group, as DataParallel does.
+// With an expert degree e (data_parallel.expert_parallel), the expert dimension is a data
+// one: R = W / (K t c e) counts the replicas of one expert coordinate, and each of the e
+// replicas of an expert group trains on its own samples. A stage's mixtures of experts cut
+// their experts over the expert group: the same stage of the group's replicas, which route
+// tokens to each other in every forward and backward, and so run the same schedule on as many
+// micro-batches (Note [Same micro-batches]). Their gradients are summed as DataParallel's
+// (Note [Experts over a group]); their auxiliary losses join backward in whichever stage they
+// are (Note [Auxiliary loss in backward]).
 
 namespace pipeline::detail {
 

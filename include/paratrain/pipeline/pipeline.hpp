@@ -27,6 +27,7 @@
 #include "paratrain/concepts/communicator.hpp"
 #include "paratrain/concepts/strategy.hpp"
 #include "paratrain/collectives/model_device.hpp"
+#include "paratrain/core/backward_scale.hpp"
 #include "paratrain/core/batch.hpp"
 #include "paratrain/util/fnv1a.hpp"
 #include "paratrain/core/error.hpp"
@@ -89,12 +90,14 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     group_ = std::make_shared<detail::StageGroupImpl>();
     tensor_group_ = tp::Group(mesh_);
     context_group_ = tp::Group(mesh_, Dim::context);
+    expert_group_ = tp::Group(mesh_, Dim::expert);
     const auto build_stages = [&] {
       // Note [Building a tensor-parallel model]: the stages' layers join the tensor group,
-      // their attention the context group.
+      // their attention the context group, their mixtures of experts the expert group.
       const tp::Construction tensor_group({.group = tensor_group_,
                                            .sequence_parallel = options_.data_parallel.sequence_parallel,
-                                           .context = context_group_});
+                                           .context = context_group_,
+                                           .expert = expert_group_});
       build(stages, std::index_sequence_for<Stage...>{});
       return group_;
     };
@@ -214,6 +217,9 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// The group the stages' sequences are cut over (data_parallel.context_parallel): the last
   /// stage's loss cuts the targets over it alike (cp::shard).
   [[nodiscard]] const tp::Group& context_group() const noexcept { return context_group_; }
+  /// The group the stages' mixtures of experts cut their experts over
+  /// (data_parallel.expert_parallel), with its traffic.
+  [[nodiscard]] const tp::Group& expert_group() const noexcept { return expert_group_; }
   /// Dynamic loss scaling's state, the same on every stage (Note [Loss scaling]).
   [[nodiscard]] LossScaler& loss_scaler() noexcept { return steps_->loss_scaler(); }
   [[nodiscard]] const LossScaler& loss_scaler() const noexcept { return steps_->loss_scaler(); }
@@ -315,7 +321,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// Note [Same micro-batches]: throws on every rank when a replica's ranks were given
   /// different micro-batches, or one a micro-batch it cannot use.
   void check_same_micro_batches(std::span<const Batch> micro) {
-    pipeline::detail::check_same_micro_batches(mesh_.world(), micro, replica_, replicas_, device_);
+    pipeline::detail::check_same_micro_batches(mesh_.world(), micro, replica_, replicas_, device_,
+                                               mesh_.size(Dim::expert));
   }
 
   /// `options` with the shard group the update's type names (Sharded<Optim, Stage, G>), as
@@ -331,22 +338,22 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     const Options options = typed(given, comm.rank());
     const int K = pipeline::detail::pipeline_ranks<Comm>(S, comm, options, Steps::gathers_in_forward);
     const int t = options.data_parallel.tensor_parallel, W = comm.size();
-    if (options.data_parallel.expert_parallel != 1)
-      throw error("Pipeline", comm.rank(),
-                  "data_parallel.expert_parallel is " + std::to_string(options.data_parallel.expert_parallel) +
-                      "; a pipeline does not route its stages' tokens over an expert group yet: leave it 1");
-    // Note [Pipeline layout]: each tensor and context rank runs the pipeline on its slice.
-    const int c = options.data_parallel.context_parallel;
-    if (t < 1 || c < 1 || W % (K * t * c) != 0)
+    // Note [Pipeline layout]: each tensor and context rank runs the pipeline on its slice;
+    // each expert rank is a replica of its own, whose stages route tokens to the other expert
+    // ranks' stages of the same index.
+    const int c = options.data_parallel.context_parallel, e = options.data_parallel.expert_parallel;
+    if (t < 1 || c < 1 || e < 1 || W % (K * t * c * e) != 0)
       throw error("Pipeline", comm.rank(),
                   "a pipeline of " + std::to_string(K) + " ranks, its stages cut over tensor groups of " +
-                      std::to_string(t) + " (data_parallel.tensor_parallel) and their sequences over context groups of " +
-                      std::to_string(c) + " (data_parallel.context_parallel), runs on a multiple of " +
-                      std::to_string(K * t * c) + " ranks; this run has " + std::to_string(W));
-    auto shape = data_mesh(options.data_parallel.shard_group, W / (K * t * c), comm.rank());
+                      std::to_string(t) + " (data_parallel.tensor_parallel), their sequences over context groups of " +
+                      std::to_string(c) + " (data_parallel.context_parallel) and their experts over expert groups of " +
+                      std::to_string(e) + " (data_parallel.expert_parallel), runs on a multiple of " +
+                      std::to_string(K * t * c * e) + " ranks; this run has " + std::to_string(W));
+    auto shape = data_mesh(options.data_parallel.shard_group, W / (K * t * c * e), comm.rank());
     shape.pipeline = K;
     shape.tensor = t;
     shape.context = c;
+    shape.expert = e;
     return Mesh<Comm>(std::move(comm), shape);
   }
 
@@ -424,6 +431,13 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     PhaseTimer timer(timeline_, Phase::forward);
     // Note [Mixed precision]: the stage's forward, and the loss, under autocast.
     std::optional<detail::AutocastScope> autocast(std::in_place, options_.data_parallel.precision.autocast, device_);
+    // Note [Exact averaging]: the loss's gradient is the sum over the micro-batch's samples,
+    // times the loss scale (Note [Loss scaling]), which every stage's buckets divide out again;
+    // a layer that adds a loss of its own in backward, in any stage, scales it alike
+    // (Note [Auxiliary loss in backward]).
+    const auto n = static_cast<double>(batch.size());
+    const double scale = n * steps_->loss_scaler().scale();
+    std::optional<BackwardScale> backward_scale(std::in_place, scale);
     const auto outputs = forward(a.stage, inputs);
     Flags needs;
     if (a.stage == S - 1) {
@@ -434,10 +448,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
                                   ? batch.to(device)
                                   : Batch(std::vector<at::Tensor>{}, detail::move_to(batch.target, device));
       at::Tensor l = detail::compute_loss<output_type>(loss, detail::output_of<output_type>(outputs), on_device);
-      const auto n = static_cast<double>(batch.size());
-      // Note [Exact averaging]: the gradient of the sum over the samples; times the loss
-      // scale, which every stage's buckets divide out again (Note [Loss scaling]).
-      st.roots = {l * (n * steps_->loss_scaler().scale())};
+      st.roots = {l * scale};
       run.loss_sum = run.loss_sum.to(l.device()) + l.detach().to(at::kDouble) * n;
     } else {
       for (const auto& y : outputs) {
@@ -446,6 +457,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
       }
     }
     autocast.reset();
+    backward_scale.reset();
     timer.stop();
     record(a, begin);
     if (a.stage != S - 1) deliver(pipeline::detail::Message::activation, a.stage + 1, a.micro, outputs, needs);
@@ -555,6 +567,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   detail::StageGroup group_;
   tp::Group tensor_group_;   // the one the stages' layers joined
   tp::Group context_group_;  // the one their attention runs over (tp::Context::context)
+  tp::Group expert_group_;   // the one their mixtures of experts cut their experts over (tp::Context::expert)
   at::Device device_{at::kCPU};  // where this rank's stages live: received tensors go there
   std::unique_ptr<Steps> steps_;
   std::unique_ptr<pipeline::detail::Link<Comm>> link_;

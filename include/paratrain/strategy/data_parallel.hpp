@@ -25,6 +25,7 @@
 #include "paratrain/concepts/module.hpp"
 #include "paratrain/concepts/optimizer.hpp"
 #include "paratrain/concepts/strategy.hpp"
+#include "paratrain/core/backward_scale.hpp"
 #include "paratrain/core/batch.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/core/timeline.hpp"
@@ -537,6 +538,11 @@ class DataParallel {
     model_->train();
     PhaseTimer forward(timeline_, Phase::forward);
     const Batch batch = host.to(device_);  // Note [One move per batch]
+    // Note [Exact averaging]: the gradient of the sum over this rank's samples; times the
+    // loss scale (Note [Loss scaling]), which the buckets' division takes out again. A layer
+    // that adds a loss of its own in backward scales it alike (BackwardScale).
+    const double scale = static_cast<double>(batch.size()) * steps_->loss_scaler().scale();
+    const BackwardScale backward_scale(scale);
     at::Tensor l;
     {
       const detail::AutocastScope autocast(options().precision.autocast, device_);  // Note [Mixed precision]
@@ -544,9 +550,7 @@ class DataParallel {
     }
     forward.stop();
     PhaseTimer backward(timeline_, Phase::backward);
-    // Note [Exact averaging]: the gradient of the sum over this rank's samples; times the
-    // loss scale (Note [Loss scaling]), which the buckets' division takes out again.
-    (l * (static_cast<double>(batch.size()) * steps_->loss_scaler().scale())).backward();
+    (l * scale).backward();
     return l.item<double>();
   }
 

@@ -23,6 +23,7 @@
 #include "paratrain/concepts/optimizer.hpp"
 #include "paratrain/memory/allocator.hpp"
 #include "paratrain/concepts/strategy.hpp"
+#include "paratrain/core/backward_scale.hpp"
 #include "paratrain/core/batch.hpp"
 #include "paratrain/core/error.hpp"
 #include "paratrain/strategy/sharded.hpp"
@@ -171,6 +172,7 @@ class LocalDataParallel {
           for (auto& p : r->parameters()) p.mutable_grad() = at::Tensor();
         const auto part = parts[i].to(devices_[i]);  // Note [One move per batch]
         const auto n_i = static_cast<double>(part.size());
+        const BackwardScale backward_scale(n_i);  // a layer's loss added in backward, scaled alike
         at::Tensor l = detail::compute_loss<output_type>(loss, detail::forward(r, part.inputs), part);
         (l * n_i).backward();  // the sum over the replica's samples
         losses[i] = l.template item<double>() * n_i;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "paratrain/concepts/module.hpp"
+#include "paratrain/core/backward_scale.hpp"
 #include "paratrain/util/torch_compat.hpp"
 #include "paratrain/strategy/layer_wrapper.hpp"
 #include "paratrain/strategy/unit.hpp"
@@ -65,6 +66,7 @@ struct ForwardState {
   at::Tensor device_rng;
   bool autocast_cpu = false, autocast_gpu = false, autocast_cache = true;
   at::ScalarType autocast_cpu_dtype = at::kBFloat16, autocast_gpu_dtype = at::kHalf;
+  double backward_scale = 1;  ///< BackwardScale: a layer's loss added in backward (Note [Auxiliary loss in backward])
 
   static at::Tensor rng_of(at::Device d) {
     auto g = at::globalContext().defaultGenerator(d);
@@ -91,6 +93,7 @@ struct ForwardState {
     s.autocast_cpu_dtype = detail::autocast_dtype(c10::DeviceType::CPU);
     s.autocast_gpu_dtype = detail::autocast_dtype(c10::DeviceType::CUDA);
     s.autocast_cache = at::autocast::is_autocast_cache_enabled();
+    s.backward_scale = BackwardScale::current();
     return s;
   }
 };
@@ -99,7 +102,8 @@ struct ForwardState {
 /// torch.random.fork_rng does): recomputing draws nothing from the training's stream.
 class StateScope {
  public:
-  explicit StateScope(const ForwardState& s) : saved_(ForwardState::now({})), device_(s.device) {
+  explicit StateScope(const ForwardState& s)
+      : saved_(ForwardState::now({})), device_(s.device), backward_scale_(s.backward_scale) {
     if (device_) saved_device_rng_ = ForwardState::rng_of(*device_);
     apply(s, s.device_rng);
     // Autocast's cache of cast weights lives until the outermost autocast region ends,
@@ -122,6 +126,7 @@ class StateScope {
   }
   ForwardState saved_;
   std::optional<at::Device> device_;
+  BackwardScale backward_scale_;  // forward's, while it runs again
   at::Tensor saved_device_rng_;
 };
 
