@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -140,6 +141,21 @@ inline double max_relative_difference(const std::vector<torch::Tensor>& a, const
     worst = std::max(worst, ((a[i] - b[i]).abs().max() / b[i].abs().max().clamp_min(1e-12)).item<double>());
   }
   return worst;
+}
+
+// The worst relative difference of a pipeline's held parameters (`strategy`: its stages()
+// and full_parameters()) from reference stages on one device, given in stage order: stage i's
+// parameters are named "<i>.<name in the stage>" (Note [Stage names]).
+template <class Strategy, class... Ref>
+double stages_difference(Strategy& strategy, const Ref&... reference) {
+  std::map<std::string, torch::Tensor> want;
+  int stage = 0;
+  for (const torch::nn::Module* ref : {static_cast<const torch::nn::Module*>(reference.get())...}) {
+    for (const auto& item : ref->named_parameters()) want[std::to_string(stage) + "." + item.key()] = item.value();
+    ++stage;
+  }
+  const auto held = as_held(*strategy.stages(), [&](const std::string& n) { return want.at(n); });
+  return max_relative_difference(strategy.full_parameters(), held);
 }
 
 // Step k's token ids for `samples` sequences of `length`, and their targets (the next tokens).

@@ -333,13 +333,7 @@ double pipeline_both(int degree, int K, const cp::AttentionOptions& o) {
     const auto r = s.step(std::span<const paratrain::Batch>(mine), loss);
     CHECK(r.global_samples == static_cast<double>(total));
   }
-  // The reference's parameters by the pipeline's names ("<stage>.<parameter>", the stages
-  // named by their places).
-  std::map<std::string, torch::Tensor> want;
-  for (const auto& [name, ref] : {std::pair(std::string("0"), ref0), std::pair(std::string("1"), ref1)})
-    for (const auto& item : ref->named_parameters()) want[name + "." + item.key()] = item.value();
-  const auto held = paratrain_test::gpt::as_held(*s.stages(), [&](const std::string& n) { return want.at(n); });
-  return paratrain_test::gpt::max_relative_difference(s.full_parameters(), held);
+  return paratrain_test::gpt::stages_difference(s, ref0, ref1);
 }
 
 }  // namespace context_test

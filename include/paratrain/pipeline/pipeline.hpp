@@ -345,10 +345,13 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     if (t < 1 || c < 1 || e < 1 || W % (K * t * c * e) != 0)
       throw error("Pipeline", comm.rank(),
                   "a pipeline of " + std::to_string(K) + " ranks, its stages cut over tensor groups of " +
-                      std::to_string(t) + " (data_parallel.tensor_parallel), their sequences over context groups of " +
-                      std::to_string(c) + " (data_parallel.context_parallel) and their experts over expert groups of " +
-                      std::to_string(e) + " (data_parallel.expert_parallel), runs on a multiple of " +
-                      std::to_string(K * t * c * e) + " ranks; this run has " + std::to_string(W));
+                      std::to_string(t) + " (data_parallel.tensor_parallel)" +
+                      (e == 1 ? std::string(" and ")
+                              : ", their experts over expert groups of " + std::to_string(e) +
+                                    " (data_parallel.expert_parallel) and ") +
+                      "their sequences over context groups of " + std::to_string(c) +
+                      " (data_parallel.context_parallel), runs on a multiple of " + std::to_string(K * t * c * e) +
+                      " ranks; this run has " + std::to_string(W));
     auto shape = data_mesh(options.data_parallel.shard_group, W / (K * t * c * e), comm.rank());
     shape.pipeline = K;
     shape.tensor = t;
