@@ -76,10 +76,10 @@ void check_same_micro_batches(Comm& world, std::span<const Batch> micro, int rep
   if (expert <= 1) return;
   for (int first = 0; first < replicas; first += expert) {
     std::int64_t least = std::numeric_limits<std::int64_t>::max(), most = 0;
-    std::int64_t smallest = least;  // of the group's micro-batches
+    std::int64_t smallest_micro = least;  // of the group's micro-batches
     for (int r = first; r < first + expert; ++r) {
       least = std::min(least, v[n * r]), most = std::max(most, v[n * r]);
-      smallest = std::min(smallest, -v[n * r + 5]);
+      smallest_micro = std::min(smallest_micro, -v[n * r + 5]);
     }
     const auto group = "the expert group of pipeline replicas " + std::to_string(first) + " to " +
                        std::to_string(first + expert - 1);
@@ -89,7 +89,7 @@ void check_same_micro_batches(Comm& world, std::span<const Batch> micro, int rep
                       " micro-batches; under expert parallelism each stage exchanges tokens with the same stage of the "
                       "group's other replicas in every forward and backward: give them as many (Note [Same "
                       "micro-batches])");
-    if (least > 0 && smallest == 0)  // a group that runs no forward at all (every replica joined) exchanges nothing
+    if (least > 0 && smallest_micro == 0)  // a group that runs no forward at all (every replica joined) exchanges nothing
       throw error("Pipeline::step", world.rank(),
                   group +
                       " has an empty micro-batch; under expert parallelism every replica of an expert group routes "

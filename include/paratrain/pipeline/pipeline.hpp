@@ -459,8 +459,8 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
         if (y.requires_grad()) st.roots.push_back(y);
       }
     }
-    autocast.reset();
     backward_scale.reset();
+    autocast.reset();
     timer.stop();
     record(a, begin);
     if (a.stage != S - 1) deliver(pipeline::detail::Message::activation, a.stage + 1, a.micro, outputs, needs);
