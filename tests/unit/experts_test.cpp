@@ -411,6 +411,35 @@ TEST_CASE("DataParallel over data x expert ranks equals the single-device model:
   }
 }
 
+TEST_CASE("under expert parallelism a bucket holds experts or dense parameters, never both, and DDP hands each "
+          "gradient byte to one collective: the dense parameters' bucket sums the expert group too") {
+  using namespace experts_test;
+  const int world = comm::Mpi().size();
+  for (const int ep : paratrain_test::group_degrees(world)) {
+    CAPTURE(ep);
+    torch::manual_seed(7);
+    paratrain::DataParallel<ExpertNet, comm::Mpi, torch::optim::SGD> s(
+        [] { return ExpertNet(moe::Options{.top_k = 2, .capacity_factor = 0}); }, comm::Mpi(),
+        torch::optim::SGDOptions(0.1).momentum(0.9), {.expert_parallel = ep});
+    const auto sliced = tp::sliced_parameters_of(*s.model());  // the experts, where ep > 1
+    int expert_buckets = 0, dense_buckets = 0;
+    for (std::size_t b = 0; b < s.bucket_count(); ++b) {
+      const auto names = s.bucket_names(b);
+      const auto experts = std::count_if(names.begin(), names.end(), [&](const auto& n) { return sliced.count(n) > 0; });
+      CAPTURE(b);
+      CHECK((experts == 0 || experts == static_cast<std::ptrdiff_t>(names.size())));
+      ++(experts > 0 ? expert_buckets : dense_buckets);
+    }
+    CHECK(dense_buckets > 0);
+    CHECK(expert_buckets == (ep > 1 ? 1 : 0));  // the layer's four expert tensors, consecutive in backward
+    const auto [x, y] = samples_of(s.data_shard().index, 0);
+    s.step(paratrain::Batch(x, y), [](const torch::Tensor& out, const torch::Tensor& target) { return torch::mse_loss(out, target); });
+    std::int64_t bytes = 0;
+    for (const auto& p : s.model()->parameters()) bytes += static_cast<std::int64_t>(p.nbytes());
+    CHECK(s.gradient_bytes_sent() == bytes);
+  }
+}
+
 TEST_CASE("moe::MixtureOfExperts with aux_weight adds its auxiliary loss in backward, scaled by BackwardScale: the "
           "gradients of loss + w * aux_loss() (times the scale)") {
   using namespace experts_test;

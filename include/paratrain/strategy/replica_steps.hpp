@@ -64,9 +64,9 @@ namespace paratrain {
 // (the store's partition and a pipeline's stages: the mesh's groups), and steps the store.
 // The module's replicas are the ranks of the mesh's replicas role; its parameters are cut
 // along the pipeline dimension where there is one. Under expert parallelism the step is
-// taken by the replicas and the expert dimension together (Dims::batch()): the gradients of
-// the parameters no layer cuts over it are summed over it once the buckets' sums are in
-// (Note [Experts over a group]).
+// taken by the replicas and the expert dimension together (Dims::batch()): each bucket is
+// summed over the ranks that hold its parameters, the experts' over their replicas and the
+// dense parameters' over the expert group too (Note [Expert buckets]).
 
 /// The parameter store an update policy asks for: Note [Parameter stores].
 template <class Comm, class Update>
@@ -153,20 +153,16 @@ class ReplicaSteps {
     detail::broadcast_coalesced(*replicas_, whole_experts, 0);
     detail::broadcast_coalesced(*data_, module.buffers(), 0);
     store_ = std::make_unique<Store>(module, mesh_, store_options, groups, std::move(defaults));
-    grads_ = std::make_unique<Grads>(store_->layout(), store_->gradients(), store_->gradient_group(),
-                                     store_->gradient_replicas(), default_hook(),
+    std::vector<SumRanks<Comm>> sums;
+    for (std::size_t b = 0; b < store_->layout().buckets().size(); ++b) sums.push_back(store_->gradient_ranks(b));
+    grads_ = std::make_unique<Grads>(store_->layout(), store_->gradients(), std::move(sums), default_hook(),
                                      [s = store_.get()](std::size_t b) { s->on_gradients_complete(b); });
     // The ranks whose parts make up the model's gradients (the store's partition, the
     // pipeline's stages): split now, while every rank constructs, for clipping and NaN checks.
     if (const Dims parts = store_->partitions() | Dim::pipeline | Dim::tensor | Dim::expert; mesh_.size(parts) > 1)
       parts_ = &mesh_.group(parts);
     count_once_over_slice_groups(sliced);
-    if (mesh_.size(Dim::expert) > 1) {
-      experts_ = &mesh_.group(Dim::expert);
-      const auto& params = store_->layout().params();
-      dense_.assign(params.size(), 1);
-      for (std::size_t i = 0; i < params.size(); ++i) dense_[i] = experts.count(params[i].tensor.unsafeGetTensorImpl()) ? 0 : 1;
-    }
+    if (mesh_.size(Dim::expert) > 1) experts_ = &mesh_.group(Dim::expert);
   }
 
   ReplicaSteps(const ReplicaSteps&) = delete;
@@ -220,7 +216,6 @@ class ReplicaSteps {
     PhaseTimer sync(timeline_, Phase::sync);
     const auto start = std::chrono::steady_clock::now();
     grads_->flush();
-    sum_dense_over_experts();
     const auto& layout = store_->layout();
     const auto agreement = agree_on_step(
         *data_, device_, layout.params().size(),
@@ -324,9 +319,8 @@ class ReplicaSteps {
   [[nodiscard]] double exposed_communication_seconds() const noexcept {
     return exposed_seconds_ + store_->exposed_seconds();
   }
-  /// This step's gradient bytes handed to collectives: the buckets', and the dense
-  /// parameters' sum over the expert group (Note [Experts over a group]).
-  [[nodiscard]] std::int64_t gradient_bytes_sent() const noexcept { return grads_->sent_bytes() + expert_sum_bytes_; }
+  /// This step's gradient bytes handed to collectives (the buckets': Note [Expert buckets]).
+  [[nodiscard]] std::int64_t gradient_bytes_sent() const noexcept { return grads_->sent_bytes(); }
   [[nodiscard]] ModelStateBytes model_state_bytes() const {
     ModelStateBytes out = store_->bytes();
     out.gradients = grads_->bytes();
@@ -495,37 +489,6 @@ class ReplicaSteps {
     if (any) counted_ = std::move(counted);
   }
 
-  // Note [Experts over a group]: the gradient of an expert already holds every token of its
-  // expert group, and the buckets summed it over its replicas; a dense parameter's holds this
-  // rank's tokens only, and is summed over the expert group too, here: its parts of this
-  // rank's bucket sums (whole buckets, or ZeRO's shards: the same elements on every rank of
-  // the expert group, whose layouts match), in one all-reduce.
-  void sum_dense_over_experts() {
-    if (experts_ == nullptr) return;
-    const auto& layout = store_->layout();
-    std::vector<at::Tensor> parts;
-    for (std::size_t b = 0; b < layout.buckets().size(); ++b) {
-      const auto& g = grads_->output(b);
-      const auto begin = grads_->output_offset(b), end = begin + g.numel();
-      for (const auto i : layout.buckets()[b].params) {
-        if (!dense_[i]) continue;
-        const auto& p = layout.params()[i];
-        const auto lo = std::max(begin, p.offset), hi = std::min(end, p.offset + p.tensor.numel());
-        if (lo < hi) parts.push_back(g.narrow(0, lo - begin, hi - lo));
-      }
-    }
-    expert_sum_bytes_ = 0;
-    if (parts.empty()) return;
-    auto flat = at::cat(parts);
-    expert_sum_bytes_ = static_cast<std::int64_t>(flat.numel() * flat.element_size());
-    detail::all_reduce_on(*experts_, flat, device_, reduce_op::sum);
-    std::int64_t at = 0;
-    for (auto& part : parts) {
-      part.copy_(flat.narrow(0, at, part.numel()));
-      at += part.numel();
-    }
-  }
-
   /// Note [Deterministic training]: every rank checks alike, turns on LibTorch's
   /// deterministic algorithms, or every rank throws the first rank's reason.
   void check_deterministic(const Options& options, const char* owner) {
@@ -578,8 +541,6 @@ class ReplicaSteps {
   Comm* replicas_;  // the mesh's replicas group: the ranks that hold every parameter alike
   Comm* parts_ = nullptr;    // the ranks whose gradients make up the model's, where more than this one
   Comm* experts_ = nullptr;  // the expert group, where more than this one: Note [Experts over a group]
-  std::vector<char> dense_;  // per layout parameter, whether no layer cuts it over the expert group
-  std::int64_t expert_sum_bytes_ = 0;  // the last step's dense gradients summed over the expert group
   std::vector<char> counted_;  // per layout parameter, whether its squares count here: Note [Norms over a tensor group]
   Options options_;
   at::Device device_;  // the module's, where the communicator reduces (comm::Nccl: CUDA only)

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,23 @@ struct ModelShard {
       out.emplace(full, ModelShard{s, p->unsafeGetTensorImpl(), layer->slice_group().size(), layer->slice_dim()});
     }
   }
+  return out;
+}
+
+/// The TensorImpls of the parameters of `model` cut over mesh dimension `over` (degree > 1):
+/// the experts, for Dim::expert (Note [Expert buckets]).
+/// `model` need not be held by a shared_ptr (a Unit while it is built: Note [Sharded construction]).
+[[nodiscard]] inline std::set<const void*> parameters_cut_over(const torch::nn::Module& model, Dim over) {
+  std::set<const void*> out;
+  const auto add = [&](const torch::nn::Module& m) {
+    const auto* layer = dynamic_cast<const ShardedLayer*>(&m);
+    if (layer == nullptr || layer->slice_group().size() == 1 || layer->slice_dim() != over) return;
+    const auto params = m.named_parameters(/*recurse=*/false);
+    for (const auto& s : layer->slices())
+      if (const auto* p = params.find(s.name)) out.insert(p->unsafeGetTensorImpl());
+  };
+  add(model);
+  for (const auto& m : model.modules(/*include_self=*/false)) add(*m);
   return out;
 }
 

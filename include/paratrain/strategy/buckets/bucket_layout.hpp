@@ -35,6 +35,14 @@ namespace paratrain {
 // parameter; the part of parameter p that falls into rank r's shard is one contiguous
 // *piece*, and the sharded optimizer steps those pieces (Note [Optimizer on pieces]).
 
+// Note [Expert buckets]
+// ~~~~~~~~~~~~~~~~~~~~~
+// Under expert parallelism a parameter is held alike by one of two sets of ranks (Note
+// [Experts over a group]): an expert by its replicas (Dims::replicas()), and every other
+// parameter, dense, by the replicas and the expert group together (Dims::batch()). Its
+// gradient is summed over the ranks that hold it, so a bucket never mixes experts and dense
+// parameters: each is summed, as it fills in backward, over its own ranks in one reduction.
+
 /// How a strategy wants its parameters bucketed.
 struct BucketOptions {
   /// A bucket closes once it holds about this many bytes; the first one sooner, so that
@@ -54,6 +62,7 @@ class BucketLayout {
     std::string name;
     at::Tensor tensor;
     int unit = -1;            ///< the innermost paratrain::Unit holding it; -1: none
+    bool expert = false;      ///< cut over the expert dimension: Note [Expert buckets]
     std::size_t bucket = 0;
     std::int64_t offset = 0;  ///< in the bucket's flat buffer
   };
@@ -62,6 +71,7 @@ class BucketLayout {
     std::int64_t numel = 0;           ///< real elements
     std::int64_t padded = 0;          ///< numel rounded up to a multiple of pad_to
     int unit = -1;
+    bool expert = false;              ///< holds experts, or dense parameters: Note [Expert buckets]
     at::TensorOptions options;        ///< dtype and device of its parameters
   };
 
@@ -69,29 +79,31 @@ class BucketLayout {
   static constexpr int excluded = -2;
 
   /// `unit_of(name, tensor)` assigns a parameter to a unit (-1: none; `excluded`: leave it
-  /// out); buckets never mix units, dtypes or devices. A unit's buckets are cut at
-  /// `cap_bytes` wherever they fall (never at the first bucket's cap), so that they depend
-  /// on the unit alone: Note [Sharded construction].
+  /// out); `experts` are the parameters cut over the expert dimension (their TensorImpls).
+  /// Buckets never mix units, experts and dense parameters, dtypes or devices. A unit's
+  /// buckets are cut at `cap_bytes` wherever they fall (never at the first bucket's cap), so
+  /// that they depend on the unit alone: Note [Sharded construction].
   template <class UnitOf>
-  BucketLayout(const torch::nn::Module& model, BucketOptions options, UnitOf&& unit_of, int rank)
+  BucketLayout(const torch::nn::Module& model, BucketOptions options, UnitOf&& unit_of, int rank,
+               const std::set<const void*>& experts = {})
       : pad_to_(std::max<std::int64_t>(options.pad_to, 1)) {
     // A parameter shared by two modules (tied weights) is one tensor: bucket it once.
     std::set<const void*> seen;
     for (const auto& item : model.named_parameters(/*recurse=*/true))
-      if (item.value().requires_grad() && seen.insert(item.value().unsafeGetTensorImpl()).second)
+      if (const auto* impl = item.value().unsafeGetTensorImpl(); item.value().requires_grad() && seen.insert(impl).second)
         if (const int unit = unit_of(item.key(), item.value()); unit != excluded)
-          params_.push_back({item.key(), item.value(), unit});
+          params_.push_back({item.key(), item.value(), unit, experts.count(impl) > 0});
     if (params_.empty()) throw error("DataParallel", rank, "the model has no parameter that requires a gradient");
     std::reverse(params_.begin(), params_.end());
     std::size_t cap = options.first_cap_bytes, bytes = 0;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       auto& p = params_[i];
       const bool fits = !buckets_.empty() && bytes < cap && buckets_.back().unit == p.unit &&
-                        buckets_.back().options.dtype() == p.tensor.dtype() &&
+                        buckets_.back().expert == p.expert && buckets_.back().options.dtype() == p.tensor.dtype() &&
                         buckets_.back().options.device() == p.tensor.device();
       if (!fits) {
         if (!buckets_.empty() || p.unit >= 0) cap = options.cap_bytes;
-        buckets_.push_back({.unit = p.unit, .options = p.tensor.options().requires_grad(false)});
+        buckets_.push_back({.unit = p.unit, .expert = p.expert, .options = p.tensor.options().requires_grad(false)});
         bytes = 0;
       }
       auto& b = buckets_.back();

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "paratrain/core/error.hpp"
 #include "paratrain/core/timeline.hpp"
 #include "paratrain/strategy/buckets/bucket_layout.hpp"
 #include "paratrain/strategy/buckets/gradient_hook.hpp"
@@ -49,17 +50,20 @@ class GradientBuckets {
  public:
   /// `layout` must outlive this object; `on_complete(b)` is called when every gradient of
   /// bucket b is ready in a backward (accumulating or not): ZeRO-3 frees parameters then.
-  /// Each bucket is summed by `hook` over `group` (and, sharded in groups, across `replicas`).
-  GradientBuckets(const BucketLayout& layout, Storage storage, Comm& group, Comm* replicas,
+  /// Bucket b is summed by `hook` over `ranks[b].group` (and, sharded in groups, across
+  /// `ranks[b].replicas`).
+  GradientBuckets(const BucketLayout& layout, Storage storage, std::vector<SumRanks<Comm>> ranks,
                   AnyGradientHook<Comm> hook, std::function<void(std::size_t)> on_complete = {})
       : layout_(&layout),
         storage_(std::move(storage)),
-        group_(&group),
-        replicas_(replicas),
+        ranks_(std::move(ranks)),
         hook_(std::move(hook)),
         on_complete_(std::move(on_complete)),
         params_(layout.params().size()),
         buckets_(layout.buckets().size()) {
+    if (ranks_.size() != buckets_.size())
+      throw error("GradientBuckets", -1,
+                  std::to_string(ranks_.size()) + " sets of ranks for " + std::to_string(buckets_.size()) + " buckets");
     for (std::size_t b = 0; b < buckets_.size(); ++b) attach(b);
     for (std::size_t i = 0; i < params_.size(); ++i) {
       params_[i].accumulator = torch::autograd::impl::grad_accumulator(tensor(i));
@@ -296,8 +300,8 @@ class GradientBuckets {
                                 .output = storage_.output(b),
                                 .output_offset = storage_.output_offset(b),
                                 .layout = layout_,
-                                .group = group_,
-                                .replicas = replicas_};
+                                .group = ranks_[b].group,
+                                .replicas = ranks_[b].replicas};
     buckets_[b].request.emplace(hook_.launch(bucket));
     sent_bytes_ += bucket.sent_bytes;
   }
@@ -318,8 +322,7 @@ class GradientBuckets {
 
   const BucketLayout* layout_;
   Storage storage_;
-  Comm* group_;
-  Comm* replicas_;
+  std::vector<SumRanks<Comm>> ranks_;  // per bucket
   AnyGradientHook<Comm> hook_;
   std::function<void(std::size_t)> on_complete_;
   std::vector<Param> params_;

@@ -43,6 +43,14 @@ namespace paratrain {
 // The requests of one step's buckets complete in bucket order on every rank (the layer tests
 // and waits them in that order), which keeps each communicator's collectives in one order.
 
+/// The ranks a bucket's gradients are summed over (GradientBucket::group and ::replicas):
+/// each bucket's own, as its parameter store says (Note [Expert buckets]).
+template <class Comm>
+struct SumRanks {
+  Comm* group = nullptr;
+  Comm* replicas = nullptr;
+};
+
 /// One bucket of gradients, as a hook sees it (PyTorch's GradBucket).
 template <class Comm>
 struct GradientBucket {

@@ -44,8 +44,9 @@ namespace paratrain {
 // - the BucketLayout over the model's parameters (padding and units are its choice), kept
 //   at a stable address for the store's lifetime: GradientBuckets points at it;
 // - where gradients accumulate and what is kept of their sum (`gradient_storage`: whole or
-//   sharded), the ranks they are summed over (`gradient_group`, and `gradient_replicas` for
-//   hybrid sharding: Note [Hybrid sharding]), and the mesh dimensions its sums are cut
+//   sharded), the ranks each bucket is summed over (`gradient_ranks(b)`: a group, and its
+//   replicas for hybrid sharding: Note [Hybrid sharding]; experts' and dense parameters'
+//   buckets their own: Note [Expert buckets]), and the mesh dimensions its sums are cut
 //   along (`partitions`): the ranks whose parts make up the whole gradient, over which
 //   clipping's norm is summed;
 // - whether forward gathers parameters (`gathers_in_forward`: Note [Unusable batches]);
@@ -126,8 +127,7 @@ concept parameter_store =
       { S::planned_stage } -> std::convertible_to<plan::stage>;
       { cs.layout() } -> std::same_as<const BucketLayout&>;
       { cs.gradients() } -> std::same_as<typename S::gradient_storage>;
-      { s.gradient_group() } -> std::same_as<Comm&>;
-      { s.gradient_replicas() } -> std::same_as<Comm*>;
+      { s.gradient_ranks(bucket) } -> std::same_as<SumRanks<Comm>>;
       { cs.partitions() } -> std::same_as<Dims>;
       { s.optimizer() } -> std::same_as<typename S::optimizer_type&>;
       s.begin_step();

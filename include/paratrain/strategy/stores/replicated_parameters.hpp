@@ -22,6 +22,7 @@
 #include "paratrain/strategy/memory_check.hpp"
 #include "paratrain/strategy/stores/parameter_store.hpp"
 #include "paratrain/strategy/stores/sharded_construction.hpp"
+#include "paratrain/tensor_parallel/sharding.hpp"
 
 namespace paratrain {
 
@@ -47,7 +48,8 @@ class ReplicatedParameters {
   template <class OptimOptions>
   static plan::Model plan(torch::nn::Module& model, Mesh<Comm>& mesh, const StoreOptions& options,
                           const OptimOptions& optimizer, const PlanInputs& inputs) {
-    const BucketLayout probe(model, options.bucketing, [](auto&, auto&) { return -1; }, mesh.rank());
+    const BucketLayout probe(model, options.bucketing, [](auto&, auto&) { return -1; }, mesh.rank(),
+                             tp::parameters_cut_over(model, Dim::expert));
     return detail::plan_of(model, mesh.size(Dims::replicas()), detail::largest_bucket(probe), options.prefetch, optimizer,
                            inputs.autocast, inputs.narrow_reduce, inputs.activation_bytes);
   }
@@ -56,8 +58,10 @@ class ReplicatedParameters {
   template <class OptimOptions>
   ReplicatedParameters(torch::nn::Module& model, Mesh<Comm>& mesh, const StoreOptions& options, ParamGroups groups,
                        OptimOptions defaults)
-      : layout_(model, options.bucketing, [](auto&, auto&) { return -1; }, mesh.rank()),
+      : layout_(model, options.bucketing, [](auto&, auto&) { return -1; }, mesh.rank(),
+                tp::parameters_cut_over(model, Dim::expert)),
         group_(&mesh.group(Dims::replicas())),
+        dense_group_(&mesh.group(Dims::batch())),
         optimizer_(std::make_unique<Optim>(std::move(groups), std::move(defaults))) {
     if (options.shard_group != 0 && options.shard_group != mesh.size(Dims::data()))
       throw error("DataParallel", mesh.rank(),
@@ -72,8 +76,11 @@ class ReplicatedParameters {
   [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }
   /// Every rank keeps every bucket's whole sum, over every data-parallel rank.
   [[nodiscard]] gradient_storage gradients() const { return WholeGradients(layout_); }
-  [[nodiscard]] Comm& gradient_group() noexcept { return *group_; }
-  [[nodiscard]] Comm* gradient_replicas() noexcept { return nullptr; }
+  /// An expert's over its replicas, a dense parameter's over the expert group too: Note
+  /// [Expert buckets].
+  [[nodiscard]] SumRanks<Comm> gradient_ranks(std::size_t bucket) const {
+    return {layout_.buckets().at(bucket).expert ? group_ : dense_group_};
+  }
   [[nodiscard]] Dims partitions() const noexcept { return {}; }
 
   void begin_step() noexcept {}
@@ -109,7 +116,8 @@ class ReplicatedParameters {
 
  private:
   BucketLayout layout_;
-  Comm* group_;
+  Comm* group_;        // the replicas: Dims::replicas()
+  Comm* dense_group_;  // and the expert group: Dims::batch()
   std::unique_ptr<Optim> optimizer_;
 };
 

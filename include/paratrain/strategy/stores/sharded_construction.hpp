@@ -19,6 +19,7 @@
 #include "paratrain/strategy/buckets/bucket_layout.hpp"
 #include "paratrain/memory/allocator.hpp"
 #include "paratrain/strategy/detail/tensor_bytes.hpp"
+#include "paratrain/tensor_parallel/sharding.hpp"
 #include "paratrain/util/fnv1a.hpp"
 
 namespace paratrain {
@@ -164,7 +165,7 @@ class ShardedConstruction {
                      [&](auto&, const at::Tensor& p) {
                        return sharded_.count(p.unsafeGetTensorImpl()) ? BucketLayout::excluded : 0;
                      },
-                     rank_),
+                     rank_, tp::parameters_cut_over(unit, Dim::expert)),
         {}, {}, 0});
     detail::Fnv1a h;
     const auto& layout = out->layout;

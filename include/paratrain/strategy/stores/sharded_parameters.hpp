@@ -43,6 +43,7 @@
 #include "paratrain/strategy/stores/sharded_construction.hpp"
 #include "paratrain/strategy/stores/unit_gathers.hpp"
 #include "paratrain/strategy/unit.hpp"
+#include "paratrain/tensor_parallel/sharding.hpp"
 
 namespace paratrain {
 
@@ -131,7 +132,8 @@ class ShardedParameters {
                           const OptimOptions& optimizer, const PlanInputs& inputs) {
     detail::UnitMap units;
     if constexpr (Stage == 3) units = detail::find_units(model);
-    const BucketLayout probe(model, padded(options, mesh), unit_of(units), mesh.rank());
+    const BucketLayout probe(model, padded(options, mesh), unit_of(units), mesh.rank(),
+                             tp::parameters_cut_over(model, Dim::expert));
     return detail::plan_of(model, mesh.size(Dims::sharding()), detail::largest_bucket(probe), options.prefetch, optimizer,
                            inputs.autocast, inputs.narrow_reduce, inputs.activation_bytes);
   }
@@ -157,8 +159,14 @@ class ShardedParameters {
     if constexpr (Stage >= 2) return ShardedGradients(layout_, group_.rank());
     else return WholeGradients(layout_);
   }
-  [[nodiscard]] Comm& gradient_group() noexcept { return Stage >= 2 ? group_ : *data_; }
-  [[nodiscard]] Comm* gradient_replicas() noexcept { return Stage >= 2 && replicas_ ? &*replicas_ : nullptr; }
+  /// A dense parameter's bucket is summed over the expert group too (Note [Expert buckets]):
+  /// at stage 1 with the data ranks, from stage 2 on with the shard's replicas, after the
+  /// reduce-scatter over the ranks it shards with (the same shard on every expert rank).
+  [[nodiscard]] SumRanks<Comm> gradient_ranks(std::size_t bucket) {
+    const bool expert = layout_.buckets().at(bucket).expert;
+    if constexpr (Stage >= 2) return {&group_, expert ? (replicas_ ? &*replicas_ : nullptr) : dense_replicas_};
+    else return {expert ? data_ : dense_data_};
+  }
   /// The sums are cut along the sharding dimensions (data-shard, context) from stage 2 on.
   [[nodiscard]] Dims partitions() const noexcept { return Stage >= 2 ? Dims::sharding() : Dims(); }
 
@@ -313,10 +321,14 @@ class ShardedParameters {
   template <class OptimOptions>
   ShardedParameters(detail::UnitMap units, torch::nn::Module& model, Mesh<Comm>& mesh, const StoreOptions& options,
                     const ParamGroups& groups, OptimOptions defaults)
-      : layout_(model, padded(options, mesh), unit_of(units), mesh.rank()),
+      : layout_(model, padded(options, mesh), unit_of(units), mesh.rank(),
+                tp::parameters_cut_over(model, Dim::expert)),
         data_(&mesh.group(Dims::replicas())),
+        dense_data_(&mesh.group(Dims::batch())),
         group_(mesh.group(Dims::sharding())),
         replicas_(mesh.size(Dim::replicate) > 1 ? std::optional<Comm>(mesh.group(Dim::replicate)) : std::nullopt),
+        dense_replicas_(mesh.size(Dims{Dim::replicate, Dim::expert}) > 1 ? &mesh.group(Dims{Dim::replicate, Dim::expert})
+                                                                         : nullptr),
         units_(unit_gathers(layout_, shards_, units, group_, options)) {
     const auto& layout = layout_;
     const auto rank = mesh.rank();
@@ -438,8 +450,10 @@ class ShardedParameters {
 
   BucketLayout layout_;  // first: everything below is laid out by it
   Comm* data_;                    // every data-parallel rank (the mesh's, which outlives the store)
+  Comm* dense_data_;              // and the expert group: Dims::batch() (Note [Expert buckets])
   Comm group_;                    // the ranks this one shards with: Note [Hybrid sharding]
   std::optional<Comm> replicas_;  // hybrid only: the ranks holding the same shard
+  Comm* dense_replicas_;          // and the expert group (null where both are one rank)
   std::vector<detail::FlatShard> shards_;
   std::optional<UnitGathers<Comm>> units_;  // stage 3: Note [Units]
   std::vector<Piece> pieces_;
