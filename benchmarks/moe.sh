@@ -4,8 +4,8 @@
 # side: ep = 1 (every expert on every rank: data parallelism alone) is the reference. Each
 # row: the median step time (the slowest rank's, the first step left out) and its ratio to
 # ep = 1, the bytes the expert group's all-to-alls sent a step, the gradient bytes a rank
-# handed to collectives in the last step (the buckets', and the dense parameters' sum over the
-# expert group), and the parameters a rank holds. The same samples a rank at every degree:
+# handed to collectives in the last step (its buckets': the experts' summed over their replicas,
+# the dense parameters' over the expert group too), and the parameters a rank holds. The same samples a rank at every degree:
 # the losses agree (ctest example.gpt_moe_losses_agree). 4 ranks share the machine's cores.
 #
 # Usage: benchmarks/moe.sh [steps, 12] [extra gpt_ddp options...]
