@@ -210,9 +210,9 @@ std::pair<torch::Tensor, torch::Tensor> samples_of(int q, int step) {
 // relative difference of this rank's parameters (its experts) from the reference's.
 // `aux_in_backward`: the strategy's layer adds its auxiliary loss in backward itself (Note
 // [Auxiliary loss in backward]) and its loss function leaves it out; the reference still adds
-// it to its loss.
+// it to its loss. `shard_group` is DataParallelOptions'.
 template <class Update>
-double train_both(int ep, moe::Options o, double clip = 0, bool aux_in_backward = false) {
+double train_both(int ep, moe::Options o, double clip = 0, bool aux_in_backward = false, int shard_group = 0) {
   const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
   torch::manual_seed(7);
   ExpertNet ref(o);
@@ -221,7 +221,9 @@ double train_both(int ep, moe::Options o, double clip = 0, bool aux_in_backward 
   auto adding = o;
   if (aux_in_backward) adding.aux_weight = aux_weight;
   paratrain::DataParallel<ExpertNet, comm::Mpi, Update> s([&] { return ExpertNet(adding); }, comm::Mpi(), sgd,
-                                                          {.max_grad_norm = clip, .expert_parallel = ep});
+                                                          {.max_grad_norm = clip,
+                                                           .shard_group = shard_group,
+                                                           .expert_parallel = ep});
   REQUIRE(s.expert_group().size() == ep);
   REQUIRE(s.model()->experts->group().size() == ep);
   const auto data = s.data_shard();
@@ -408,6 +410,15 @@ TEST_CASE("DataParallel over data x expert ranks equals the single-device model:
     CHECK(train_both<SGD>(ep, {.top_k = 1, .capacity_factor = 1.0}, /*clip=*/0.05) <= 1e-5);
     // The layer adding its auxiliary loss in backward: the same training.
     CHECK(train_both<SGD>(ep, {.top_k = 2, .capacity_factor = 1.0}, 0, /*aux_in_backward=*/true) <= 1e-5);
+    if (world / ep >= 2) {
+      // Hybrid sharding, one rank a shard group (at 4 ranks, ep 2: replicate 2 x expert 2): the
+      // experts' shards summed across the replicate dimension, the dense ones across it and the
+      // expert group together (Note [Expert buckets]).
+      CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage2>>(ep, {.top_k = 2, .capacity_factor = 1.0}, 0,
+                                                                         false, /*shard_group=*/1) <= 1e-5);
+      CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage3>>(ep, {.top_k = 1, .capacity_factor = 0}, 0,
+                                                                         false, /*shard_group=*/1) <= 1e-5);
+    }
   }
 }
 
@@ -589,6 +600,26 @@ TEST_CASE("DataParallel under expert parallelism refuses, on every rank: a degre
                        doctest::Contains("micro-batches this step"), paratrain::error);
   // And then a good step.
   CHECK(s.step(paratrain::Batch(x, y), loss).global_samples > 0);
+}
+
+TEST_CASE("ZeRO-3 under expert parallelism refuses, on every rank, a unit built sharded whose dense parameters "
+          "differ across the expert group: they are never broadcast") {
+  using namespace experts_test;
+  const int world = comm::Mpi().size();
+  if (world == 1) return;
+  using Zero3 =
+      paratrain::DataParallel<ExpertNet, comm::Mpi, paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>>;
+  const int rank = comm::Mpi().rank();
+  // Every rank its own seed: the experts are the expert group's to differ (each rank draws its
+  // slice of the whole layer's), the router is not.
+  CHECK_THROWS_WITH_AS(Zero3(
+                           [&] {
+                             torch::manual_seed(7 + static_cast<std::uint64_t>(rank));
+                             return ExpertNet(moe::Options{});
+                           },
+                           comm::Mpi(), torch::optim::SGDOptions(0.1), {.expert_parallel = world}),
+                       doctest::Contains("the ranks built unit 'experts' with different initial values"),
+                       paratrain::error);
 }
 
 TEST_CASE("a pipeline under expert parallelism refuses, on every rank: a degree the world cannot take, replicas of an "

@@ -25,11 +25,14 @@ namespace paratrain {
 // it is given holds `input`, this rank's gradients summed over its samples (flat, padded:
 // Note [Shard layout]), and `output`, where this rank's part of the sum over `group` must be
 // when the request completes: `input` itself where every rank keeps whole gradients (DDP,
-// ZeRO-1), its shard where each keeps one (ZeRO-2, 3). The sum is then divided by the
-// step's global sample count (Note [Exact averaging]) by the layer, not by the hook.
+// ZeRO-1), its shard where each keeps one (ZeRO-2, 3), then summed across `replicas` where
+// the bucket has them (hybrid sharding; a dense bucket under expert parallelism: Note
+// [Expert buckets]). Each bucket has its own `group` and `replicas`: a hook sums over the
+// bucket's, never over ranks of its own. The sum is then divided by the step's global sample
+// count (Note [Exact averaging]) by the layer, not by the hook.
 //
-//   SumGradients          the sum, exactly: an all-reduce, or a reduce-scatter then (hybrid
-//                         sharding) an all-reduce of the shard across `replicas` (default)
+//   SumGradients          the sum, exactly: an all-reduce, or a reduce-scatter then (where
+//                         the bucket has replicas) an all-reduce of the shard across them (default)
 //   NarrowGradients       another hook over a copy in a narrower type (fp16, bf16: half the
 //                         bytes; Precision::reduce is this), widened back as it completes
 //   PowerSgd              rank-r compression with error feedback (Vogels et al. 2019)
@@ -66,8 +69,9 @@ struct GradientBucket {
   const BucketLayout* layout = nullptr;
   /// The ranks whose gradients are summed into `output`.
   Comm* group = nullptr;
-  /// Sharded in groups (hybrid sharding): the ranks holding the same shard in the other
-  /// groups, across which the shard is summed next; null otherwise.
+  /// Where a shard is held by more ranks than the group (hybrid sharding; a dense bucket's
+  /// shard on every rank of the expert group: Note [Expert buckets]): the ranks holding the
+  /// same shard, across which it is summed next; null otherwise.
   Comm* replicas = nullptr;
   /// What the hook handed to collectives for this bucket, in bytes: it adds to it.
   std::int64_t sent_bytes = 0;

@@ -27,8 +27,9 @@
 namespace paratrain {
 
 /// The parameters stay where the model has them, whole on every rank; the optimizer is
-/// the user's, over the user's parameter groups; gradients are summed whole over the
-/// data-parallel ranks of the mesh (both its data dimensions: nothing is sharded). Every
+/// the user's, over the user's parameter groups; gradients are summed whole over the ranks
+/// that hold them (the mesh's replicas; a dense parameter's under expert parallelism with the
+/// expert group too: Note [Expert buckets]), nothing sharded. Every
 /// step-protocol call but step() is a no-op: nothing is gathered, nothing is freed.
 template <class Comm, class Optim>
 class ReplicatedParameters {
@@ -74,7 +75,7 @@ class ReplicatedParameters {
 
   [[nodiscard]] const BucketLayout& layout() const noexcept { return layout_; }
   [[nodiscard]] Optim& optimizer() noexcept { return *optimizer_; }
-  /// Every rank keeps every bucket's whole sum, over every data-parallel rank.
+  /// Every rank keeps every bucket's whole sum.
   [[nodiscard]] gradient_storage gradients() const { return WholeGradients(layout_); }
   /// An expert's over its replicas, a dense parameter's over the expert group too: Note
   /// [Expert buckets].

@@ -53,8 +53,11 @@ namespace paratrain {
 // drew the same initial values: each unit hashes its flat buffers before freeing them,
 // and the ranks compare the hashes in one all-reduce (max of h and of -h) when the
 // strategy adopts the shards; a difference is an error on every rank naming the unit
-// (seed every rank alike: torch::manual_seed). Parameters outside units, and buffers,
-// are whole on every rank and broadcast from rank 0 as always.
+// (seed every rank alike: torch::manual_seed). Under expert parallelism a unit's experts and
+// dense parameters are hashed apart (their buckets are: Note [Expert buckets]): its experts
+// compared over their replicas, which hold the same ones, its dense parameters over the
+// expert group too, which plain construction broadcasts them over. Parameters outside units,
+// and buffers, are whole on every rank and broadcast from rank 0 as always.
 //
 // The one rule for a model built this way: once a unit's constructor has returned, its
 // parameters hold no memory on any rank until the strategy gathers them, so the model's
@@ -71,7 +74,8 @@ struct ConstructedUnit {
   BucketLayout layout;
   std::vector<at::Tensor> full;   ///< per bucket: padded, storage released
   std::vector<at::Tensor> shard;  ///< per bucket: this rank's elements, storage of its own
-  std::int64_t checksum = 0;      ///< of every bucket's values: Note [Sharded construction]
+  std::int64_t checksum = 0;         ///< of its dense buckets' values: Note [Sharded construction]
+  std::int64_t expert_checksum = 0;  ///< of its experts' buckets' values
 };
 
 // The storage of a stage-3 bucket comes and goes; the parameters (views of it, saved
@@ -167,7 +171,7 @@ class ShardedConstruction {
                      },
                      rank_, tp::parameters_cut_over(unit, Dim::expert)),
         {}, {}, 0});
-    detail::Fnv1a h;
+    detail::Fnv1a dense_hash, expert_hash;
     const auto& layout = out->layout;
     for (std::size_t b = 0; b < layout.buckets().size(); ++b) {
       // This rank's shard straight from the parameters, and the whole bucket a tensor
@@ -179,7 +183,7 @@ class ShardedConstruction {
       for (auto i : bucket.params) {
         const auto& p = layout.params()[i];
         const auto flat = p.tensor.detach().reshape({-1});
-        detail::hash_values(h, flat.contiguous());
+        detail::hash_values(bucket.expert ? expert_hash : dense_hash, flat.contiguous());
         const auto lo = std::max(begin, p.offset), hi = std::min(begin + n, p.offset + p.tensor.numel());
         if (lo < hi) shard.narrow(0, lo - begin, hi - lo).copy_(flat.narrow(0, lo - p.offset, hi - lo));
         p.tensor.set_data(layout.view(full, i));  // frees the layer's own storage
@@ -189,7 +193,8 @@ class ShardedConstruction {
       out->shard.push_back(std::move(shard));
       out->full.push_back(std::move(full));
     }
-    out->checksum = h.value62();
+    out->checksum = dense_hash.value62();
+    out->expert_checksum = expert_hash.value62();
     return out;
   }
 

@@ -70,7 +70,9 @@ namespace paratrain {
 // (Note [Process mesh]): G is its data-shard dimension and W/G its data-replicate one, so
 // `group` is the mesh's group(Dims::sharding()) (the G ranks of this rank's group, times
 // the context ranks where there are some) and `replicas` its group(Dim::replicate) (the W/G
-// ranks holding the same shard, one per group); the store computes no rank layout itself. A bucket is padded
+// ranks holding the same shard, one per group; a dense bucket's under expert parallelism
+// with the expert group too: Note [Expert buckets]); the store computes no rank layout
+// itself. A bucket is padded
 // to a multiple of G and cut into G shards; its gradients are reduce-scattered in the
 // group, then the shard all-reduced across the replicas (one request, started in bucket
 // order when the reduce-scatter completes: Note [Bucket order] keeps both streams in
@@ -304,6 +306,10 @@ class ShardedParameters {
       return std::nullopt;
   }
 
+  // The ranks holding the same shard of a dense bucket: the batch outside the sharding ranks
+  // (data-replicate and expert). An expert's are the replicas outside them (data-replicate).
+  static constexpr Dims dense_shard_replicas = Dims::batch() & ~Dims::sharding();
+
   // Each bucket padded to a multiple of the ranks it is sharded over: Note [Shard layout].
   static BucketOptions padded(const StoreOptions& options, Mesh<Comm>& mesh) {
     auto bucketing = options.bucketing;
@@ -327,8 +333,7 @@ class ShardedParameters {
         dense_data_(&mesh.group(Dims::batch())),
         group_(mesh.group(Dims::sharding())),
         replicas_(mesh.size(Dim::replicate) > 1 ? std::optional<Comm>(mesh.group(Dim::replicate)) : std::nullopt),
-        dense_replicas_(mesh.size(Dims{Dim::replicate, Dim::expert}) > 1 ? &mesh.group(Dims{Dim::replicate, Dim::expert})
-                                                                         : nullptr),
+        dense_replicas_(mesh.size(dense_shard_replicas) > 1 ? &mesh.group(dense_shard_replicas) : nullptr),
         units_(unit_gathers(layout_, shards_, units, group_, options)) {
     const auto& layout = layout_;
     const auto rank = mesh.rank();
@@ -427,25 +432,37 @@ class ShardedParameters {
   }
 
   /// Every rank's units built sharded came from the same initial values: one all-reduce
-  /// of their hashes (Note [Sharded construction]). Collective.
+  /// of their hashes (Note [Sharded construction]); under expert parallelism their dense
+  /// parameters' over every rank that holds them, their experts' over those experts'
+  /// replicas. Collective.
   void check_same_initialisation(const std::vector<std::shared_ptr<detail::ConstructedUnit>>& constructed,
                                  const std::vector<std::string>& names) {
-    const auto n = static_cast<std::int64_t>(constructed.size());
     if (std::none_of(constructed.begin(), constructed.end(), [](const auto& c) { return c != nullptr; })) return;
+    compare_checksums(constructed, names, *dense_data_, &detail::ConstructedUnit::checksum, "");
+    if (dense_data_ != data_)
+      compare_checksums(constructed, names, *data_, &detail::ConstructedUnit::expert_checksum,
+                        " (its experts, across the ranks that hold the same ones)");
+  }
+  void compare_checksums(const std::vector<std::shared_ptr<detail::ConstructedUnit>>& constructed,
+                         const std::vector<std::string>& names, Comm& over,
+                         std::int64_t detail::ConstructedUnit::*checksum, const std::string& what) {
+    const auto n = static_cast<std::int64_t>(constructed.size());
     auto h = at::zeros({2 * n}, at::kLong);
     for (std::int64_t u = 0; u < n; ++u) {
-      const auto v = constructed[static_cast<std::size_t>(u)] ? constructed[static_cast<std::size_t>(u)]->checksum : 0;
+      const auto& c = constructed[static_cast<std::size_t>(u)];
+      const auto v = c ? (*c).*checksum : 0;
       h[u] = v;
       h[n + u] = -v;
     }
-    detail::all_reduce_on(*data_, h, layout_.buckets().front().options.device(), reduce_op::max);
+    detail::all_reduce_on(over, h, layout_.buckets().front().options.device(), reduce_op::max);
     for (std::int64_t u = 0; u < n; ++u)
       if (h[u].item<std::int64_t>() != -h[n + u].item<std::int64_t>())
-        throw error("DataParallel", data_->rank(),
-                    "the ranks built unit '" + names[static_cast<std::size_t>(u)] +
-                        "' with different initial values; a model built sharded is never broadcast from rank 0, so "
-                        "every rank must draw the same values: seed every rank alike before building it "
-                        "(torch::manual_seed(seed) with the same seed), or build the model whole and pass it instead");
+        throw error("DataParallel", over.rank(),
+                    "the ranks built unit '" + names[static_cast<std::size_t>(u)] + "' with different initial values" +
+                        what +
+                        "; a model built sharded is never broadcast from rank 0, so every rank must draw the same "
+                        "values: seed every rank alike before building it (torch::manual_seed(seed) with the same "
+                        "seed), or build the model whole and pass it instead");
   }
 
   BucketLayout layout_;  // first: everything below is laid out by it
