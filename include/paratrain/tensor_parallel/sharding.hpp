@@ -49,37 +49,30 @@ struct ModelShard {
 };
 
 /// Every sliced parameter of `model` (degree > 1 only), by full name (as named_parameters()
-/// spells it).
+/// spells it). `model` need not be held by a shared_ptr (a Unit while it is built: Note
+/// [Sharded construction]).
 [[nodiscard]] inline std::map<std::string, ModelShard> sliced_parameters_of(const torch::nn::Module& model) {
   std::map<std::string, ModelShard> out;
-  for (const auto& m : model.named_modules()) {
-    const auto* layer = dynamic_cast<const ShardedLayer*>(m.value().get());
-    if (layer == nullptr || layer->slice_group().size() == 1) continue;
-    const auto params = m.value()->named_parameters(/*recurse=*/false);
-    for (auto& s : layer->slices()) {
-      const auto* p = params.find(s.name);
-      if (p == nullptr) continue;
-      const auto full = m.key().empty() ? s.name : m.key() + "." + s.name;
-      out.emplace(full, ModelShard{s, p->unsafeGetTensorImpl(), layer->slice_group().size(), layer->slice_dim()});
-    }
-  }
+  const auto add = [&](const std::string& prefix, const torch::nn::Module& m) {
+    const auto* layer = dynamic_cast<const ShardedLayer*>(&m);
+    if (layer == nullptr || layer->slice_group().size() == 1) return;
+    const auto params = m.named_parameters(/*recurse=*/false);
+    for (auto& s : layer->slices())
+      if (const auto* p = params.find(s.name))
+        out.emplace(prefix.empty() ? s.name : prefix + "." + s.name,
+                    ModelShard{s, p->unsafeGetTensorImpl(), layer->slice_group().size(), layer->slice_dim()});
+  };
+  add("", model);  // named_modules() would take the model itself from a shared_ptr
+  for (const auto& m : model.named_modules("", /*include_self=*/false)) add(m.key(), *m.value());
   return out;
 }
 
-/// The TensorImpls of the parameters of `model` cut over mesh dimension `over` (degree > 1):
-/// the experts, for Dim::expert (Note [Expert buckets]).
-/// `model` need not be held by a shared_ptr (a Unit while it is built: Note [Sharded construction]).
+/// The TensorImpls of the parameters of `model` cut over mesh dimension `over`: the experts,
+/// for Dim::expert (Note [Expert buckets]).
 [[nodiscard]] inline std::set<const void*> parameters_cut_over(const torch::nn::Module& model, Dim over) {
   std::set<const void*> out;
-  const auto add = [&](const torch::nn::Module& m) {
-    const auto* layer = dynamic_cast<const ShardedLayer*>(&m);
-    if (layer == nullptr || layer->slice_group().size() == 1 || layer->slice_dim() != over) return;
-    const auto params = m.named_parameters(/*recurse=*/false);
-    for (const auto& s : layer->slices())
-      if (const auto* p = params.find(s.name)) out.insert(p->unsafeGetTensorImpl());
-  };
-  add(model);
-  for (const auto& m : model.modules(/*include_self=*/false)) add(*m);
+  for (const auto& [name, shard] : sliced_parameters_of(model))
+    if (shard.over == over) out.insert(shard.impl);
   return out;
 }
 
