@@ -98,7 +98,7 @@ case "${1:-}" in
     benchmarks/checkpoint_cost.sh "$@" ;;
   moe)
     scripts/deps.sh
-    scripts/build.sh --target gpt_ddp >&2
+    scripts/build.sh --target gpt_ddp gpt_zero3 >&2
     shift
     benchmarks/moe.sh "$@" ;;
   elastic_restart)

@@ -156,15 +156,20 @@ int main(int argc, char** argv) {
       for (const auto& p : s.full_parameters()) n += p.numel();
       return n;
     }();
+    // The model state rank 0 holds between steps (parameters, gradients, optimizer state), and
+    // what the plan says of it (without its padding bound).
+    const auto held = s.model_state_bytes();
+    const auto planned = s.planned_peak().states;
     if (s.rank() == 0)
       std::printf("{\"example\": \"gpt\", \"ranks\": %d, \"tensor_parallel\": %d, \"sequence_parallel\": %s, "
                   "\"experts\": %d, \"expert_parallel\": %d, \"context_parallel\": %d, \"steps\": %d, \"loss\": %.8f, "
                   "\"parameters_per_rank\": %lld, \"step_ms\": %.3f, \"all_to_all_bytes_per_step\": %lld, "
-                  "\"gradient_bytes_per_step\": %lld}\n",
+                  "\"gradient_bytes_per_step\": %lld, \"model_state_bytes\": %lld, \"planned_state_bytes\": %.0f}\n",
                   s.world_size(), run.tensor_parallel, run.sequence_parallel ? "true" : "false", run.model.experts,
                   run.expert_parallel, run.context_parallel, run.steps, last, static_cast<long long>(parameters),
                   1e3 * median.item<double>(), static_cast<long long>(all_to_all),
-                  static_cast<long long>(s.gradient_bytes_sent()));
+                  static_cast<long long>(s.gradient_bytes_sent()), static_cast<long long>(held.total()),
+                  planned.parameters + planned.gradients + planned.optimizer_state);
     return 0;
   });
 }

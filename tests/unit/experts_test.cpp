@@ -412,8 +412,8 @@ TEST_CASE("DataParallel over data x expert ranks equals the single-device model:
     CHECK(train_both<SGD>(ep, {.top_k = 2, .capacity_factor = 1.0}, 0, /*aux_in_backward=*/true) <= 1e-5);
     if (world / ep >= 2) {
       // Hybrid sharding, one rank a shard group (at 4 ranks, ep 2: replicate 2 x expert 2): the
-      // experts' shards summed across the replicate dimension, the dense ones across it and the
-      // expert group together (Note [Expert buckets]).
+      // experts whole on each rank, the dense parameters sharded over the expert group, every
+      // shard summed across the replicate dimension (Note [Expert buckets]).
       CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage2>>(ep, {.top_k = 2, .capacity_factor = 1.0}, 0,
                                                                          false, /*shard_group=*/1) <= 1e-5);
       CHECK(train_both<paratrain::Sharded<SGD, paratrain::zero::stage3>>(ep, {.top_k = 1, .capacity_factor = 0}, 0,
@@ -662,7 +662,8 @@ TEST_CASE("a pipeline under expert parallelism refuses, on every rank: a degree 
   CHECK(s.step(std::span<const paratrain::Batch>(two), loss).global_samples > 0);
 }
 
-TEST_CASE("expert parallelism: the parameters and ZeRO-1 state per rank are plan::per_rank's at expert degree ep") {
+TEST_CASE("expert parallelism: the parameters and ZeRO-1 state per rank are plan::per_rank's at expert degree ep, "
+          "ZeRO's state 1/world of the model's: the experts sharded over their replicas, the dense over every rank") {
   using namespace experts_test;
   const int world = comm::Mpi().size();
   // The model's parameters counted by hand: the dense ones (in, the router, out) and the
@@ -681,9 +682,24 @@ TEST_CASE("expert parallelism: the parameters and ZeRO-1 state per rank are plan
     const auto held = s.model_state_bytes();
     CHECK(static_cast<double>(held.parameters) == planned.parameters);
     CHECK(static_cast<double>(held.parameters) == 4 * (dense + experts / ep));
-    // ZeRO-1's optimizer state (Adam: 8 bytes a parameter) shard, over the world / ep ranks
-    // that hold the same experts, within the padding of one bucket a rank.
+    // ZeRO-1's optimizer state (Adam: 8 bytes a parameter): the experts' over the world / ep
+    // ranks that hold them, the dense parameters' over the whole world, so 1/world of the
+    // model's either way, within the padding of one bucket a rank.
     CHECK(static_cast<double>(held.optimizer_state) >= planned.optimizer_state);
     CHECK(static_cast<double>(held.optimizer_state) <= planned.optimizer_state + 8.0 * world);
+    CHECK(planned.optimizer_state == doctest::Approx(8 * (dense + experts) / world));
+    // ZeRO-2 keeps the gradients' shards alike: 4 bytes a parameter over the same ranks (a
+    // bucket's padding under one element a rank), and SGD's momentum (4 bytes) for the real
+    // elements of the shards (a bucket's last shard short by its padding, under world).
+    paratrain::DataParallel<ExpertNet, comm::Mpi, paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage2>> s2(
+        [] { return ExpertNet(moe::Options{}); }, comm::Mpi(), torch::optim::SGDOptions(0.1).momentum(0.9),
+        {.expert_parallel = ep});
+    s2.step(paratrain::Batch(x, y), [](const torch::Tensor& out, const torch::Tensor& t) { return torch::mse_loss(out, t); });
+    const auto held2 = s2.model_state_bytes();
+    const double buckets = static_cast<double>(s2.bucket_count());
+    CHECK(static_cast<double>(held2.gradients) >= 4 * (dense + experts) / world);
+    CHECK(static_cast<double>(held2.gradients) <= 4 * (dense + experts) / world + 4 * buckets);
+    CHECK(static_cast<double>(held2.optimizer_state) <= 4 * (dense + experts) / world + 4 * buckets);
+    CHECK(static_cast<double>(held2.optimizer_state) >= 4 * (dense + experts) / world - 4 * buckets * world);
   }
 }

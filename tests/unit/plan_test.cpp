@@ -315,7 +315,12 @@ TEST_CASE("plan: tensor parallelism cuts the model before ZeRO, and the activati
   const plan::Model moe{.parameters = 1000, .optimizer_bytes = 4, .ranks = 2, .tensor = 2, .tensor_replicated = 100,
                         .expert = 4, .expert_parameters = 800};
   CHECK(plan::rank_parameters(moe) == 350);
-  CHECK(plan::per_rank(moe, plan::stage::stage3).total() == 350 * 12 / 2.0);
+  // ZeRO-3 shards the 200 experts a rank holds over its N_d = 2 ranks, the 150 dense
+  // parameters over N_d x ep = 8: 100 + 18.75 parameters of 12 bytes.
+  CHECK(plan::shard_parameters(moe) == 118.75);
+  CHECK(plan::per_rank(moe, plan::stage::stage3).total() == (200 / 2.0 + 150 / 8.0) * 12);
+  CHECK(plan::per_rank(moe, plan::stage::stage1).optimizer_state == (200 / 2.0 + 150 / 8.0) * 4);
+  CHECK(plan::per_rank(moe, plan::stage::stage1).parameters == 350 * 4);
   CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .expert = 0}, plan::stage::ddp),
                        doctest::Contains("Model::expert is 0"), paratrain::error);
   CHECK_THROWS_WITH_AS((void)plan::per_rank({.parameters = 10, .tensor_replicated = 5, .expert = 2, .expert_parameters = 6},

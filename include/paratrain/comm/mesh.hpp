@@ -65,8 +65,10 @@ namespace paratrain {
 //                     averaged over them.
 //   Dims::sharding()  where ZeRO cuts the model's state: data-shard and context, as
 //                     torchtitan's dp_shard_cp does (context parallelism's ranks share the
-//                     state's memory too). Experts and dense parameters alike: an expert's
-//                     state over the ranks that hold that expert.
+//                     state's memory too), and expert: every rank that holds a dense
+//                     parameter alike but the data-replicate ones (Note [Hybrid sharding]).
+//                     Dims::expert_sharding(), data-shard and context, cuts an expert's
+//                     state over the ranks that hold that expert (Note [Expert buckets]).
 //
 // A context-parallel run averages over data × context what a run without it averages over
 // data, and counts each replica's samples once. The tensor dimension plays none of these
@@ -111,8 +113,11 @@ class Dims {
   [[nodiscard]] static constexpr Dims batch() noexcept {
     return {Dim::replicate, Dim::shard, Dim::context, Dim::expert};
   }
-  /// Where ZeRO cuts the model's state: the data-shard and context dimensions.
-  [[nodiscard]] static constexpr Dims sharding() noexcept { return {Dim::shard, Dim::context}; }
+  /// Where ZeRO cuts the model's state: the data-shard, context and expert dimensions (an
+  /// expert's: expert_sharding()).
+  [[nodiscard]] static constexpr Dims sharding() noexcept { return {Dim::shard, Dim::context, Dim::expert}; }
+  /// Where ZeRO cuts an expert's state: the data-shard and context dimensions.
+  [[nodiscard]] static constexpr Dims expert_sharding() noexcept { return {Dim::shard, Dim::context}; }
 
   [[nodiscard]] constexpr bool contains(Dim d) const noexcept { return (bits_ & bit(d)) != 0; }
   [[nodiscard]] constexpr bool empty() const noexcept { return bits_ == 0; }

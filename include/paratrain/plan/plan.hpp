@@ -146,10 +146,13 @@ struct Model {
 // holds whole (Model::tensor_replicated), and the ZeRO formulas apply to Ψ_t (each tensor
 // slice sharded further over its data group). Expert parallelism cuts a mixture's experts
 // Ψ_e ep ways (Note [Experts over a group]), whole on every tensor rank:
-// Ψ_t = (Ψ − Ψ_r − Ψ_e) / t + Ψ_r + Ψ_e / ep. ZeRO then shards each over its own sharding
-// group, of N_d ranks for both (Dims::sharding(): the dense state is not sharded over the
-// expert ranks too). A strategy's own plan counts the parameters this rank holds, which are
-// Ψ_t already (t = ep = 1 there).
+// Ψ_t = (Ψ − Ψ_r − Ψ_e) / t + Ψ_r + Ψ_e / ep. ZeRO then shards each over its own ranks
+// (Note [Expert buckets]): the experts' Ψ_e / ep over the N_d ranks that hold them alike, the
+// rest of Ψ_t over the N_d ranks of each expert rank together, N_d · ep, so a rank's shard
+// holds (Ψ_t − Ψ_e / ep) / (N_d · ep) + Ψ_e / (ep · N_d) parameters (shard_parameters); each
+// bucket is padded to a multiple of its ranks, at most N_d · ep. A strategy's own plan counts
+// the parameters this rank holds, which are Ψ_t already (t = 1 there; ep is the mesh's, its
+// experts counted ep times).
 //
 // Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 // Transformer Models", §4, Table 2): one GPT layer keeps, per s·b·h (sequence, batch,
@@ -304,15 +307,24 @@ inline void validate(const Model& m) {
          m.tensor_replicated + m.expert_parameters / static_cast<double>(m.expert);
 }
 
+/// The parameters of one rank's ZeRO shard of Ψ_t: the experts' over N_d ranks, the others'
+/// over N_d · ep (Note [Tensor-parallel memory]); Ψ_t / N_d without experts.
+[[nodiscard]] inline double shard_parameters(const Model& m) {
+  const double n = static_cast<double>(m.ranks), ep = static_cast<double>(m.expert);
+  const double experts = m.expert_parameters / ep;
+  return (rank_parameters(m) - experts) / (n * ep) + experts / n;
+}
+
 /// The bytes one rank holds under stage `s`: Note [ZeRO memory model].
 ///
 /// Throws paratrain::error, naming the field and the fix, for a negative or non-finite
 /// size or for `ranks < 1`.
 [[nodiscard]] inline Memory per_rank(const Model& m, stage s) {
   detail::validate(m);
-  const double n = static_cast<double>(m.ranks);
-  // Note [Tensor-parallel memory]: what one tensor rank holds of the model.
-  const double psi = rank_parameters(m);
+  // Note [Tensor-parallel memory]: what one tensor rank holds of the model, and of its shard;
+  // each bucket is padded to a multiple of at most n ranks.
+  const double psi = rank_parameters(m), shard = shard_parameters(m);
+  const double n = static_cast<double>(m.ranks * m.expert);
   const bool params_sharded = s == stage::stage3;
   const bool grads_sharded = s == stage::stage2 || s == stage::stage3;
   const bool state_sharded = s != stage::ddp;
@@ -321,31 +333,32 @@ inline void validate(const Model& m) {
   const double narrow = m.parameters > 0 ? m.narrow_parameters * psi / m.parameters : 0;
   const double copied = s == stage::stage3 ? psi - narrow : psi;
   Memory out{.strategy = s, .activations = m.activation_bytes, .autocast_copies = m.autocast_bytes * copied};
-  out.parameters = params_sharded ? m.param_bytes * psi / n : m.param_bytes * psi;
-  out.gradients = grads_sharded ? m.grad_bytes * psi / n : m.grad_bytes * psi;
-  out.optimizer_state = state_sharded ? m.optimizer_bytes * psi / n : m.optimizer_bytes * psi;
+  out.parameters = m.param_bytes * (params_sharded ? shard : psi);
+  out.gradients = m.grad_bytes * (grads_sharded ? shard : psi);
+  out.optimizer_state = m.optimizer_bytes * (state_sharded ? shard : psi);
 
   // DDP all-reduces whole buffers, which need no padding; the ZeRO stages pad every flat
   // buffer so it splits evenly.
   if (s != stage::ddp) {
     const double whole = (n - 1) * static_cast<double>(m.buckets);  // elements per rank
-    const double shard = whole / n;
-    out.padding = m.param_bytes * (params_sharded ? shard : whole) +
-                  m.grad_bytes * (grads_sharded ? shard : whole) + m.optimizer_bytes * shard;
+    const double part = whole / n;
+    out.padding = m.param_bytes * (params_sharded ? part : whole) +
+                  m.grad_bytes * (grads_sharded ? part : whole) + m.optimizer_bytes * part;
   }
   return out;
 }
 
 /// The bytes of gradients each rank hands to one step's collectives under stage `s`
 /// (DDP and stage 1 all-reduce them, stages 2 and 3 reduce-scatter them): Ψ elements of
-/// Model::reduce_bytes (grad_bytes where 0), plus at most (N_d − 1) elements of padding
+/// Model::reduce_bytes (grad_bytes where 0), plus at most (N_d · ep − 1) elements of padding
 /// per bucket at the ZeRO stages (Model::buckets). DataParallel::
 /// gradient_bytes_sent() measures it.
 [[nodiscard]] inline double gradient_traffic(const Model& m, stage s) {
   detail::validate(m);
   const double bytes = m.reduce_bytes > 0 ? m.reduce_bytes : m.grad_bytes;
   const bool padded = s != stage::ddp;  // the ZeRO stages pad each bucket to a multiple of N_d
-  return bytes * (rank_parameters(m) + (padded ? static_cast<double>(m.ranks - 1) * static_cast<double>(m.buckets) : 0.0));
+  const double most = static_cast<double>(m.ranks * m.expert - 1);  // a bucket's padding: Note [Tensor-parallel memory]
+  return bytes * (rank_parameters(m) + (padded ? most * static_cast<double>(m.buckets) : 0.0));
 }
 
 /// `per_rank(m, s)` for every stage, in the order of `stages`.

@@ -365,8 +365,9 @@ class ReplicaSteps {
   // turn (the same choice on every rank: every rank lists the tensors in the same order), and
   // it leaves the byte balance of the replicated tensors alone, so every rank still picks their
   // writers alike. The ranks of the tensor and expert dimensions a tensor is not cut over hold
-  // the same box (or, replicated and ZeRO-sharded, the same pieces): those at coordinate 0 of
-  // those dimensions write it.
+  // the same box: those at coordinate 0 of those dimensions write it. ZeRO's pieces of it are
+  // cut over the expert dimension too (Dims::sharding()), so each expert rank writes its own,
+  // and only the tensor dimension's ranks at coordinate 0 write a tensor it does not cut.
   void place_slices(CheckpointLayout& layout) const {
     const auto shards = tp::sliced_parameters_of(*module_);
     const int replicas = mesh_.size(Dims::replicas()), me = mesh_.index(Dims::replicas());
@@ -379,9 +380,9 @@ class ReplicaSteps {
     const auto place = [&](TensorSlice& sl) {
       const auto it = shards.find(sl.name);
       if (it == shards.end()) {
-        // Replicated over the tensor and expert groups: ZeRO's pieces of it are the same on
-        // every rank of them; those at their coordinate 0 write them.
-        if (!sl.replicated) sl.saved = sl.saved && first_of({Dim::tensor, Dim::expert});
+        // Replicated over the tensor group: ZeRO's pieces of it are the same on every rank of
+        // it (and differ over the expert group, which they are cut over too).
+        if (!sl.replicated) sl.saved = sl.saved && first_of(Dims(Dim::tensor));
         return;
       }
       const auto& cut = it->second.slice;
@@ -396,7 +397,7 @@ class ReplicaSteps {
         sl.writer = -1;
         sl.saved = turn++ % replicas == me && first_of(alike);
       } else {
-        sl.saved = sl.saved && first_of(alike);
+        sl.saved = sl.saved && first_of(alike & Dims(Dim::tensor));  // pieces: cut over the expert group
       }
     };
     for (auto& sl : layout.model) place(sl);
@@ -472,8 +473,9 @@ class ReplicaSteps {
   // norm, a row-parallel bias, a plain layer) holds the same gradient on every rank: it
   // counts on the group's first rank only, or it would count t times. The expert group
   // alike: each rank's experts count, the dense parameters (summed over it by then) on its
-  // first rank only. The sum then runs over the store's partition, the pipeline's stages and
-  // the tensor and expert groups together.
+  // first rank only, unless the store cuts their sums over it (ZeRO-2/3: Note [Expert
+  // buckets]). The sum then runs over the store's partition, the pipeline's stages and the
+  // tensor and expert groups together.
   void count_once_over_slice_groups(const std::map<std::string, tp::ModelShard>& sliced) {
     std::map<const void*, Dim> over;
     for (const auto& [name, shard] : sliced) over.emplace(shard.impl, shard.over);
@@ -483,7 +485,8 @@ class ReplicaSteps {
     for (std::size_t i = 0; i < params.size(); ++i) {
       const auto it = over.find(params[i].tensor.unsafeGetTensorImpl());
       for (const auto d : {Dim::tensor, Dim::expert})
-        if (mesh_.index(d) != 0 && (it == over.end() || it->second != d)) counted[i] = 0;
+        if (mesh_.index(d) != 0 && (it == over.end() || it->second != d) && !store_->partitions().contains(d))
+          counted[i] = 0;
       any = any || counted[i] == 0;
     }
     if (any) counted_ = std::move(counted);

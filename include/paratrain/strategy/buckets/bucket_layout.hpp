@@ -42,6 +42,10 @@ namespace paratrain {
 // parameter, dense, by the replicas and the expert group together (Dims::batch()). Its
 // gradient is summed over the ranks that hold it, so a bucket never mixes experts and dense
 // parameters: each is summed, as it fills in backward, over its own ranks in one reduction.
+// ZeRO shards each over its own ranks too (Note [Hybrid sharding]): a dense bucket over the
+// sharding ranks and the expert group, an expert's over the sharding ranks alone, so each
+// is padded to its own multiple (BucketOptions::pad_to, expert_pad_to) and cut into as many
+// shards (Bucket::shards).
 
 /// How a strategy wants its parameters bucketed.
 struct BucketOptions {
@@ -49,8 +53,11 @@ struct BucketOptions {
   /// communication starts early in backward.
   std::size_t cap_bytes = std::size_t{25} << 20;
   std::size_t first_cap_bytes = std::size_t{1} << 20;
-  /// Each bucket is padded to a multiple of this (the number of ranks, when sharded).
+  /// Each bucket is padded to a multiple of this and cut into as many shards (the number of
+  /// ranks it is sharded over; 1: whole).
   std::int64_t pad_to = 1;
+  /// The same for a bucket of experts, whose ranks differ (Note [Expert buckets]); 0: pad_to.
+  std::int64_t expert_pad_to = 0;
 };
 
 
@@ -69,7 +76,8 @@ class BucketLayout {
   struct Bucket {
     std::vector<std::size_t> params{};  ///< indices into params(), in layout order
     std::int64_t numel = 0;           ///< real elements
-    std::int64_t padded = 0;          ///< numel rounded up to a multiple of pad_to
+    std::int64_t padded = 0;          ///< numel rounded up to a multiple of shards
+    std::int64_t shards = 1;          ///< the shards it is cut into: pad_to, or expert_pad_to for experts
     int unit = -1;
     bool expert = false;              ///< holds experts, or dense parameters: Note [Expert buckets]
     at::TensorOptions options;        ///< dtype and device of its parameters
@@ -85,8 +93,9 @@ class BucketLayout {
   /// that they depend on the unit alone: Note [Sharded construction].
   template <class UnitOf>
   BucketLayout(const torch::nn::Module& model, BucketOptions options, UnitOf&& unit_of, int rank,
-               const std::set<const void*>& experts = {})
-      : pad_to_(std::max<std::int64_t>(options.pad_to, 1)) {
+               const std::set<const void*>& experts = {}) {
+    const auto pad_to = std::max<std::int64_t>(options.pad_to, 1);
+    const auto expert_pad_to = options.expert_pad_to > 0 ? options.expert_pad_to : pad_to;
     // A parameter shared by two modules (tied weights) is one tensor: bucket it once.
     std::set<const void*> seen;
     for (const auto& item : model.named_parameters(/*recurse=*/true))
@@ -113,13 +122,16 @@ class BucketLayout {
       b.numel += p.tensor.numel();
       bytes += detail::bytes_of(p.tensor);
     }
-    for (auto& b : buckets_) b.padded = (b.numel + pad_to_ - 1) / pad_to_ * pad_to_;
+    for (auto& b : buckets_) {
+      b.shards = b.expert ? expert_pad_to : pad_to;
+      b.padded = (b.numel + b.shards - 1) / b.shards * b.shards;
+    }
   }
 
   [[nodiscard]] const std::vector<Param>& params() const noexcept { return params_; }
   [[nodiscard]] const std::vector<Bucket>& buckets() const noexcept { return buckets_; }
   /// Elements of one rank's shard of bucket `b`.
-  [[nodiscard]] std::int64_t shard_numel(std::size_t b) const { return buckets_.at(b).padded / pad_to_; }
+  [[nodiscard]] std::int64_t shard_numel(std::size_t b) const { return buckets_.at(b).padded / buckets_.at(b).shards; }
 
   /// The view of `flat` (a bucket's buffer) that is parameter `i`, shaped like it.
   [[nodiscard]] at::Tensor view(const at::Tensor& flat, std::size_t i) const {
@@ -140,7 +152,6 @@ class BucketLayout {
  private:
   std::vector<Param> params_;
   std::vector<Bucket> buckets_;
-  std::int64_t pad_to_;
 };
 
 }  // namespace paratrain

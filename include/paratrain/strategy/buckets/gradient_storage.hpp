@@ -75,12 +75,12 @@ class WholeGradients {
   std::vector<at::Tensor> buffers_;
 };
 
-/// Each rank keeps its shard of each bucket's sum (Note [Shard layout]): shard `index` of
-/// the layout's; the whole bucket exists from its first gradient until its sum is reduced
+/// Each rank keeps its shard of each bucket's sum (Note [Shard layout]): shard `index[b]` of
+/// bucket b (its rank among those the bucket is sharded over); the whole bucket exists from its first gradient until its sum is reduced
 /// into the shard (Note [Transient memory]), in one of three pooled slots where it fits.
 class ShardedGradients {
  public:
-  ShardedGradients(const BucketLayout& layout, int index) : layout_(&layout), index_(index) {
+  ShardedGradients(const BucketLayout& layout, std::vector<int> index) : layout_(&layout), index_(std::move(index)) {
     std::size_t largest = 0;
     for (std::size_t b = 0; b < layout.buckets().size(); ++b) {
       shards_.push_back(at::zeros({layout.shard_numel(b)}, layout.buckets()[b].options));
@@ -102,7 +102,7 @@ class ShardedGradients {
   }
   [[nodiscard]] const at::Tensor& input(std::size_t b) const { return inputs_[b]; }
   [[nodiscard]] const at::Tensor& output(std::size_t b) const { return shards_[b]; }
-  [[nodiscard]] std::int64_t output_offset(std::size_t b) const { return index_ * layout_->shard_numel(b); }
+  [[nodiscard]] std::int64_t output_offset(std::size_t b) const { return index_[b] * layout_->shard_numel(b); }
   /// Its shard is reduced: the whole buffer goes (Note [Transient memory]).
   void completed(std::size_t b) { release(b); }
   void clear(std::size_t b) { release(b); }
@@ -124,7 +124,7 @@ class ShardedGradients {
   }
 
   const BucketLayout* layout_;
-  int index_;
+  std::vector<int> index_;
   std::vector<at::Tensor> shards_, inputs_;
   std::vector<int> slots_;  // the pool's slot each input is in; -1: the allocator's
   memory::SlotPool pool_;

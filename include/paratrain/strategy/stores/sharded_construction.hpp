@@ -78,6 +78,15 @@ struct ConstructedUnit {
   std::int64_t expert_checksum = 0;  ///< of its experts' buckets' values
 };
 
+/// What a ShardedConstruction shards over (Note [Expert buckets]): this rank's index among
+/// the `size` ranks a dense bucket is cut over, and among the `expert_size` an expert's is.
+struct ShardOf {
+  int index = 0;
+  int size = 1;
+  int expert_index = 0;
+  int expert_size = 1;
+};
+
 // The storage of a stage-3 bucket comes and goes; the parameters (views of it, saved
 // for backward by autograd) keep pointing at the same StorageImpl.
 inline void allocate_storage(at::Tensor& full) {
@@ -138,13 +147,13 @@ struct BuildOptions {
 /// around a build function at ZeRO stage 3; scopes do not nest.
 class ShardedConstruction {
  public:
-  /// Shards over `size` ranks as rank `rank`, in buckets of about `cap_bytes`, each unit
-  /// moved to `device` (and converted to `dtype`, where given) first.
-  ShardedConstruction(int rank, int size, std::size_t cap_bytes, at::Device device,
+  /// Shards as `shards` says, in buckets of about `cap_bytes`, each unit moved to `device`
+  /// (and converted to `dtype`, where given) first.
+  ShardedConstruction(detail::ShardOf shards, std::size_t cap_bytes, at::Device device,
                       std::optional<at::ScalarType> dtype = {})
-      : rank_(rank), size_(size), cap_bytes_(cap_bytes), device_(device), dtype_(dtype), outer_(current_) {
+      : shards_(shards), cap_bytes_(cap_bytes), device_(device), dtype_(dtype), outer_(current_) {
     if (outer_ != nullptr)
-      throw error("ShardedConstruction", rank, "a model is already being built sharded on this thread");
+      throw error("ShardedConstruction", shards.index, "a model is already being built sharded on this thread");
     current_ = this;
   }
   ShardedConstruction(const ShardedConstruction&) = delete;
@@ -165,11 +174,13 @@ class ShardedConstruction {
     for (const auto& p : unit.parameters(/*recurse=*/true)) any = any || (p.requires_grad() && !sharded_.count(p.unsafeGetTensorImpl()));
     if (!any) return nullptr;
     auto out = std::make_shared<detail::ConstructedUnit>(detail::ConstructedUnit{
-        BucketLayout(unit, {.cap_bytes = cap_bytes_, .first_cap_bytes = cap_bytes_, .pad_to = size_},
+        BucketLayout(unit,
+                     {.cap_bytes = cap_bytes_, .first_cap_bytes = cap_bytes_, .pad_to = shards_.size,
+                      .expert_pad_to = shards_.expert_size},
                      [&](auto&, const at::Tensor& p) {
                        return sharded_.count(p.unsafeGetTensorImpl()) ? BucketLayout::excluded : 0;
                      },
-                     rank_, tp::parameters_cut_over(unit, Dim::expert)),
+                     shards_.index, tp::parameters_cut_over(unit, Dim::expert)),
         {}, {}, 0});
     detail::Fnv1a dense_hash, expert_hash;
     const auto& layout = out->layout;
@@ -177,7 +188,7 @@ class ShardedConstruction {
       // This rank's shard straight from the parameters, and the whole bucket a tensor
       // without memory: the unit is never copied whole.
       const auto& bucket = layout.buckets()[b];
-      const auto n = layout.shard_numel(b), begin = rank_ * n;
+      const auto n = layout.shard_numel(b), begin = (bucket.expert ? shards_.expert_index : shards_.index) * n;
       auto shard = at::zeros({n}, bucket.options);
       auto full = detail::storage_less(bucket.padded, bucket.options);
       for (auto i : bucket.params) {
@@ -199,7 +210,7 @@ class ShardedConstruction {
   }
 
  private:
-  int rank_, size_;
+  detail::ShardOf shards_;
   std::size_t cap_bytes_;
   at::Device device_;
   std::optional<at::ScalarType> dtype_;
@@ -224,12 +235,6 @@ inline void move_whole_parameters(torch::nn::Module& model, at::Device device, s
       b.set_data(dtype && b.is_floating_point() ? b.to(device, *dtype) : b.to(device));
 }
 
-/// What a ShardedConstruction shards over: this rank's index among `size` ranks.
-struct ShardOf {
-  int index = 0;
-  int size = 1;
-};
-
 /// The model `build()` returns, built inside a ShardedConstruction over `shards` where
 /// given (Note [Sharded construction]), then placed as `options` says (default: `fallback`,
 /// the communicator's device): what a parameter store's construct() does.
@@ -238,7 +243,7 @@ auto build_placed(Build& build, const BuildOptions& options, const at::Device& f
                   std::optional<ShardOf> shards = std::nullopt, std::size_t cap_bytes = 0) {
   const auto device = options.device ? *options.device : fallback;
   std::optional<ShardedConstruction> scope;
-  if (shards) scope.emplace(shards->index, shards->size, cap_bytes, device, options.dtype);
+  if (shards) scope.emplace(*shards, cap_bytes, device, options.dtype);
   auto model = build();
   scope.reset();
   move_whole_parameters(*model, device, options.dtype);

@@ -68,19 +68,20 @@ namespace paratrain {
 // sharding traffic (every all-gather, and the reduce-scatter) stays inside a group, a
 // node's ranks say, and only each shard's sum crosses groups. The groups are the mesh's
 // (Note [Process mesh]): G is its data-shard dimension and W/G its data-replicate one, so
-// `group` is the mesh's group(Dims::sharding()) (the G ranks of this rank's group, times
-// the context ranks where there are some) and `replicas` its group(Dim::replicate) (the W/G
-// ranks holding the same shard, one per group; a dense bucket's under expert parallelism
-// with the expert group too: Note [Expert buckets]); the store computes no rank layout
-// itself. A bucket is padded
-// to a multiple of G and cut into G shards; its gradients are reduce-scattered in the
-// group, then the shard all-reduced across the replicas (one request, started in bucket
-// order when the reduce-scatter completes: Note [Bucket order] keeps both streams in
-// order on every rank); parameters are all-gathered in the group. Everything that
-// involves all ranks (the step agreement, the sample count, clipping's norm of the
-// shards: summed over one group, which holds every shard once) is unchanged. Checkpoints
-// list each rank's pieces as today; the replicas outside group 0 mark theirs as copies
-// (TensorSlice::saved false), so that every element is written once and loaded by all.
+// a bucket's `group` is the mesh's group(Dims::sharding()) (the G ranks of this rank's
+// group, times the context ranks and the expert group where there are some) and `replicas`
+// its group(Dim::replicate) (the W/G ranks holding the same shard, one per group); an
+// expert's bucket's group is group(Dims::expert_sharding()), without the expert group,
+// whose ranks hold other experts (Note [Expert buckets]). The store computes no rank layout
+// itself. A bucket is padded to a multiple of its group's size and cut into as many shards;
+// its gradients are reduce-scattered in the group, then the shard all-reduced across the
+// replicas (one request, started in bucket order when the reduce-scatter completes: Note
+// [Bucket order] keeps both streams in order on every rank); parameters are all-gathered
+// in the group. Everything that involves all ranks (the step agreement, the sample count,
+// clipping's norm of the shards: summed over the sharding ranks, which hold every shard of
+// both kinds once) is unchanged. Checkpoints list each rank's pieces as today; the replicas
+// outside group 0 mark theirs as copies (TensorSlice::saved false), so that every element
+// is written once and loaded by all.
 
 namespace detail {
 
@@ -115,29 +116,44 @@ class ShardedParameters {
   static constexpr plan::stage planned_stage = static_cast<plan::stage>(Stage);
 
   /// `build()`, placed as `options.build` says (default: the communicator's device); at
-  /// stage 3 inside a ShardedConstruction over the sharding ranks (data-shard × context), so that each Unit keeps
-  /// only this rank's shard from the moment it is built (Note [Sharded construction]).
+  /// stage 3 inside a ShardedConstruction over the sharding ranks (an expert's: the expert
+  /// sharding ranks), so that each Unit keeps only this rank's shard from the moment it is
+  /// built (Note [Sharded construction]).
   template <class Build>
   static auto construct(Build& build, Mesh<Comm>& mesh, const StoreOptions& options) {
     const auto device = detail::communicator_device(mesh.world());
     if constexpr (Stage < 3) return detail::build_placed(build, options.build, device);
     else
       return detail::build_placed(build, options.build, device,
-                                  detail::ShardOf{mesh.index(Dims::sharding()), mesh.size(Dims::sharding())},
+                                  detail::ShardOf{.index = mesh.index(Dims::sharding()),
+                                                  .size = mesh.size(Dims::sharding()),
+                                                  .expert_index = mesh.index(Dims::expert_sharding()),
+                                                  .expert_size = mesh.size(Dims::expert_sharding())},
                                   options.bucketing.cap_bytes);
   }
 
   /// The memory plan of `model` sharded so over the mesh's sharding ranks (Note [Checking
-  /// the plan]): its buckets as the store will lay them out.
+  /// the plan]): its buckets as the store will lay them out; its experts, which this rank
+  /// holds 1/ep of, sharded over the expert sharding ranks (Note [Tensor-parallel memory]).
   template <class OptimOptions>
   static plan::Model plan(torch::nn::Module& model, Mesh<Comm>& mesh, const StoreOptions& options,
                           const OptimOptions& optimizer, const PlanInputs& inputs) {
     detail::UnitMap units;
     if constexpr (Stage == 3) units = detail::find_units(model);
-    const BucketLayout probe(model, padded(options, mesh), unit_of(units), mesh.rank(),
-                             tp::parameters_cut_over(model, Dim::expert));
-    return detail::plan_of(model, mesh.size(Dims::sharding()), detail::largest_bucket(probe), options.prefetch, optimizer,
-                           inputs.autocast, inputs.narrow_reduce, inputs.activation_bytes);
+    const auto experts = tp::parameters_cut_over(model, Dim::expert);
+    const BucketLayout probe(model, padded(options, mesh), unit_of(units), mesh.rank(), experts);
+    auto m = detail::plan_of(model, mesh.size(Dims::expert_sharding()), detail::largest_bucket(probe), options.prefetch,
+                             optimizer, inputs.autocast, inputs.narrow_reduce, inputs.activation_bytes);
+    if (const auto ep = mesh.size(Dim::expert); ep > 1) {
+      // This rank's experts are 1/ep of a mixture's: the plan's Ψ counts them ep times.
+      double held = 0;
+      for (const auto& p : probe.params())
+        if (p.expert) held += static_cast<double>(p.tensor.numel());
+      m.expert = ep;
+      m.expert_parameters = held * ep;
+      m.parameters += held * (ep - 1);
+    }
+    return m;
   }
 
   /// Buckets `model`'s parameters, padded to the number of ranks (Note [Shard layout]),
@@ -158,18 +174,25 @@ class ShardedParameters {
   /// shards with, then (hybrid sharding) across those holding the same shard in the other
   /// groups (Note [Hybrid sharding]); stage 1 keeps the whole sum, over every data rank.
   [[nodiscard]] gradient_storage gradients() const {
-    if constexpr (Stage >= 2) return ShardedGradients(layout_, group_.rank());
-    else return WholeGradients(layout_);
+    if constexpr (Stage >= 2) {
+      std::vector<int> index;
+      for (std::size_t b = 0; b < layout_.buckets().size(); ++b) index.push_back(group_of(b).rank());
+      return ShardedGradients(layout_, std::move(index));
+    } else {
+      return WholeGradients(layout_);
+    }
   }
-  /// A dense parameter's bucket is summed over the expert group too (Note [Expert buckets]):
-  /// at stage 1 with the data ranks, from stage 2 on with the shard's replicas, after the
-  /// reduce-scatter over the ranks it shards with (the same shard on every expert rank).
+  /// Each bucket summed over the ranks that hold it (Note [Expert buckets]): at stage 1 the
+  /// data ranks (a dense one's with the expert group), from stage 2 on reduce-scattered over
+  /// the ranks it shards with, then its shard all-reduced across the replicas.
   [[nodiscard]] SumRanks<Comm> gradient_ranks(std::size_t bucket) {
     const bool expert = layout_.buckets().at(bucket).expert;
-    if constexpr (Stage >= 2) return {&group_, expert ? (replicas_ ? &*replicas_ : nullptr) : dense_replicas_};
+    if constexpr (Stage >= 2) return {&group_of(bucket), replicas_ ? &*replicas_ : nullptr};
     else return {expert ? data_ : dense_data_};
   }
-  /// The sums are cut along the sharding dimensions (data-shard, context) from stage 2 on.
+  /// The sums are cut along the sharding dimensions (data-shard, context, expert) from
+  /// stage 2 on: an expert's bucket over fewer, but its ranks in the expert group hold other
+  /// experts, so every part of the model's gradient is on one of them.
   [[nodiscard]] Dims partitions() const noexcept { return Stage >= 2 ? Dims::sharding() : Dims(); }
 
   /// Steps this rank's pieces with the reduced gradients in `grads`, then rebuilds the
@@ -186,8 +209,8 @@ class ShardedParameters {
     }
     optimizer_->step();
     std::vector<GatherRequest> gathers;
-    for (auto& s : shards_)
-      if (s.resident) gathers.push_back(group_.iall_gather(s.shard, s.full));
+    for (std::size_t b = 0; b < shards_.size(); ++b)
+      if (auto& s = shards_[b]; s.resident) gathers.push_back(group_of(b).iall_gather(s.shard, s.full));
     {
       const detail::Waiting waiting(exposed_);
       for (auto& r : gathers) r.wait();
@@ -233,7 +256,9 @@ class ShardedParameters {
   [[nodiscard]] plan::Model planned(plan::Model m) const {
     if constexpr (Stage == 3) {
       const auto [narrow, all] = units_->narrow_parameters();
-      m.narrow_parameters = narrow;
+      // Counted of Ψ as plan() counts it (its experts ep times); `narrow` are this rank's.
+      const double held = plan::rank_parameters(m);
+      m.narrow_parameters = held > 0 ? narrow * m.parameters / held : 0.0;
       if (all) m.gather_bytes = 2.0;
     }
     return m;
@@ -295,25 +320,25 @@ class ShardedParameters {
       return units;
     }
   }
-  // Stage 3's residency, over a communicator of its own (Note [Two communicators]); none below.
+  // Stage 3's residency, over communicators of its own (Note [Two communicators]): one for
+  // the dense buckets, one for the experts' where their ranks differ; none below.
   static std::optional<UnitGathers<Comm>> unit_gathers(const BucketLayout& layout, std::vector<detail::FlatShard>& shards,
-                                                       const detail::UnitMap& units, Comm& group,
+                                                       const detail::UnitMap& units, Comm& group, Comm& expert_group,
                                                        const StoreOptions& options) {
     if constexpr (Stage == 3)
-      return std::optional<UnitGathers<Comm>>(std::in_place, layout, shards, units.units, group.split(0, group.rank()),
-                                              options.prefetch, options.gather);
+      return std::optional<UnitGathers<Comm>>(
+          std::in_place, layout, shards, units.units, group.split(0, group.rank()),
+          &expert_group != &group ? std::optional<Comm>(expert_group.split(0, expert_group.rank())) : std::nullopt,
+          options.prefetch, options.gather);
     else
       return std::nullopt;
   }
-
-  // The ranks holding the same shard of a dense bucket: the batch outside the sharding ranks
-  // (data-replicate and expert). An expert's are the replicas outside them (data-replicate).
-  static constexpr Dims dense_shard_replicas = Dims::batch() & ~Dims::sharding();
 
   // Each bucket padded to a multiple of the ranks it is sharded over: Note [Shard layout].
   static BucketOptions padded(const StoreOptions& options, Mesh<Comm>& mesh) {
     auto bucketing = options.bucketing;
     bucketing.pad_to = mesh.size(Dims::sharding());
+    bucketing.expert_pad_to = mesh.size(Dims::expert_sharding());
     return bucketing;
   }
   // The unit that holds each parameter (Note [Units]); -1: none.
@@ -331,10 +356,10 @@ class ShardedParameters {
                 tp::parameters_cut_over(model, Dim::expert)),
         data_(&mesh.group(Dims::replicas())),
         dense_data_(&mesh.group(Dims::batch())),
-        group_(mesh.group(Dims::sharding())),
+        group_(&mesh.group(Dims::sharding())),
+        expert_group_(&mesh.group(Dims::expert_sharding())),
         replicas_(mesh.size(Dim::replicate) > 1 ? std::optional<Comm>(mesh.group(Dim::replicate)) : std::nullopt),
-        dense_replicas_(mesh.size(dense_shard_replicas) > 1 ? &mesh.group(dense_shard_replicas) : nullptr),
-        units_(unit_gathers(layout_, shards_, units, group_, options)) {
+        units_(unit_gathers(layout_, shards_, units, *group_, *expert_group_, options)) {
     const auto& layout = layout_;
     const auto rank = mesh.rank();
     const auto& buckets = layout.buckets();
@@ -362,7 +387,7 @@ class ShardedParameters {
           p.tensor.set_data(view);  // the parameter now lives in the flat buffer
         }
         const auto n = layout.shard_numel(b);
-        const auto at = group_.rank() * n;  // this rank's shard in its group: Note [Hybrid sharding]
+        const auto at = shard_begin(b);  // this rank's shard in its group: Note [Hybrid sharding]
         s.shard = s.resident ? s.full.narrow(0, at, n) : s.full.narrow(0, at, n).clone();
         if (!s.resident) detail::release_storage(s.full);
       }
@@ -399,8 +424,12 @@ class ShardedParameters {
   using GatherRequest = decltype(std::declval<Comm&>().iall_gather(std::declval<const at::Tensor&>(),
                                                                    std::declval<at::Tensor&>()));
 
+  // The ranks bucket b is sharded over: Note [Expert buckets].
+  [[nodiscard]] Comm& group_of(std::size_t b) const {
+    return layout_.buckets()[b].expert ? *expert_group_ : *group_;
+  }
   [[nodiscard]] std::int64_t shard_begin(std::size_t b) const {
-    return group_.rank() * layout_.shard_numel(b);
+    return group_of(b).rank() * layout_.shard_numel(b);
   }
 
   void make_pieces() {
@@ -468,9 +497,9 @@ class ShardedParameters {
   BucketLayout layout_;  // first: everything below is laid out by it
   Comm* data_;                    // every data-parallel rank (the mesh's, which outlives the store)
   Comm* dense_data_;              // and the expert group: Dims::batch() (Note [Expert buckets])
-  Comm group_;                    // the ranks this one shards with: Note [Hybrid sharding]
+  Comm* group_;                   // the ranks this one shards with: Note [Hybrid sharding]
+  Comm* expert_group_;            // those it shards its experts with: the same but the expert group
   std::optional<Comm> replicas_;  // hybrid only: the ranks holding the same shard
-  Comm* dense_replicas_;          // and the expert group (null where both are one rank)
   std::vector<detail::FlatShard> shards_;
   std::optional<UnitGathers<Comm>> units_;  // stage 3: Note [Units]
   std::vector<Piece> pieces_;

@@ -88,7 +88,8 @@ inline std::set<const void*> sharded_at_construction(torch::nn::Module& model) {
 }  // namespace detail
 
 /// ZeRO-3's residency (Note [Units]): the buckets of each Unit are held as this rank's
-/// shards of `shards` (the store's), gathered over `gather` (Note [Two communicators])
+/// shards of `shards` (the store's), gathered over `gather` (Note [Two communicators]; a
+/// bucket of experts over `expert_gather` where given: Note [Expert buckets])
 /// before the unit's forward and again before its backward, released after each, with up
 /// to `prefetch` units gathered ahead into a pool of slots (Note [Pooled transients]),
 /// each in the type its forward computes in (Note [Gathers in the compute type]).
@@ -96,12 +97,14 @@ template <class Comm>
 class UnitGathers final : public detail::UnitObserver {
  public:
   UnitGathers(const BucketLayout& layout, std::vector<detail::FlatShard>& shards, std::vector<detail::UnitBase*> units,
-              Comm gather, int prefetch, std::optional<at::ScalarType> compute_type)
+              Comm gather, std::optional<Comm> expert_gather, int prefetch,
+              std::optional<at::ScalarType> compute_type)
       : layout_(&layout),
         shards_(&shards),
         units_(std::move(units)),
         state_(units_.size()),
         gather_comm_(std::move(gather)),
+        expert_gather_(std::move(expert_gather)),
         prefetch_(static_cast<std::size_t>(std::max(0, prefetch))),
         types_(layout, compute_type) {}
 
@@ -255,7 +258,8 @@ class UnitGathers final : public detail::UnitObserver {
       if (state.slot >= 0) lend_storage(full, pool_.data(state.slot) + state.offsets[k]);
       else detail::allocate_storage(full);
       auto& sent = narrow ? state.sent.emplace_back(s.shard.to(type)) : s.shard;
-      state.inflight.push_back(gather_comm_.iall_gather(sent, full));
+      auto& over = expert_gather_ && layout_->buckets()[state.buckets[k]].expert ? *expert_gather_ : gather_comm_;
+      state.inflight.push_back(over.iall_gather(sent, full));
     }
     sequence_.emplace_back(u, type);
     return true;
@@ -310,7 +314,8 @@ class UnitGathers final : public detail::UnitObserver {
   std::vector<detail::FlatShard>* shards_;  // the store's
   std::vector<detail::UnitBase*> units_;
   std::vector<UnitState> state_;
-  Comm gather_comm_;  // Note [Two communicators]
+  Comm gather_comm_;                   // Note [Two communicators]
+  std::optional<Comm> expert_gather_;  // the experts' buckets', where their ranks differ
   std::size_t prefetch_;
   detail::ComputeTypeGathers types_;  // Note [Gathers in the compute type]
   memory::SlotPool pool_;             // Note [Pooled transients]
