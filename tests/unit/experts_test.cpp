@@ -422,6 +422,37 @@ TEST_CASE("DataParallel over data x expert ranks equals the single-device model:
   }
 }
 
+TEST_CASE("gradients are summed over a communicator no layer uses: where the batch is one expert group, one of their "
+          "own, so a rank may start a sum before or after the group's all-to-all (Note [Gradient communicators])") {
+  using namespace experts_test;
+  const int world = comm::Mpi().size(), me = comm::Mpi().rank();
+  paratrain::Mesh<comm::Mpi> mesh(comm::Mpi(), {.expert = world});
+  auto& layers = mesh.group(paratrain::Dim::expert);  // what a mixture's tp::Group exchanges over
+  auto& sums = mesh.gradient_group(paratrain::Dims::batch());
+  CHECK(sums.size() == world);
+  // A sum started before the all-to-all on even ranks and after it on odd ones, as a rank's
+  // gradients are ready at its own moment, for more steps than the collective fingerprint's
+  // period: where they share one communicator its ranks issued different collectives, and
+  // every rank throws (Note [Collective fingerprint]).
+  const auto in = torch::arange(2 * world, torch::kFloat) + 100 * me;  // two elements to each rank
+  for (int step = 0; step < 40; ++step) {
+    CAPTURE(step);
+    auto g = torch::full({3}, static_cast<float>(me + step));
+    auto out = torch::empty({2 * world});
+    std::optional<comm::Mpi::Request> sum;
+    if (me % 2 == 0) sum.emplace(sums.iall_reduce(g, paratrain::reduce_op::sum));
+    layers.all_to_all(in, out);
+    if (me % 2 == 1) sum.emplace(sums.iall_reduce(g, paratrain::reduce_op::sum));
+    sum->wait();
+    CHECK(g.allclose(torch::full({3}, world * (world - 1) / 2.0F + static_cast<float>(world * step))));
+    for (int r = 0; r < world; ++r)  // rank r's elements 2me, 2me + 1
+      CHECK(out.narrow(0, 2 * r, 2).equal(torch::tensor({2.0F * me, 2.0F * me + 1}) + 100 * r));
+  }
+  // Where no layer's group has the batch's ranks, the batch's group itself: no communicator more.
+  paratrain::Mesh<comm::Mpi> plain(comm::Mpi(), {});
+  CHECK(&plain.gradient_group(paratrain::Dims::batch()) == &plain.group(paratrain::Dims::batch()));
+}
+
 TEST_CASE("under expert parallelism a bucket holds experts or dense parameters, never both, and DDP hands each "
           "gradient byte to one collective: the dense parameters' bucket sums the expert group too") {
   using namespace experts_test;

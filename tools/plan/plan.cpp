@@ -198,7 +198,8 @@ std::optional<int> parse(int argc, char** argv, Request& request) {
   option("--tensor-replicated", [&](const std::string& v) { tensor_replicated = parameter_count(v); },
          "with --tensor: the parameters every tensor rank holds whole (layer norms, biases of row-parallel layers)");
   option("--expert", [&](const std::string& v) { expert = whole("--expert", v); },
-         "expert degree ep (DataParallelOptions::expert_parallel): the experts cut ep ways before ZeRO shards them");
+         "expert degree ep (DataParallelOptions::expert_parallel): the experts cut ep ways before ZeRO shards them "
+         "over --ranks, the other parameters' state sharded over --ranks x ep (--ranks: the data degree without ep)");
   option("--expert-parameters", [&](const std::string& v) { expert_parameters = parameter_count(v); },
          "with --expert: how many of --params are the mixtures' experts (the rest, router included, whole)");
   app.add_option("--gpt-layers", transformer.layers, "GPT layers: activations by Korthikanti et al.'s formula, with "

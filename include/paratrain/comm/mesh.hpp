@@ -65,8 +65,9 @@ namespace paratrain {
 //                     averaged over them.
 //   Dims::sharding()  where ZeRO cuts the model's state: data-shard and context, as
 //                     torchtitan's dp_shard_cp does (context parallelism's ranks share the
-//                     state's memory too), and expert: every rank that holds a dense
-//                     parameter alike but the data-replicate ones (Note [Hybrid sharding]).
+//                     state's memory too), and expert: the ranks of one tensor and pipeline
+//                     place that hold a dense parameter alike, but the data-replicate ones
+//                     (Note [Hybrid sharding]).
 //                     Dims::expert_sharding(), data-shard and context, cuts an expert's
 //                     state over the ranks that hold that expert (Note [Expert buckets]).
 //
@@ -285,6 +286,37 @@ class Mesh {
     }
   }
 
+  // Note [Gradient communicators]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // A bucket's sum starts in a gradient hook while backward goes on, and the second phase of
+  // a two-phase one (hybrid sharding's all-reduce across the replicas, PowerSGD's second
+  // product) when this rank sees the first complete: a moment that differs from rank to rank.
+  // Layers exchange inside backward too (a tensor group's all-reduce, Ulysses' all-to-all, a
+  // mixture's all-to-alls), and MPI and NCCL want one order of collectives per communicator.
+  // So gradients are summed over gradient_group(dims): group(dims) itself, which is another
+  // communicator than any layer's, unless its ranks are exactly a tensor, context or expert
+  // group (every rank of the batch one expert group; a data degree of 1 under context
+  // parallelism), where it is a split of its own, made once: Note [Two communicators]'s remedy
+  // where the collision can happen, and no extra communicator (an NCCL one costs device
+  // memory) where it cannot.
+
+  /// group(dims)'s ranks on a communicator no layer exchanges over: Note [Gradient
+  /// communicators]. Collective the first time, as group(dims).
+  [[nodiscard]] Comm& gradient_group(Dims dims) {
+    auto& s = *state_;
+    auto& g = group(dims);
+    const Dims wide = wider(dims);
+    bool shared = false;
+    for (const auto d : {Dim::tensor, Dim::context, Dim::expert}) shared = shared || (size(d) > 1 && wider(d) == wide);
+    if constexpr (requires(const Comm& c) { { c.split(0, 0) } -> std::same_as<Comm>; }) {
+      if (!shared) return g;
+      if (const auto it = s.gradient_groups.find(wide.bits()); it != s.gradient_groups.end()) return it->second;
+      return s.gradient_groups.emplace(wide.bits(), g.split(0, g.rank())).first->second;
+    } else {
+      return g;  // a communicator that cannot split has no layer groups either (group() throws)
+    }
+  }
+
   /// Which replica's samples this rank trains on: its place in the data dimensions.
   [[nodiscard]] DataShard data_shard() const noexcept {
     return {.index = index(Dims::data()), .count = size(Dims::data())};
@@ -298,6 +330,7 @@ class Mesh {
     MeshCoordinates at{};
     std::array<int, dim_count> stride{};
     std::map<unsigned, Comm> groups;  // by the dimensions of more than one rank they span
+    std::map<unsigned, Comm> gradient_groups;  // alike: Note [Gradient communicators]
   };
 
   // `dims` without its dimensions of one rank: the same group.

@@ -106,9 +106,9 @@ struct Model {
   double param_bytes = 4;       ///< B_p, bytes per parameter
   double grad_bytes = 4;        ///< B_g, bytes per gradient element
   double optimizer_bytes = 0;   ///< K, optimizer-state bytes per parameter: optimizer_bytes(name)
-  std::int64_t ranks = 1;       ///< N_d, the data-parallel degree
+  std::int64_t ranks = 1;       ///< N_d, the data-parallel degree (without the expert degree ep)
   double activation_bytes = 0;  ///< per rank, the user's estimate; never sharded by ZeRO-DP
-  std::int64_t buckets = 0;     ///< flat buffers each padded to a multiple of N_d; 0: no bound
+  std::int64_t buckets = 0;     ///< flat buffers each padded to a multiple of N_d (N_d · ep); 0: no bound
   /// Autocast's copies of the weights, bytes per parameter: 2 under bf16 or fp16
   /// autocast (Precision::autocast), 0 without. Never sharded.
   double autocast_bytes = 0;

@@ -443,7 +443,8 @@ class ReplicaSteps {
   AnyGradientHook<Comm> default_hook() {
     if (options_.deterministic.on()) {
       if constexpr (sharding_communicator<Comm>) {
-        AnyGradientHook<Comm> hook{OrderedSum<Comm>(*data_)};
+        // Over a communicator no layer uses: Note [Gradient communicators].
+        AnyGradientHook<Comm> hook{OrderedSum<Comm>(mesh_.gradient_group(Dims::batch()))};
         ordered_ = hook.template target<OrderedSum<Comm>>();
         return hook;
       }

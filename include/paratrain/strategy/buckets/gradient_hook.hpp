@@ -26,10 +26,11 @@ namespace paratrain {
 // Note [Shard layout]), and `output`, where this rank's part of the sum over `group` must be
 // when the request completes: `input` itself where every rank keeps whole gradients (DDP,
 // ZeRO-1), its shard where each keeps one (ZeRO-2, 3), then summed across `replicas` where
-// the bucket has them (hybrid sharding; a dense bucket under expert parallelism: Note
-// [Expert buckets]). Each bucket has its own `group` and `replicas`: a hook sums over the
-// bucket's, never over ranks of its own. The sum is then divided by the step's global sample
-// count (Note [Exact averaging]) by the layer, not by the hook.
+// the bucket has them (hybrid sharding). Each bucket has its own `group` and `replicas` (an
+// experts' and a dense bucket differ: Note [Expert buckets]), on communicators no layer uses
+// (Note [Gradient communicators]): a hook sums over the bucket's, never over ranks of its
+// own. The sum is then divided by the step's global sample count (Note [Exact averaging]) by
+// the layer, not by the hook.
 //
 //   SumGradients          the sum, exactly: an all-reduce, or a reduce-scatter then (where
 //                         the bucket has replicas) an all-reduce of the shard across them (default)
@@ -69,9 +70,9 @@ struct GradientBucket {
   const BucketLayout* layout = nullptr;
   /// The ranks whose gradients are summed into `output`.
   Comm* group = nullptr;
-  /// Where a shard is held by more ranks than the group (hybrid sharding; a dense bucket's
-  /// shard on every rank of the expert group: Note [Expert buckets]): the ranks holding the
-  /// same shard, across which it is summed next; null otherwise.
+  /// Where a shard is held by more ranks than the group (hybrid sharding: Note [Hybrid
+  /// sharding]): the ranks holding the same shard, across which it is summed next; null
+  /// otherwise.
   Comm* replicas = nullptr;
   /// What the hook handed to collectives for this bucket, in bytes: it adds to it.
   std::int64_t sent_bytes = 0;

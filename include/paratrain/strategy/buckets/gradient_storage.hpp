@@ -76,8 +76,9 @@ class WholeGradients {
 };
 
 /// Each rank keeps its shard of each bucket's sum (Note [Shard layout]): shard `index[b]` of
-/// bucket b (its rank among those the bucket is sharded over); the whole bucket exists from its first gradient until its sum is reduced
-/// into the shard (Note [Transient memory]), in one of three pooled slots where it fits.
+/// bucket b (its rank among those the bucket is sharded over); the whole bucket exists from
+/// its first gradient until its sum is reduced into the shard (Note [Transient memory]), in
+/// one of three pooled slots where it fits.
 class ShardedGradients {
  public:
   ShardedGradients(const BucketLayout& layout, std::vector<int> index) : layout_(&layout), index_(std::move(index)) {

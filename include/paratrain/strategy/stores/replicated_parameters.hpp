@@ -61,8 +61,8 @@ class ReplicatedParameters {
                        OptimOptions defaults)
       : layout_(model, options.bucketing, [](auto&, auto&) { return -1; }, mesh.rank(),
                 tp::parameters_cut_over(model, Dim::expert)),
-        group_(&mesh.group(Dims::replicas())),
-        dense_group_(&mesh.group(Dims::batch())),
+        group_(&mesh.gradient_group(Dims::replicas())),
+        dense_group_(&mesh.gradient_group(Dims::batch())),
         optimizer_(std::make_unique<Optim>(std::move(groups), std::move(defaults))) {
     if (options.shard_group != 0 && options.shard_group != mesh.size(Dims::data()))
       throw error("DataParallel", mesh.rank(),
@@ -117,7 +117,7 @@ class ReplicatedParameters {
 
  private:
   BucketLayout layout_;
-  Comm* group_;        // the replicas: Dims::replicas()
+  Comm* group_;        // the replicas: Dims::replicas() (Note [Gradient communicators])
   Comm* dense_group_;  // and the expert group: Dims::batch()
   std::unique_ptr<Optim> optimizer_;
 };

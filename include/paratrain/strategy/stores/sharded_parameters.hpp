@@ -82,6 +82,13 @@ namespace paratrain {
 // both kinds once) is unchanged. Checkpoints list each rank's pieces as today; the replicas
 // outside group 0 mark theirs as copies (TensorSlice::saved false), so that every element
 // is written once and loaded by all.
+//
+// The replicas' all-reduce starts when this rank sees its reduce-scatter complete, a moment
+// that differs from rank to rank while backward goes on, so every sum runs over a
+// communicator no layer exchanges over (Note [Gradient communicators]). A dense shard once
+// summed across replicate × expert over the expert group's own communicator, and met the
+// mixtures' backward all-to-alls in different orders on different ranks (the watchdog ended
+// the GPT example's ZeRO-3 runs at ep 2 and 4; ctest example.gpt_moe_losses_agree runs them).
 
 namespace detail {
 
@@ -186,9 +193,9 @@ class ShardedParameters {
   /// data ranks (a dense one's with the expert group), from stage 2 on reduce-scattered over
   /// the ranks it shards with, then its shard all-reduced across the replicas.
   [[nodiscard]] SumRanks<Comm> gradient_ranks(std::size_t bucket) {
-    const bool expert = layout_.buckets().at(bucket).expert;
-    if constexpr (Stage >= 2) return {&group_of(bucket), replicas_ ? &*replicas_ : nullptr};
-    else return {expert ? data_ : dense_data_};
+    Comm* over = layout_.buckets().at(bucket).expert ? sums_.expert : sums_.dense;
+    if constexpr (Stage >= 2) return {over, replicas_};
+    else return {over};
   }
   /// The sums are cut along the sharding dimensions (data-shard, context, expert) from
   /// stage 2 on: an expert's bucket over fewer, but its ranks in the expert group hold other
@@ -215,7 +222,8 @@ class ShardedParameters {
       const detail::Waiting waiting(exposed_);
       for (auto& r : gathers) r.wait();
     }
-    if (units_) units_->agree_on_types(*data_);
+    // Over every rank a dense unit is gathered with (its sharding ranks span the expert group).
+    if (units_) units_->agree_on_types(*dense_data_);
   }
 
   /// Runs `f` with every parameter whole: at stage 3 every unit gathered for it, then freed
@@ -256,9 +264,12 @@ class ShardedParameters {
   [[nodiscard]] plan::Model planned(plan::Model m) const {
     if constexpr (Stage == 3) {
       const auto [narrow, all] = units_->narrow_parameters();
-      // Counted of Ψ as plan() counts it (its experts ep times); `narrow` are this rank's.
+      // `narrow` are this rank's; under experts, counted of Ψ as plan() counts it (its experts
+      // ep times), never more than Ψ (a rounding of narrow × Ψ / held).
       const double held = plan::rank_parameters(m);
-      m.narrow_parameters = held > 0 ? narrow * m.parameters / held : 0.0;
+      m.narrow_parameters = m.expert == 1 ? narrow
+                            : held > 0     ? std::min(m.parameters, narrow * m.parameters / held)
+                                           : 0.0;
       if (all) m.gather_bytes = 2.0;
     }
     return m;
@@ -358,7 +369,9 @@ class ShardedParameters {
         dense_data_(&mesh.group(Dims::batch())),
         group_(&mesh.group(Dims::sharding())),
         expert_group_(&mesh.group(Dims::expert_sharding())),
-        replicas_(mesh.size(Dim::replicate) > 1 ? std::optional<Comm>(mesh.group(Dim::replicate)) : std::nullopt),
+        sums_(Stage >= 2 ? Sums{&mesh.gradient_group(Dims::sharding()), &mesh.gradient_group(Dims::expert_sharding())}
+                         : Sums{&mesh.gradient_group(Dims::batch()), &mesh.gradient_group(Dims::replicas())}),
+        replicas_(mesh.size(Dim::replicate) > 1 ? &mesh.gradient_group(Dim::replicate) : nullptr),
         units_(unit_gathers(layout_, shards_, units, *group_, *expert_group_, options)) {
     const auto& layout = layout_;
     const auto rank = mesh.rank();
@@ -499,7 +512,11 @@ class ShardedParameters {
   Comm* dense_data_;              // and the expert group: Dims::batch() (Note [Expert buckets])
   Comm* group_;                   // the ranks this one shards with: Note [Hybrid sharding]
   Comm* expert_group_;            // those it shards its experts with: the same but the expert group
-  std::optional<Comm> replicas_;  // hybrid only: the ranks holding the same shard
+  struct Sums {
+    Comm* dense;
+    Comm* expert;
+  } sums_;          // what a dense and an experts' bucket are summed over: Note [Gradient communicators]
+  Comm* replicas_;  // hybrid only: the ranks holding the same shard (null elsewhere)
   std::vector<detail::FlatShard> shards_;
   std::optional<UnitGathers<Comm>> units_;  // stage 3: Note [Units]
   std::vector<Piece> pieces_;
