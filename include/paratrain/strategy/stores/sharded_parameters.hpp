@@ -266,10 +266,9 @@ class ShardedParameters {
       const auto [narrow, all] = units_->narrow_parameters();
       // `narrow` are this rank's; under experts, counted of Ψ as plan() counts it (its experts
       // ep times), never more than Ψ (a rounding of narrow × Ψ / held).
-      const double held = plan::rank_parameters(m);
-      m.narrow_parameters = m.expert == 1 ? narrow
-                            : held > 0     ? std::min(m.parameters, narrow * m.parameters / held)
-                                           : 0.0;
+      m.narrow_parameters = narrow;
+      if (const double held = plan::rank_parameters(m); m.expert > 1 && held > 0)
+        m.narrow_parameters = std::min(m.parameters, narrow * m.parameters / held);
       if (all) m.gather_bytes = 2.0;
     }
     return m;
