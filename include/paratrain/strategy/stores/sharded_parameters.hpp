@@ -193,7 +193,7 @@ class ShardedParameters {
   /// data ranks (a dense one's with the expert group), from stage 2 on reduce-scattered over
   /// the ranks it shards with, then its shard all-reduced across the replicas.
   [[nodiscard]] SumRanks<Comm> gradient_ranks(std::size_t bucket) {
-    Comm* over = layout_.buckets().at(bucket).expert ? sums_.expert : sums_.dense;
+    Comm* over = ranks_of(layout_.buckets().at(bucket).expert).sums;
     if constexpr (Stage >= 2) return {over, replicas_};
     else return {over};
   }
@@ -223,7 +223,7 @@ class ShardedParameters {
       for (auto& r : gathers) r.wait();
     }
     // Over every rank a dense unit is gathered with (its sharding ranks span the expert group).
-    if (units_) units_->agree_on_types(*dense_data_);
+    if (units_) units_->agree_on_types(*dense_.holders);
   }
 
   /// Runs `f` with every parameter whole: at stage 3 every unit gathered for it, then freed
@@ -364,14 +364,10 @@ class ShardedParameters {
                     const ParamGroups& groups, OptimOptions defaults)
       : layout_(model, padded(options, mesh), unit_of(units), mesh.rank(),
                 tp::parameters_cut_over(model, Dim::expert)),
-        data_(&mesh.group(Dims::replicas())),
-        dense_data_(&mesh.group(Dims::batch())),
-        group_(&mesh.group(Dims::sharding())),
-        expert_group_(&mesh.group(Dims::expert_sharding())),
-        sums_(Stage >= 2 ? Sums{&mesh.gradient_group(Dims::sharding()), &mesh.gradient_group(Dims::expert_sharding())}
-                         : Sums{&mesh.gradient_group(Dims::batch()), &mesh.gradient_group(Dims::replicas())}),
+        dense_(ranks_over(mesh, Dims::batch(), Dims::sharding())),
+        experts_(ranks_over(mesh, Dims::replicas(), Dims::expert_sharding())),
         replicas_(mesh.size(Dim::replicate) > 1 ? &mesh.gradient_group(Dim::replicate) : nullptr),
-        units_(unit_gathers(layout_, shards_, units, *group_, *expert_group_, options)) {
+        units_(unit_gathers(layout_, shards_, units, *dense_.shards, *experts_.shards, options)) {
     const auto& layout = layout_;
     const auto rank = mesh.rank();
     const auto& buckets = layout.buckets();
@@ -436,10 +432,23 @@ class ShardedParameters {
   using GatherRequest = decltype(std::declval<Comm&>().iall_gather(std::declval<const at::Tensor&>(),
                                                                    std::declval<at::Tensor&>()));
 
-  // The ranks bucket b is sharded over: Note [Expert buckets].
-  [[nodiscard]] Comm& group_of(std::size_t b) const {
-    return layout_.buckets()[b].expert ? *expert_group_ : *group_;
+  // The communicators of one kind of bucket, dense or experts' (Note [Expert buckets]), all
+  // the mesh's, which outlives the store: `holders`, every rank that holds the same
+  // parameters (a dense bucket's: Dims::batch(), the expert group too; an experts':
+  // Dims::replicas()); `shards`, those it is cut over (Note [Hybrid sharding]); `sums`,
+  // what its gradients are summed over (Note [Gradient communicators]): from stage 2 on
+  // the shards' gradient group, below it the holders'.
+  struct Ranks {
+    Comm* holders;
+    Comm* shards;
+    Comm* sums;
+  };
+  static Ranks ranks_over(Mesh<Comm>& mesh, Dims holders, Dims shards) {
+    return {&mesh.group(holders), &mesh.group(shards), &mesh.gradient_group(Stage >= 2 ? shards : holders)};
   }
+  [[nodiscard]] const Ranks& ranks_of(bool expert) const noexcept { return expert ? experts_ : dense_; }
+  // The ranks bucket b is sharded over.
+  [[nodiscard]] Comm& group_of(std::size_t b) const { return *ranks_of(layout_.buckets()[b].expert).shards; }
   [[nodiscard]] std::int64_t shard_begin(std::size_t b) const {
     return group_of(b).rank() * layout_.shard_numel(b);
   }
@@ -465,7 +474,7 @@ class ShardedParameters {
       same = built.layout.params()[built.layout.buckets()[k].params[j]].tensor.unsafeGetTensorImpl() ==
              layout_.params()[want.params[j]].tensor.unsafeGetTensorImpl();
     if (!same)
-      throw error("DataParallel", data_->rank(),
+      throw error("DataParallel", experts_.holders->rank(),
                   "unit '" + name +
                       "' was built sharded, but the model lays its parameters out differently from the unit alone "
                       "(a parameter it shares with another part of the model, or one of an inner unit between its "
@@ -479,9 +488,9 @@ class ShardedParameters {
   void check_same_initialisation(const std::vector<std::shared_ptr<detail::ConstructedUnit>>& constructed,
                                  const std::vector<std::string>& names) {
     if (std::none_of(constructed.begin(), constructed.end(), [](const auto& c) { return c != nullptr; })) return;
-    compare_checksums(constructed, names, *dense_data_, &detail::ConstructedUnit::checksum, "");
-    if (dense_data_ != data_)
-      compare_checksums(constructed, names, *data_, &detail::ConstructedUnit::expert_checksum,
+    compare_checksums(constructed, names, *dense_.holders, &detail::ConstructedUnit::checksum, "");
+    if (dense_.holders != experts_.holders)
+      compare_checksums(constructed, names, *experts_.holders, &detail::ConstructedUnit::expert_checksum,
                         " (its experts, across the ranks that hold the same ones)");
   }
   void compare_checksums(const std::vector<std::shared_ptr<detail::ConstructedUnit>>& constructed,
@@ -507,14 +516,8 @@ class ShardedParameters {
   }
 
   BucketLayout layout_;  // first: everything below is laid out by it
-  Comm* data_;                    // every data-parallel rank (the mesh's, which outlives the store)
-  Comm* dense_data_;              // and the expert group: Dims::batch() (Note [Expert buckets])
-  Comm* group_;                   // the ranks this one shards with: Note [Hybrid sharding]
-  Comm* expert_group_;            // those it shards its experts with: the same but the expert group
-  struct Sums {
-    Comm* dense;
-    Comm* expert;
-  } sums_;          // what a dense and an experts' bucket are summed over: Note [Gradient communicators]
+  Ranks dense_;     // a dense bucket's ranks
+  Ranks experts_;   // an experts' bucket's
   Comm* replicas_;  // hybrid only: the ranks holding the same shard (null elsewhere)
   std::vector<detail::FlatShard> shards_;
   std::optional<UnitGathers<Comm>> units_;  // stage 3: Note [Units]
