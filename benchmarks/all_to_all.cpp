@@ -39,9 +39,11 @@ int main(int argc, char** argv) {
     const std::vector<std::int64_t> counts(static_cast<std::size_t>(n), part);
     std::vector<int> raw_counts(static_cast<std::size_t>(n), static_cast<int>(part)), offsets;
     for (int i = 0; i < n; ++i) offsets.push_back(static_cast<int>(i * part));
-    // ~128 MiB a trial; from 32 MiB, a few calls a trial and more trials: the same MPI call on
-    // both sides there, whose time varies with the machine's memory traffic from call to call.
-    const int iterations = static_cast<int>(std::clamp<std::size_t>((std::size_t{128} << 20) / bytes, 5, 2000));
+    // ~128 MiB a trial (32,768 calls of 4 KiB: 20-70 ms, where 2,000 calls made a trial of a
+    // few ms, within the scheduler's noise); from 32 MiB, a few calls a trial and more trials:
+    // the same MPI call on both sides there, whose time varies with the machine's memory
+    // traffic from call to call.
+    const int iterations = static_cast<int>(std::max<std::size_t>((std::size_t{128} << 20) / bytes, 5));
     const int trials = bytes >= (std::size_t{32} << 20) ? 9 : 5;
     const auto seconds = paratrain::bench::time_alternating(
         world.native(), trials, iterations,
