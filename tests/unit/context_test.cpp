@@ -26,6 +26,7 @@
 #include "paratrain/strategy/unit.hpp"
 #include "paratrain/tensor_parallel/column_parallel_linear.hpp"
 #include "paratrain/tensor_parallel/context.hpp"
+#include "paratrain/tensor_parallel/embeddings.hpp"
 #include "paratrain/tensor_parallel/row_parallel_linear.hpp"
 #include "paratrain/tensor_parallel/sharding.hpp"
 #include "paratrain/context/layout.hpp"
@@ -485,4 +486,52 @@ TEST_CASE("checkpoints move between context degrees: cp 2 x ZeRO-3 -> DDP withou
   CHECK(paratrain_test::gpt::max_relative_difference(got, ref->parameters()) <= 1e-5);
   paratrain_test::remove_shared_dir(world, a);
   paratrain_test::remove_shared_dir(world, b);
+}
+
+TEST_CASE("DataParallel under context parallelism refuses, on every rank and before any forward, context ranks with "
+          "different batches: another sample count in step and accumulate, a rank joining while the others step") {
+  using namespace context_test;
+  const int world = comm::Mpi().size();
+  if (world == 1) return;
+  const cp::AttentionOptions o{.causal = true};
+  torch::manual_seed(3);
+  paratrain::DataParallel<AttentionNet, comm::Mpi, torch::optim::SGD> s([&] { return AttentionNet(o, false); },
+                                                                       comm::Mpi(), torch::optim::SGDOptions(0.1),
+                                                                       {.context_parallel = world});
+  const auto loss = loss_on_positions(s.context_group(), o.layout);
+  const auto [x, y] = batch_of_step(0, 4);
+  const auto n = s.rank() == 1 ? 3 : 4;  // rank 1 holds positions of other samples than its context group's
+  const paratrain::Batch uneven(x.narrow(0, 0, n), y.narrow(0, 0, n)), whole(x, y);
+  const auto refusal = doctest::Contains("the ranks of a context group have");
+  CHECK_THROWS_WITH_AS(s.step(uneven, loss), refusal, paratrain::error);
+  CHECK_THROWS_WITH_AS((void)s.accumulate(uneven, loss), refusal, paratrain::error);
+  if (s.rank() == 1)
+    CHECK_THROWS_WITH_AS(s.join(), refusal, paratrain::error);
+  else
+    CHECK_THROWS_WITH_AS(s.step(whole, loss), refusal, paratrain::error);
+  // And then a good step, accumulated first.
+  CHECK(s.accumulate(whole, loss) > 0);
+  CHECK(s.step(whole, loss).global_samples > 0);
+}
+
+TEST_CASE("context-parallel attention refuses a padding mask that is not bool on every rank; tp::Embeddings refuses, "
+          "on every context rank alike, sequences longer than its table") {
+  using namespace context_test;
+  paratrain::Mesh<comm::Mpi> mesh(comm::Mpi(), {.context = comm::Mpi().size()});
+  const tp::Group g(mesh, paratrain::Dim::context);
+  const auto y = torch::zeros({1, 2, 2 * g.size(), 4});
+  const auto ones = torch::ones({1, 2 * g.size()}, torch::kLong);  // 0/1, as an integer
+  CHECK_THROWS_WITH_AS((void)cp::all_to_all_attention(y, y, y, g, {.key_padding_mask = ones}),
+                       doctest::Contains("key_padding_mask must be bool"), paratrain::error);
+  CHECK_THROWS_WITH_AS((void)cp::ring_attention(y, y, y, g, {.key_padding_mask = ones}),
+                       doctest::Contains("key_padding_mask must be bool"), paratrain::error);
+  if (g.size() == 1) return;
+  // 4 positions a rank, zigzag: rank 0 holds the first and the last chunk, so its own
+  // positions reach past a table of 4 · cp - 1 while another rank's may not.
+  const tp::Context context{.context = g};
+  tp::Embeddings e(10, 4 * g.size() - 1, 8, 0.0, context);
+  const auto positions = cp::shard(torch::arange(4 * g.size()), 0, g, cp::Layout::zigzag);
+  const auto refusal = "sequences of " + std::to_string(4 * g.size()) + " positions (4 on each of";
+  CHECK_THROWS_WITH_AS((void)e->at_positions(torch::zeros({1, 4}, torch::kLong), positions),
+                       doctest::Contains(refusal.c_str()), paratrain::error);
 }

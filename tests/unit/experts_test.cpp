@@ -393,6 +393,29 @@ TEST_CASE("moe::MixtureOfExperts refuses experts its group cannot share, and a b
                        doctest::Contains("top_k is 5"), paratrain::error);
   CHECK_THROWS_WITH_AS(moe::MixtureOfExperts(moe::Options{.model = 4, .hidden = 4, .experts = 4, .capacity_factor = -1}),
                        doctest::Contains("capacity_factor must be >= 0"), paratrain::error);
+  // Built under sequence parallelism over a tensor group: its router and experts are whole on
+  // every tensor rank, which would route other positions.
+  if (comm::Mpi().size() > 1) {
+    paratrain::Mesh<comm::Mpi> tensor_mesh(comm::Mpi(), {.tensor = comm::Mpi().size()});
+    const tp::Construction scope(tp::Context{.group = tp::Group(tensor_mesh, paratrain::Dim::tensor),
+                                             .sequence_parallel = true});
+    CHECK_THROWS_WITH_AS(moe::MixtureOfExperts(moe::Options{.model = 4, .hidden = 4, .experts = 4}),
+                         doctest::Contains("built under sequence parallelism"), paratrain::error);
+  }
+}
+
+TEST_CASE("moe::MixtureOfExperts' capacity is ceil(f · T · k / E), a whole product taken as whole") {
+  using namespace experts_test;
+  // 1.1 · 50 · 2 / 2 is 55.000000000000007 in doubles; GShard's formula means 55.
+  CHECK(moe::MixtureOfExpertsImpl::capacity_of(1.1, 100, 2) == 55);
+  CHECK(moe::MixtureOfExpertsImpl::capacity_of(1.25, 10, 4) == 4);  // 3.125
+  CHECK(moe::MixtureOfExpertsImpl::capacity_of(1.0, 7, 2) == 4);    // 3.5
+  CHECK(moe::MixtureOfExpertsImpl::capacity_of(2.0, 8, 4) == 4);
+  // And the layer's forward uses it: 50 tokens, top-2, 2 experts, factor 1.1.
+  const tp::Construction one_rank(tp::Context{});
+  moe::MixtureOfExperts layer(moe::Options{.model = 4, .hidden = 4, .experts = 2, .top_k = 2, .capacity_factor = 1.1});
+  (void)layer->forward(torch::randn({50, 4}));
+  CHECK(layer->capacity() == 55);
 }
 
 TEST_CASE("DataParallel over data x expert ranks equals the single-device model: DDP and ZeRO 1-3, top-1 and top-2, "
@@ -625,6 +648,12 @@ TEST_CASE("DataParallel under expert parallelism refuses, on every rank: a degre
     CHECK_THROWS_WITH_AS(s.step(paratrain::Batch(x, y), loss), doctest::Contains("no samples this step"),
                          paratrain::error);
   }
+  // Rank 1 accumulates an empty micro-batch while the others accumulate theirs: its forward
+  // would route nothing while theirs wait for it.
+  CHECK_THROWS_WITH_AS((void)s.accumulate(s.rank() == 1 ? paratrain::Batch(x.narrow(0, 0, 0), y.narrow(0, 0, 0))
+                                                        : paratrain::Batch(x, y),
+                                          loss),
+                       doctest::Contains("no samples this step"), paratrain::error);
   // Rank 0 has two micro-batches, the others one.
   std::vector<paratrain::Batch> two{paratrain::Batch(x, y), paratrain::Batch(x, y)};
   CHECK_THROWS_WITH_AS(s.step(std::span<const paratrain::Batch>(two.data(), s.rank() == 0 ? 2 : 1), loss),

@@ -73,6 +73,11 @@ inline void check_shapes(const char* who, const at::Tensor& q, const at::Tensor&
     throw error(who, group.world_rank(),
                 "key_padding_mask must be [batch, positions of the whole sequence] = [" + std::to_string(q.size(0)) +
                     ", " + std::to_string(whole) + "]");
+  if (o.key_padding_mask.defined() && o.key_padding_mask.scalar_type() != at::kBool)
+    throw error(who, group.world_rank(),
+                std::string("key_padding_mask must be bool, true where a key is padding; this one is ") +
+                    c10::toString(o.key_padding_mask.scalar_type()) +
+                    " (an additive mask is not taken: pass a bool one, such as mask.to(torch::kBool) for 0/1)");
   (void)chunks(whole, group.rank(), group.size(), o.layout);  // throws where the layout cannot cut it
 }
 

@@ -159,6 +159,15 @@ class MixtureOfExpertsImpl : public torch::nn::Module, public tensor_parallel::S
     if (!(o.aux_weight >= 0))
       throw error("moe::MixtureOfExperts", group_.world_rank(),
                   "aux_weight is " + std::to_string(o.aux_weight) + "; it must be >= 0 (0: the layer adds no loss)");
+    // Under sequence parallelism each tensor rank holds other positions between blocks, and
+    // would route them through a router and experts that are whole on every tensor rank: their
+    // gradients would need a sum over the tensor group that no store makes.
+    if (const auto* c = tensor_parallel::Construction::current(); c && c->sequence_parallel && c->group.size() > 1)
+      throw error("moe::MixtureOfExperts", group_.world_rank(),
+                  "built under sequence parallelism over a tensor group of " + std::to_string(c->group.size()) +
+                      " ranks: each would route its own positions through the same router and experts, whose "
+                      "gradients no store sums over the tensor group; build the model without sequence parallelism "
+                      "(it cuts the activations between blocks; tensor parallelism alone takes a mixture)");
     local_ = o.experts / ep;
     router = register_module("router", torch::nn::Linear(torch::nn::LinearOptions(o.model, o.experts).bias(false)));
     // Every expert's weights drawn whole, as nn::Linear draws its own, and this rank's kept:
@@ -196,7 +205,7 @@ class MixtureOfExpertsImpl : public torch::nn::Module, public tensor_parallel::S
     const auto position = (at::one_hot(expert_of, E).cumsum(0) - 1).gather(1, expert_of.unsqueeze(1)).squeeze(1);
     auto kept = at::arange(k * T, x.options().dtype(at::kLong));
     if (o.capacity_factor > 0) {
-      capacity_ = static_cast<std::int64_t>(std::ceil(o.capacity_factor * static_cast<double>(T * k) / static_cast<double>(E)));
+      capacity_ = capacity_of(o.capacity_factor, T * k, E);
       kept = kept.masked_select(position < capacity_);
     } else {
       capacity_ = -1;
@@ -221,6 +230,13 @@ class MixtureOfExpertsImpl : public torch::nn::Module, public tensor_parallel::S
   [[nodiscard]] std::int64_t dropped() const noexcept { return dropped_; }
   /// The last forward's capacity per expert (-1: dropless).
   [[nodiscard]] std::int64_t capacity() const noexcept { return capacity_; }
+  /// ceil(factor · assignments / experts), where a product meant to be whole is taken as
+  /// whole: in doubles 1.1 · 100 / 2 is 55.000000000000007, whose ceil would be 56.
+  [[nodiscard]] static std::int64_t capacity_of(double factor, std::int64_t assignments, std::int64_t experts) {
+    const double c = factor * static_cast<double>(assignments) / static_cast<double>(experts);
+    const double whole = std::round(c);
+    return static_cast<std::int64_t>(std::abs(c - whole) <= 1e-9 * std::max(1.0, whole) ? whole : std::ceil(c));
+  }
   /// The experts this rank holds: [first, first + count).
   [[nodiscard]] std::pair<int, int> local_experts() const noexcept {
     return {group_.rank() * static_cast<int>(local_), static_cast<int>(local_)};

@@ -189,9 +189,10 @@ class DataParallel {
       if (micro_batches.size() != 1) refuse_in_deterministic_mode("DataParallel::step", "micro-batches");
       return step(micro_batches.front(), loss, has_next);
     }
-    std::string problem = expert_problem(micro_batches);
+    std::string problem;
     for (std::size_t i = 0; i < micro_batches.size() && problem.empty(); ++i)
       problem = detail::batch_problem(micro_batches[i]);
+    if (auto exchange = exchange_problem(micro_batches); problem.empty()) problem = std::move(exchange);
     steps_->agree_before_forward(problem);
     if (!problem.empty()) {  // joins, then every rank throws
       steps_->begin_step();
@@ -218,23 +219,30 @@ class DataParallel {
   template <loss_for<output_type> Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
     if (deterministic()) return step_deterministic(batch, loss, has_next);
-    auto problem = expert_problem(std::span<const Batch>(&batch, 1));
-    if (problem.empty()) problem = detail::batch_problem(batch);
+    auto problem = detail::batch_problem(batch);
+    if (auto exchange = exchange_problem(std::span<const Batch>(&batch, 1)); problem.empty())
+      problem = std::move(exchange);
     steps_->agree_before_forward(problem);
     return step_agreed(batch, loss, has_next);
   }
 
   /// Forward and backward over `batch` without communicating: gradients accumulate
   /// until the next `step`, which then averages over all their samples. Returns the mean loss.
-  /// A batch it cannot use is left out and makes that next step an error on every rank; at
-  /// ZeRO stage 3, where forward gathers units, it throws here, on this rank only (give
-  /// stage 3 its micro-batches through step(span), which checks them all first).
+  /// A batch it cannot use is left out and makes that next step an error on every rank.
+  /// Where forward communicates (ZeRO stage 3's gathers, an expert or context group's
+  /// exchanges) the ranks agree on each micro-batch before its forward instead, and such a
+  /// batch on any rank throws here on every rank (Note [Unusable batches]).
   template <loss_for<output_type> Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
     if (deterministic()) refuse_in_deterministic_mode("DataParallel::accumulate", "accumulate()");
+    if (steps_->communicates_in_forward()) {
+      auto problem = detail::batch_problem(batch);
+      if (auto exchange = exchange_problem(std::span<const Batch>(&batch, 1)); problem.empty())
+        problem = std::move(exchange);
+      steps_->agree_before_forward(problem, "DataParallel::accumulate");
+    }
     steps_->accumulate(0);  // a new step, unless accumulating already
     if (auto problem = detail::batch_problem(batch); !problem.empty()) {
-      if constexpr (Steps::gathers_in_forward) throw error("DataParallel::accumulate", rank(), problem);
       steps_->fail_later(std::move(problem));
       return 0.0;
     }
@@ -251,7 +259,7 @@ class DataParallel {
       static_cast<void>(agree_on_shards(0, {}));
       throw error("DataParallel::join", rank(), "deterministic mode gives every rank samples in every step");
     }
-    steps_->agree_before_forward(expert_problem({}));
+    steps_->agree_before_forward(exchange_problem({}));
     steps_->begin_step();
     steps_->before_backward(/*last=*/true);
     return steps_->end_step(0, 0.0, has_next, /*joined=*/true);
@@ -442,16 +450,38 @@ class DataParallel {
 
   // Note [Unusable batches]: under expert parallelism every rank of an expert group routes
   // tokens in every forward, the same number of forwards a step; a rank without samples, or
-  // with another number of micro-batches than the rest of its group, cannot take part. The
-  // counts are compared (one all-reduce over the expert group) only where there is one.
-  [[nodiscard]] std::string expert_problem(std::span<const Batch> micro_batches) {
-    if (!steps_->exchanges_in_forward()) return {};
+  // with another number of micro-batches than the rest of its group, cannot take part. Under
+  // context parallelism the ranks of a context group hold the positions of the same samples
+  // and attend over each other's in every forward: they have the same micro-batches, of
+  // the same sizes, or none alike (a data shard out of samples joins whole). The counts are
+  // compared (one all-reduce over each such group) only where there is one; a micro-batch
+  // the step cannot use (detail::batch_problem, which the caller reports first) counts none.
+  [[nodiscard]] std::string exchange_problem(std::span<const Batch> micro_batches) {
+    if (mesh_.size(Dim::context) == 1 && !steps_->exchanges_in_forward()) return {};
     const auto n = static_cast<std::int64_t>(micro_batches.size());
+    std::int64_t samples = 0;
+    for (const auto& b : micro_batches)
+      if (detail::batch_problem(b).empty()) samples += b.size();
+    // Every rank makes both all-reduces whatever it finds in the first: a context group with
+    // a problem still meets an expert group that spans other context groups.
+    std::string problem;
+    if (mesh_.size(Dim::context) > 1) {
+      auto counts = at::tensor(std::vector<std::int64_t>{n, -n, samples, -samples}, at::kLong);
+      detail::all_reduce_on(mesh_.group(Dim::context), counts, device_, reduce_op::max);
+      const auto c = counts.cpu();
+      const auto* v = c.data_ptr<std::int64_t>();
+      if (v[0] != -v[1] || v[2] != -v[3])
+        problem = "the ranks of a context group have from " + std::to_string(-v[1]) + " to " + std::to_string(v[0]) +
+                  " micro-batches and from " + std::to_string(-v[3]) + " to " + std::to_string(v[2]) +
+                  " samples this step (this rank " + std::to_string(n) + " and " + std::to_string(samples) +
+                  "); they hold the positions of the same samples, and attention exchanges them in every forward: "
+                  "give the ranks of a context group the same batches (DataParallel::data_shard() names their shard)";
+    }
+    if (!steps_->exchanges_in_forward()) return problem;
     auto counts = at::tensor(std::vector<std::int64_t>{n, -n}, at::kLong);
     detail::all_reduce_on(mesh_.group(Dim::expert), counts, device_, reduce_op::max);
     const auto most = counts[0].item<std::int64_t>(), least = -counts[1].item<std::int64_t>();
-    std::int64_t samples = 0;
-    for (const auto& b : micro_batches) samples += b.size();
+    if (!problem.empty()) return problem;
     if (least == 0 || samples == 0)
       return std::string(samples == 0 ? "this rank has" : "a rank of this rank's expert group has") +
              " no samples this step, and under expert parallelism every rank of an expert group routes tokens to the "
@@ -463,7 +493,7 @@ class DataParallel {
              "); under expert parallelism each forward exchanges tokens with the whole group: give its ranks the "
              "same number";
     for (const auto& b : micro_batches)
-      if (b.size() == 0)
+      if (detail::batch_problem(b).empty() && b.size() == 0)
         return "an empty micro-batch: under expert parallelism every forward routes tokens over the expert group";
     return {};
   }

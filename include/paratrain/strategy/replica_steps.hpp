@@ -420,14 +420,21 @@ class ReplicaSteps {
   // step, so there the ranks agree on their batches before the step: one scalar all-reduce
   // in every step(), and in join(). Under expert parallelism forward exchanges tokens with
   // the expert group, whose every rank must take part: the ranks agree alike, and a rank
-  // with no samples (join(), an empty batch) is a problem of its own.
+  // with no samples (join(), an empty batch) is a problem of its own. Under context
+  // parallelism attention exchanges positions over the context group in every forward: the
+  // ranks agree alike, and a context group whose ranks have different batches is a problem.
+  // accumulate() agrees before each of its forwards where forward communicates.
 
-  /// Note [Unusable batches]: where forward communicates (ZeRO-3's gathers, an expert
-  /// group's exchanges), throws on every rank when one has a `problem`.
-  void agree_before_forward(const std::string& problem) {
-    if (Store::gathers_in_forward || experts_ != nullptr) {
+  /// Whether forward communicates: ZeRO-3's gathers, an expert or a context group's exchanges.
+  [[nodiscard]] bool communicates_in_forward() const noexcept {
+    return Store::gathers_in_forward || experts_ != nullptr || mesh_.size(Dim::context) > 1;
+  }
+  /// Note [Unusable batches]: where forward communicates, throws on every rank when one has
+  /// a `problem`, as `operation`.
+  void agree_before_forward(const std::string& problem, const char* operation = "DataParallel::step") {
+    if (communicates_in_forward()) {
       auto data = on_device();
-      detail::agree(data, "DataParallel::step", problem);
+      detail::agree(data, operation, problem);
     }
   }
   /// Whether forward gathers parameters (Note [Unusable batches]).

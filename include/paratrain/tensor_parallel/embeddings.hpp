@@ -62,6 +62,15 @@ class EmbeddingsImpl : public torch::nn::Module {
       throw error("tp::Embeddings", context_.group.world_rank(),
                   "positions of shape " + std::to_string(positions.dim() == 1 ? positions.size(0) : -1) + " for " +
                       std::to_string(ids.size(1)) + " tokens a sequence; give one position a token, 1-D");
+    // Under context parallelism the whole sequence's length first, alike on every rank: each
+    // context rank holds other positions, and one whose own are in range would go on into
+    // attention's exchanges while another threw.
+    if (const auto cp = context_.context.size(); cp > 1 && ids.size(1) * cp > position.size(0))
+      throw error("tp::Embeddings", context_.group.world_rank(),
+                  "sequences of " + std::to_string(ids.size(1) * cp) + " positions (" + std::to_string(ids.size(1)) +
+                      " on each of " + std::to_string(cp) + " context ranks), and the table has " +
+                      std::to_string(position.size(0)) +
+                      "; build the embeddings with as many positions as the longest sequence");
     if (positions.numel() > 0) {
       const auto [low, high] = at::aminmax(positions);
       const auto first = low.item<std::int64_t>(), last = high.item<std::int64_t>();
