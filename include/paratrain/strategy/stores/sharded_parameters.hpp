@@ -189,9 +189,10 @@ class ShardedParameters {
       return WholeGradients(layout_);
     }
   }
-  /// Each bucket summed over the ranks that hold it (Note [Expert buckets]): at stage 1 the
-  /// data ranks (a dense one's with the expert group), from stage 2 on reduce-scattered over
-  /// the ranks it shards with, then its shard all-reduced across the replicas.
+  /// Each bucket summed over the ranks that hold it (Note [Expert buckets]): at stage 1 all
+  /// of them (Ranks::holders: a dense bucket's Dims::batch(), an experts' Dims::replicas()),
+  /// from stage 2 on reduce-scattered over the ranks it shards with, then its shard
+  /// all-reduced across the replicas.
   [[nodiscard]] SumRanks<Comm> gradient_ranks(std::size_t bucket) {
     Comm* over = ranks_of(layout_.buckets().at(bucket).expert).sums;
     if constexpr (Stage >= 2) return {over, replicas_};
