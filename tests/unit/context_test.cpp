@@ -509,6 +509,12 @@ TEST_CASE("DataParallel under context parallelism refuses, on every rank and bef
     CHECK_THROWS_WITH_AS(s.join(), refusal, paratrain::error);
   else
     CHECK_THROWS_WITH_AS(s.step(whole, loss), refusal, paratrain::error);
+  // As many micro-batches and samples, of other sizes: rank 1's [3, 1] against [2, 2].
+  const std::vector<paratrain::Batch> split = s.rank() == 1
+      ? std::vector{paratrain::Batch(x.narrow(0, 0, 3), y.narrow(0, 0, 3)), paratrain::Batch(x.narrow(0, 3, 1), y.narrow(0, 3, 1))}
+      : std::vector{paratrain::Batch(x.narrow(0, 0, 2), y.narrow(0, 0, 2)), paratrain::Batch(x.narrow(0, 2, 2), y.narrow(0, 2, 2))};
+  CHECK_THROWS_WITH_AS(s.step(std::span<const paratrain::Batch>(split), loss), doctest::Contains("as many, of different sizes"),
+                       paratrain::error);
   // And then a good step, accumulated first.
   CHECK(s.accumulate(whole, loss) > 0);
   CHECK(s.step(whole, loss).global_samples > 0);

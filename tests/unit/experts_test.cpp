@@ -412,7 +412,6 @@ TEST_CASE("moe::MixtureOfExperts' capacity is ceil(f · T · k / E), a whole pro
   CHECK(moe::MixtureOfExpertsImpl::capacity_of(1.0, 7, 2) == 4);    // 3.5
   CHECK(moe::MixtureOfExpertsImpl::capacity_of(2.0, 8, 4) == 4);
   // And the layer's forward uses it: 50 tokens, top-2, 2 experts, factor 1.1.
-  const tp::Construction one_rank(tp::Context{});
   moe::MixtureOfExperts layer(moe::Options{.model = 4, .hidden = 4, .experts = 2, .top_k = 2, .capacity_factor = 1.1});
   (void)layer->forward(torch::randn({50, 4}));
   CHECK(layer->capacity() == 55);

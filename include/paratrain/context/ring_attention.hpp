@@ -246,7 +246,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
 [[nodiscard]] inline at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const tensor_parallel::Group& group, const AttentionOptions& o = {}) {
   detail::check_shapes("cp::ring_attention", q, k, v, group, o);
-  const auto padding = o.key_padding_mask.defined() ? o.key_padding_mask.to(q.device(), at::kBool) : at::Tensor();
+  const auto padding = o.key_padding_mask.defined() ? o.key_padding_mask.to(q.device()) : at::Tensor();
   return detail::RingAttention::apply(
       q, k, v,
       detail::Ring{group, o.causal, detail::scale_of(o, q.size(3)), o.layout, o.overlap, padding, o.tile_bytes});

@@ -38,6 +38,7 @@
 #include "paratrain/strategy/sharded.hpp"
 #include "paratrain/tensor_parallel/context.hpp"
 #include "paratrain/tensor_parallel/group.hpp"
+#include "paratrain/util/fnv1a.hpp"
 
 namespace paratrain {
 
@@ -189,10 +190,7 @@ class DataParallel {
       if (micro_batches.size() != 1) refuse_in_deterministic_mode("DataParallel::step", "micro-batches");
       return step(micro_batches.front(), loss, has_next);
     }
-    std::string problem;
-    for (std::size_t i = 0; i < micro_batches.size() && problem.empty(); ++i)
-      problem = detail::batch_problem(micro_batches[i]);
-    if (auto exchange = exchange_problem(micro_batches); problem.empty()) problem = std::move(exchange);
+    const auto problem = forward_problem(micro_batches);
     steps_->agree_before_forward(problem);
     if (!problem.empty()) {  // joins, then every rank throws
       steps_->begin_step();
@@ -219,10 +217,7 @@ class DataParallel {
   template <loss_for<output_type> Loss>
   StepResult step(const Batch& batch, Loss&& loss, bool has_next = true) {
     if (deterministic()) return step_deterministic(batch, loss, has_next);
-    auto problem = detail::batch_problem(batch);
-    if (auto exchange = exchange_problem(std::span<const Batch>(&batch, 1)); problem.empty())
-      problem = std::move(exchange);
-    steps_->agree_before_forward(problem);
+    steps_->agree_before_forward(forward_problem(std::span<const Batch>(&batch, 1)));
     return step_agreed(batch, loss, has_next);
   }
 
@@ -235,14 +230,10 @@ class DataParallel {
   template <loss_for<output_type> Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
     if (deterministic()) refuse_in_deterministic_mode("DataParallel::accumulate", "accumulate()");
-    if (steps_->communicates_in_forward()) {
-      auto problem = detail::batch_problem(batch);
-      if (auto exchange = exchange_problem(std::span<const Batch>(&batch, 1)); problem.empty())
-        problem = std::move(exchange);
-      steps_->agree_before_forward(problem, "DataParallel::accumulate");
-    }
+    if (steps_->communicates_in_forward())
+      steps_->agree_before_forward(forward_problem(std::span<const Batch>(&batch, 1)), "DataParallel::accumulate");
     steps_->accumulate(0);  // a new step, unless accumulating already
-    if (auto problem = detail::batch_problem(batch); !problem.empty()) {
+    if (auto problem = detail::batch_problem(batch); !problem.empty()) {  // only where forward does not communicate
       steps_->fail_later(std::move(problem));
       return 0.0;
     }
@@ -259,7 +250,7 @@ class DataParallel {
       static_cast<void>(agree_on_shards(0, {}));
       throw error("DataParallel::join", rank(), "deterministic mode gives every rank samples in every step");
     }
-    steps_->agree_before_forward(exchange_problem({}));
+    steps_->agree_before_forward(forward_problem({}));
     steps_->begin_step();
     steps_->before_backward(/*last=*/true);
     return steps_->end_step(0, 0.0, has_next, /*joined=*/true);
@@ -452,32 +443,46 @@ class DataParallel {
   // tokens in every forward, the same number of forwards a step; a rank without samples, or
   // with another number of micro-batches than the rest of its group, cannot take part. Under
   // context parallelism the ranks of a context group hold the positions of the same samples
-  // and attend over each other's in every forward: they have the same micro-batches, of
-  // the same sizes, or none alike (a data shard out of samples joins whole). The counts are
-  // compared (one all-reduce over each such group) only where there is one; a micro-batch
-  // the step cannot use (detail::batch_problem, which the caller reports first) counts none.
-  [[nodiscard]] std::string exchange_problem(std::span<const Batch> micro_batches) {
-    if (mesh_.size(Dim::context) == 1 && !steps_->exchanges_in_forward()) return {};
+  // and attend over each other's in every forward: they have the same micro-batches, of the
+  // same sizes (compared by a hash, as a pipeline replica's: check_same_micro_batches), or
+  // none alike (a data shard out of samples joins whole). The counts are compared (one
+  // all-reduce over each such group) only where there is one, and whatever this rank found:
+  // a context group with a problem still meets an expert group that spans others.
+
+  /// The first micro-batch the step cannot use (detail::batch_problem), else what keeps this
+  /// rank from the forwards its context and expert groups run together; empty where nothing
+  /// does. Collective over each such group.
+  [[nodiscard]] std::string forward_problem(std::span<const Batch> micro_batches) {
+    std::string problem;  // first: Batch::size() itself throws on a scalar input
+    for (std::size_t i = 0; i < micro_batches.size() && problem.empty(); ++i)
+      problem = detail::batch_problem(micro_batches[i]);
+    const bool context = mesh_.size(Dim::context) > 1, experts = steps_->exchanges_in_forward();
+    if (!context && !experts) return problem;
     const auto n = static_cast<std::int64_t>(micro_batches.size());
     std::int64_t samples = 0;
-    for (const auto& b : micro_batches)
-      if (detail::batch_problem(b).empty()) samples += b.size();
-    // Every rank makes both all-reduces whatever it finds in the first: a context group with
-    // a problem still meets an expert group that spans other context groups.
-    std::string problem;
-    if (mesh_.size(Dim::context) > 1) {
-      auto counts = at::tensor(std::vector<std::int64_t>{n, -n, samples, -samples}, at::kLong);
+    bool an_empty_one = false;
+    detail::Fnv1a sizes;
+    if (problem.empty())
+      for (const auto& b : micro_batches) {
+        samples += b.size();
+        an_empty_one = an_empty_one || b.size() == 0;
+        sizes.mix(static_cast<std::uint64_t>(b.size()));
+      }
+    if (context) {
+      const auto hash = sizes.value62();
+      auto counts = at::tensor(std::vector<std::int64_t>{n, -n, hash, -hash}, at::kLong);
       detail::all_reduce_on(mesh_.group(Dim::context), counts, device_, reduce_op::max);
-      const auto c = counts.cpu();
-      const auto* v = c.data_ptr<std::int64_t>();
-      if (v[0] != -v[1] || v[2] != -v[3])
-        problem = "the ranks of a context group have from " + std::to_string(-v[1]) + " to " + std::to_string(v[0]) +
-                  " micro-batches and from " + std::to_string(-v[3]) + " to " + std::to_string(v[2]) +
-                  " samples this step (this rank " + std::to_string(n) + " and " + std::to_string(samples) +
-                  "); they hold the positions of the same samples, and attention exchanges them in every forward: "
-                  "give the ranks of a context group the same batches (DataParallel::data_shard() names their shard)";
+      const auto* v = counts.data_ptr<std::int64_t>();
+      if (problem.empty() && (v[0] != -v[1] || v[2] != -v[3]))
+        problem = "the ranks of a context group have different micro-batches this step (" +
+                  (v[0] != -v[1] ? "from " + std::to_string(-v[1]) + " to " + std::to_string(v[0]) + " of them"
+                                 : std::string("as many, of different sizes")) +
+                  "; this rank " + std::to_string(n) + ", " + std::to_string(samples) +
+                  " samples); they hold the positions of the same samples, and attention exchanges them in every "
+                  "forward: give the ranks of a context group the same batches (DataParallel::data_shard() names "
+                  "their shard)";
     }
-    if (!steps_->exchanges_in_forward()) return problem;
+    if (!experts) return problem;
     auto counts = at::tensor(std::vector<std::int64_t>{n, -n}, at::kLong);
     detail::all_reduce_on(mesh_.group(Dim::expert), counts, device_, reduce_op::max);
     const auto most = counts[0].item<std::int64_t>(), least = -counts[1].item<std::int64_t>();
@@ -492,9 +497,8 @@ class DataParallel {
              " micro-batches this step (this rank " + std::to_string(n) +
              "); under expert parallelism each forward exchanges tokens with the whole group: give its ranks the "
              "same number";
-    for (const auto& b : micro_batches)
-      if (detail::batch_problem(b).empty() && b.size() == 0)
-        return "an empty micro-batch: under expert parallelism every forward routes tokens over the expert group";
+    if (an_empty_one)
+      return "an empty micro-batch: under expert parallelism every forward routes tokens over the expert group";
     return {};
   }
 
