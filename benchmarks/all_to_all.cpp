@@ -27,7 +27,8 @@ int main(int argc, char** argv) {
   paratrain::comm::Mpi world;
   const int n = world.size();
   if (world.rank() == 0) {
-    std::printf("\nall_to_all (float32), %d ranks: busbw GB/s, and raw's time / comm::Mpi's\n\n", n);
+    std::printf("\nall_to_all (float32), %d ranks: busbw GB/s (median over trials), and raw's time / comm::Mpi's (median "
+                "of each trial's)\n\n", n);
     std::printf("| size | MPI_Alltoall | all_to_all(in, out) | ratio | MPI_Alltoallv | all_to_all(in, counts, out, "
                 "counts) | ratio | MPI_Ialltoallv + MPI_Wait | iall_to_all(counts).wait() | ratio |\n");
     std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
@@ -42,10 +43,11 @@ int main(int argc, char** argv) {
     // ~128 MiB a trial (32,768 calls of 4 KiB: 20-70 ms, where 2,000 calls made a trial of a
     // few ms, within the scheduler's noise); from 32 MiB, a few calls a trial and more trials:
     // the same MPI call on both sides there, whose time varies with the machine's memory
-    // traffic from call to call.
+    // traffic from call to call. The ratios are the medians of each trial's (time_paired):
+    // 15 trials of 6 candidates below 32 MiB, ~10 s a size.
     const int iterations = static_cast<int>(std::max<std::size_t>((std::size_t{128} << 20) / bytes, 5));
-    const int trials = bytes >= (std::size_t{32} << 20) ? 9 : 5;
-    const auto seconds = paratrain::bench::time_alternating(
+    const int trials = bytes >= (std::size_t{32} << 20) ? 9 : 15;
+    const auto times = paratrain::bench::time_paired(
         world.native(), trials, iterations,
         {[&] {
            MPI_Alltoall(in.data_ptr(), static_cast<int>(part), MPI_FLOAT, out.data_ptr(), static_cast<int>(part),
@@ -65,11 +67,10 @@ int main(int argc, char** argv) {
          },
          [&] { world.iall_to_all(in, counts, out, counts).wait(); }});
     if (world.rank() == 0) {
-      const auto busbw = [&](double s) { return double(bytes) / s * (n - 1) / n / 1e9; };
+      const auto busbw = [&](std::size_t c) { return double(bytes) / times.seconds(c) * (n - 1) / n / 1e9; };
       std::printf("| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n",
-                  paratrain::bench::human_bytes(double(bytes)).c_str(), busbw(seconds[0]), busbw(seconds[1]),
-                  seconds[0] / seconds[1], busbw(seconds[2]), busbw(seconds[3]), seconds[2] / seconds[3],
-                  busbw(seconds[4]), busbw(seconds[5]), seconds[4] / seconds[5]);
+                  paratrain::bench::human_bytes(double(bytes)).c_str(), busbw(0), busbw(1), times.ratio(0, 1), busbw(2),
+                  busbw(3), times.ratio(2, 3), busbw(4), busbw(5), times.ratio(4, 5));
       std::fflush(stdout);
     }
   }

@@ -27,4 +27,10 @@ inline std::vector<double> time_alternating(MPI_Comm comm, int trials, int itera
   return time_alternating(ranks_of(comm), trials, iterations, candidates);
 }
 
+/// time_paired (timing.hpp) over the ranks of `comm`.
+inline PairedTimes time_paired(MPI_Comm comm, int trials, int iterations,
+                               const std::vector<std::function<void()>>& candidates) {
+  return time_paired(ranks_of(comm), trials, iterations, candidates);
+}
+
 }  // namespace paratrain::bench

@@ -48,6 +48,42 @@ inline std::vector<double> time_alternating(const Ranks& ranks, int trials, int 
   return medians;
 }
 
+/// Every trial's seconds per call of each candidate (time_paired).
+struct PairedTimes {
+  std::vector<std::vector<double>> trials;  // [candidate][trial]
+
+  /// Seconds per call of candidate `c`, the median over trials.
+  [[nodiscard]] double seconds(std::size_t c) const { return median(trials[c]); }
+  /// a's time over b's, the median over trials of the ratio within each trial: the machine's
+  /// speed drifts from trial to trial (a VM's by up to 1.6x from one second to the next),
+  /// and a ratio of two medians taken in different states shows that drift as a difference.
+  [[nodiscard]] double ratio(std::size_t a, std::size_t b) const {
+    std::vector<double> r;
+    for (std::size_t t = 0; t < trials[a].size(); ++t) r.push_back(trials[a][t] / trials[b][t]);
+    return median(std::move(r));
+  }
+};
+
+/// Times the candidates as time_alternating does, in the reverse order every other trial
+/// (so that no candidate always follows the same one), and keeps every trial's time.
+inline PairedTimes time_paired(const Ranks& ranks, int trials, int iterations,
+                               const std::vector<std::function<void()>>& candidates) {
+  PairedTimes times{std::vector<std::vector<double>>(candidates.size())};
+  for (auto& f : candidates) f();  // warm-up: first-touch pages, connections
+  for (int t = 0; t < trials; ++t)
+    for (std::size_t k = 0; k < candidates.size(); ++k) {
+      const auto c = t % 2 == 0 ? k : candidates.size() - 1 - k;
+      ranks.sync();
+      ranks.barrier();
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < iterations; ++i) candidates[c]();
+      ranks.sync();
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      times.trials[c].push_back(ranks.max(elapsed) / iterations);
+    }
+  return times;
+}
+
 inline std::string human_bytes(double bytes) {
   const char* unit[] = {"B", "KiB", "MiB", "GiB"};
   int u = 0;

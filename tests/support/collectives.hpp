@@ -405,19 +405,19 @@ void check_validation(C& c, std::optional<at::Device> device = {}) {
   CHECK(same(agreed, torch::full({4}, float(c.size()))));
 }
 
-// Note [Collective fingerprint]: a fresh communicator whose ranks issue 63 equal all-reduces
-// and then, as the 64th, one that differs only in its reduction (so that the transport
+// Note [Collective fingerprint]: a fresh communicator whose ranks issue 255 equal all-reduces
+// and then, as the 256th, one that differs only in its reduction (so that the transport
 // itself completes it, with a wrong result): the fingerprint comparison that comes with the
-// 64th throws on every rank, naming collective #64 and what each rank issued.
+// 256th throws on every rank, naming collective #256 and what each rank issued.
 template <class C>
 void check_fingerprint(C& c, std::optional<at::Device> device = {}) {
   const auto d = device_for(c, device);
   auto t = torch::ones({4}, torch::TensorOptions().device(d));
-  for (int i = 0; i < 63; ++i) c.all_reduce(t, reduce_op::max);
+  for (int i = 0; i < 255; ++i) c.all_reduce(t, reduce_op::max);
   if (c.size() == 1) return;
   const auto op = c.rank() == 0 ? reduce_op::sum : reduce_op::max;
   CHECK_THROWS_WITH_AS(c.all_reduce(t, op),
-                       doctest::Contains("issued different collectives: the first that differs is #64: all_reduce "
+                       doctest::Contains("issued different collectives: the first that differs is #256: all_reduce "
                                          "(Float, 4 elements, sum) on world rank 0; all_reduce (Float, 4 elements, "
                                          "max) on world rank"),
                        paratrain::error);

@@ -453,11 +453,11 @@ TEST_CASE("gradients are summed over a communicator no layer uses: where the bat
   auto& sums = mesh.gradient_group(paratrain::Dims::batch());
   CHECK(sums.size() == world);
   // A sum started before the all-to-all on even ranks and after it on odd ones, as a rank's
-  // gradients are ready at its own moment, for more steps than the collective fingerprint's
-  // period: where they share one communicator its ranks issued different collectives, and
-  // every rank throws (Note [Collective fingerprint]).
+  // gradients are ready at its own moment, for more collectives than the fingerprint's
+  // period (2 a step, 260 > 256): where they share one communicator its ranks issued
+  // different collectives, and every rank throws (Note [Collective fingerprint]).
   const auto in = torch::arange(2 * world, torch::kFloat) + 100 * me;  // two elements to each rank
-  for (int step = 0; step < 40; ++step) {
+  for (int step = 0; step < 130; ++step) {
     CAPTURE(step);
     auto g = torch::full({3}, static_cast<float>(me + step));
     auto out = torch::empty({2 * world});

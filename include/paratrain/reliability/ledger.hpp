@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -33,11 +34,16 @@ namespace paratrain::detail {
 // validation]); on a mismatch they all-gather their histories, which cover every
 // collective since the last agreeing check, and every rank throws the same error naming
 // the first collective that differs and the ranks on each side. The cost is one tiny
-// all-reduce per 64 collectives (measured in docs/benchmarks.md). The full per-call
-// check (PARATRAIN_VALIDATE=1) stays for finding the culprit of a hang at once.
+// all-reduce per 256 collectives: per 64, its ~0.5 us (a 4-word all-reduce and the
+// tensor it fills, 2 ranks) was ~8 ns a collective, a sixth of what paratrain added to a
+// 4 KiB all-to-all (docs/benchmarks.md). The full per-call check (PARATRAIN_VALIDATE=1)
+// stays for finding the culprit of a hang at once.
 
-inline constexpr std::size_t history_length = 64;
-inline constexpr std::uint64_t fingerprint_period = 64;
+inline constexpr std::uint64_t fingerprint_period = 256;
+/// The collectives a ledger keeps: every one since the last agreeing comparison.
+inline constexpr std::size_t history_length = fingerprint_period;
+/// The most recent of them, which a rank tells the others' watchdogs (Note [Watchdog]).
+inline constexpr std::size_t status_history_length = 64;
 /// The exit status of a job ended by the watchdog (as timeout(1)'s).
 inline constexpr int watchdog_exit_code = 124;
 
@@ -65,6 +71,14 @@ struct OperationRecord {
   std::int64_t detail = 0;  // root or reduction
 
   friend bool operator==(const OperationRecord&, const OperationRecord&) = default;
+
+  /// `to = *this` with `seq`, field by field: a record just built field by field and
+  /// copied whole is read back in 16-byte loads, which GCC makes and which stall on the
+  /// 8-byte stores still in flight (a store-forwarding failure, ~5 ns of a collective's
+  /// preamble, docs/benchmarks.md).
+  void store_into(OperationRecord& to, std::int64_t with_seq) const noexcept {
+    to.seq = with_seq, to.op = op, to.dtype = dtype, to.numel = numel, to.detail = detail;
+  }
 };
 
 /// "all_reduce #12 (Float, 676 elements)"; without the number when `numbered` is false.
@@ -148,7 +162,9 @@ class Ledger {
   /// Counts a collective; returns it with its seq, and whether the fingerprint is due.
   std::pair<OperationRecord, bool> record(OperationRecord r) {
     std::lock_guard lock(ledger_lock());
-    return record_held(r);
+    const auto [seq, due] = record_held(r);
+    r.seq = seq;
+    return {r, due};
   }
 
   [[nodiscard]] std::uint64_t fingerprint() const {
@@ -163,21 +179,29 @@ class Ledger {
   /// The recent collectives, oldest first, padded with seq-0 records to history_length.
   [[nodiscard]] std::array<OperationRecord, history_length> history() const {
     std::lock_guard lock(ledger_lock());
-    return history_held();
+    return recent_held<history_length>();
   }
 
  private:
   friend class Watchdog;  // counts and reads under ledger_lock(), which it holds
 
-  std::pair<OperationRecord, bool> record_held(OperationRecord r) {
-    r.seq = static_cast<std::int64_t>(++count_);
+  // Counts `r` (its seq ignored): its seq, and whether the fingerprint is due.
+  struct Counted {
+    std::int64_t seq;
+    bool due;
+  };
+  Counted record_held(const OperationRecord& r) {
+    const auto seq = static_cast<std::int64_t>(++count_);
     for (std::int64_t v : {r.op, r.dtype, r.numel, r.detail}) fingerprint_.mix(static_cast<std::uint64_t>(v));
-    history_[(count_ - 1) % history_length] = r;
-    return {r, count_ % fingerprint_period == 0};
+    r.store_into(history_[(count_ - 1) % history_length], seq);
+    return {seq, count_ % fingerprint_period == 0};
   }
-  [[nodiscard]] std::array<OperationRecord, history_length> history_held() const {
-    std::array<OperationRecord, history_length> out{};
-    const auto n = std::min<std::uint64_t>(count_, history_length);
+  // The last N collectives, oldest first, padded with seq-0 records.
+  template <std::size_t N>
+  [[nodiscard]] std::array<OperationRecord, N> recent_held() const {
+    static_assert(N <= history_length);
+    std::array<OperationRecord, N> out{};
+    const auto n = std::min<std::uint64_t>(count_, N);
     for (std::uint64_t i = 0; i < n; ++i) out[i] = history_[(count_ - n + i) % history_length];
     return out;
   }
@@ -192,8 +216,8 @@ class Ledger {
 };
 
 /// The first collective that two histories (oldest first) record differently, as the pair.
-inline std::optional<std::pair<OperationRecord, OperationRecord>> first_divergence(
-    const std::array<OperationRecord, history_length>& a, const std::array<OperationRecord, history_length>& b) {
+inline std::optional<std::pair<OperationRecord, OperationRecord>> first_divergence(std::span<const OperationRecord> a,
+                                                                                   std::span<const OperationRecord> b) {
   for (const auto& x : a) {
     if (x.seq == 0) continue;
     for (const auto& y : b)

@@ -17,7 +17,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
 #include <deque>
 #include <functional>
 #include <map>
@@ -27,7 +26,6 @@
 #include <string>
 #include <string_view>
 #include <thread>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -58,11 +56,13 @@ namespace paratrain::detail {
 // starts, under one uncontended lock (the ledger's: the collective is counted under the
 // same acquisition), and marking the slot ended when it ends, without the lock (an atomic
 // store; the next start gives it back to the free ones), with no allocation once the table
-// has grown to the most operations ever pending at once, and the time read
-// from the kernel's last tick (coarse_now: ~3 ns where steady_clock's ~27 ns was a tenth
-// of a 4 KiB all-to-all's overhead on a VM's kvm-clock; docs/benchmarks.md). The watchdog
-// thread sleeps otherwise, waking every tick (a tenth of the shortest timeout, at most
-// 1 s) to answer questions and look at the clock.
+// has grown to the most operations ever pending at once, and no clock: the watchdog
+// thread, which sleeps otherwise and wakes every tick (a tenth of the shortest timeout,
+// 20 ms to 1 s) to answer questions and look at the table, stamps an operation with the
+// time of the first tick that sees it pending. An operation is so timed from up to a
+// tick after it began, and is reported at most two ticks after its timeout, where
+// reading the clock at every start (~5 ns even from the kernel's last tick) was a tenth
+// of what the preamble added to a 4 KiB all-to-all (docs/benchmarks.md).
 
 /// What a rank says of itself when asked: fixed-size, so that it travels as bytes.
 struct RankStatus {
@@ -75,7 +75,7 @@ struct RankStatus {
   std::int64_t peer = -1;
   std::int64_t age_ms = 0;
   std::int64_t idle_ms = 0;  // since this rank last started or finished an operation
-  std::array<OperationRecord, history_length> history{};
+  std::array<OperationRecord, status_history_length> history{};  // the last ones on that communicator
 };
 
 /// How the watchdog reaches the other ranks without the stuck communicator.
@@ -107,19 +107,6 @@ inline std::chrono::milliseconds default_timeout() {
     return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000));
   }
   return std::chrono::minutes(10);
-}
-
-/// steady_clock's time as of the kernel's last tick (CLOCK_MONOTONIC_COARSE: the same clock,
-/// up to a few milliseconds behind, read without a clock-source access); steady_clock's own
-/// where there is no such clock. Precise enough for timeouts of seconds.
-inline std::chrono::steady_clock::time_point coarse_now() noexcept {
-#if defined(__linux__) && defined(CLOCK_MONOTONIC_COARSE)
-  static_assert(std::is_same_v<std::chrono::steady_clock::duration, std::chrono::nanoseconds>);
-  timespec ts{};
-  if (clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) == 0)
-    return std::chrono::steady_clock::time_point(std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec));
-#endif
-  return std::chrono::steady_clock::now();
 }
 
 class Watchdog {
@@ -160,18 +147,20 @@ class Watchdog {
   /// Starts watching an operation of `ledger`'s communicator; `peer` >= 0 for a send or receive.
   Watch begin(const std::shared_ptr<Ledger>& ledger, const OperationRecord& operation, std::chrono::milliseconds timeout,
               int peer = -1) {
-    const auto now = coarse_now();
     std::unique_lock lock(mutex_);
-    return begin_held(lock, now, ledger, operation, timeout, peer);
+    auto& p = take_held(lock, ledger, timeout, peer);
+    operation.store_into(p.operation, operation.seq);
+    return Watch(&p);
   }
   /// Counts a collective on `ledger` (Ledger::record) and starts watching it, under one
   /// acquisition of the lock; says whether the fingerprints are due for comparison.
   std::pair<Watch, bool> begin_counted(const std::shared_ptr<Ledger>& ledger, const OperationRecord& operation,
                                        std::chrono::milliseconds timeout) {
-    const auto now = coarse_now();
     std::unique_lock lock(mutex_);
-    const auto [counted, due] = ledger->record_held(operation);
-    return {begin_held(lock, now, ledger, counted, timeout, -1), due};
+    auto& p = take_held(lock, ledger, timeout, -1);
+    const auto [seq, due] = ledger->record_held(operation);
+    operation.store_into(p.operation, seq);
+    return {Watch(&p), due};
   }
 
   /// Lets the watchdog reach the other ranks (the first channel given is kept).
@@ -216,7 +205,7 @@ class Watchdog {
     if (auto it = ledgers_.find(ledger_id); it != ledgers_.end())
       if (auto l = it->second.lock()) {
         s.count = static_cast<std::int64_t>(l->count_);
-        s.history = l->history_held();
+        s.history = l->recent_held<status_history_length>();
         s.world_rank = l->members()[static_cast<std::size_t>(l->rank())];
       }
     // The oldest pending here or, failing that, the oldest anywhere.
@@ -232,30 +221,32 @@ class Watchdog {
       s.pending = chosen->ledger && chosen->ledger->id() == ledger_id ? 1 : 2;
       s.operation = chosen->operation;
       s.peer = chosen->peer;
-      s.age_ms = ms(now - chosen->started);
+      s.age_ms = chosen->seen() ? ms(now - chosen->started) : 0;  // a tick short at most
     }
-    // An operation that ended since the last tick (noticed_ends_held) ended about now.
-    s.idle_ms = ends_.load(std::memory_order_relaxed) != ends_seen_ ? 0 : ms(now - last_activity_);
+    // An operation that started or ended since the last tick (noticed_activity_held) did so about now.
+    s.idle_ms = active_since_tick_held() ? 0 : ms(now - last_activity_);
     return s;
   }
 
  private:
-  // A slot of the table: written under the lock when its operation starts (begin_held),
-  // read under it (status, run); its state alone changes without the lock, when the
-  // operation ends (end: pending -> ended, a release store). The lock's holder gives an
-  // ended slot back to the free ones (reclaim_held). Slots live in a deque: end() touches
-  // one while begin_held may append others.
+  // A slot of the table: written under the lock when its operation starts (take_held),
+  // read under it (status, run), and stamped under it by the watchdog's tick that first
+  // sees it pending (run); its state alone changes without the lock, when the operation
+  // ends (end: pending -> ended, a release store). The lock's holder gives an ended slot
+  // back to the free ones (reclaim_held). Slots live in a deque: end() touches one while
+  // take_held may append others, and a slot's address does not change.
   enum : std::uint8_t { slot_free, slot_pending, slot_ended };
   struct Operation {
     std::shared_ptr<Ledger> ledger;
     OperationRecord operation;
     int peer = -1;
-    clock::time_point started;
-    clock::time_point deadline;
-    std::uint64_t order = 0;  // start order, from 1
+    std::chrono::milliseconds timeout{};
+    clock::time_point started{};  // the first tick that saw it pending; the epoch until then
+    std::uint64_t order = 0;      // start order, from 1
+
+    [[nodiscard]] bool seen() const noexcept { return started != clock::time_point{}; }
   };
   struct Pending : Operation {
-    std::uint32_t index = 0;  // in slots_
     std::atomic<std::uint8_t> state{slot_free};
 
     [[nodiscard]] bool pending() const noexcept { return state.load(std::memory_order_acquire) == slot_pending; }
@@ -263,33 +254,36 @@ class Watchdog {
 
   Watchdog() = default;
 
-  Watch begin_held(std::unique_lock<LedgerLock>& lock, clock::time_point now, const std::shared_ptr<Ledger>& ledger,
-                   const OperationRecord& operation, std::chrono::milliseconds timeout, int peer) {
-    if (free_.empty()) reclaim_held();
-    Pending* slot = nullptr;
-    if (free_.empty()) {
-      slot = &slots_.emplace_back();
-      slot->index = static_cast<std::uint32_t>(slots_.size() - 1);
-      // free_ keeps a place for every slot, so that reclaim_held() never allocates.
-      if (free_.capacity() < slots_.size()) free_.reserve(2 * slots_.size());
-    } else {
-      slot = &slots_[free_.back()], free_.pop_back();
-    }
-    auto& p = *slot;
+  // A free slot for an operation about to start, taken and marked pending; the caller
+  // writes its record before releasing the lock.
+  Pending& take_held(std::unique_lock<LedgerLock>& lock, const std::shared_ptr<Ledger>& ledger,
+                     std::chrono::milliseconds timeout, int peer) {
+    if (free_.empty()) [[unlikely]] grow_held(lock);
+    auto& p = *free_.back();
+    free_.pop_back();
     // A free slot keeps its last ledger: the same communicator's next operation takes the
     // same slot (free_ is a stack, and the slot ended last is reclaimed first) and copies no
-    // shared_ptr, which costs two atomic operations a call. A ledger kept so is ~3 KB, at
+    // shared_ptr, which costs two atomic operations a call. A ledger kept so is ~10 KB, at
     // most one a slot.
-    if (p.ledger != ledger) p.ledger = ledger;
-    p.operation = operation, p.peer = peer, p.started = now, p.deadline = now + timeout, p.order = ++started_count_;
+    if (p.ledger != ledger) [[unlikely]] p.ledger = ledger;
+    p.peer = peer, p.timeout = timeout, p.started = {}, p.order = ++started_count_;
     p.state.store(slot_pending, std::memory_order_relaxed);  // the lock's release publishes it
-    last_activity_ = now;
+    if (timeout < shortest_timeout_) [[unlikely]] shorten_tick_held(timeout);
+    return p;
+  }
+  // The rare parts of take_held, out of line: no free slot (reclaim the ended ones, or
+  // add one; the first operation also starts the thread), and a shorter timeout.
+  [[gnu::noinline]] void grow_held(std::unique_lock<LedgerLock>& lock) {
     if (!started_) start(lock);
-    if (timeout < shortest_timeout_) {
-      shortest_timeout_ = timeout;
-      wake_.notify_all();
-    }
-    return Watch(slot);
+    reclaim_held();
+    if (!free_.empty()) return;
+    // free_ keeps a place for every slot, so that reclaim_held() never allocates.
+    if (free_.capacity() < slots_.size() + 1) free_.reserve(2 * (slots_.size() + 1));
+    free_.push_back(&slots_.emplace_back());
+  }
+  [[gnu::noinline]] void shorten_tick_held(std::chrono::milliseconds timeout) {
+    shortest_timeout_ = timeout;
+    wake_.notify_all();
   }
 
   // Gives the ended slots back, the one that ended last first (last_ended_, when it has not
@@ -299,11 +293,10 @@ class Watchdog {
     const auto give_back = [&](Pending& p) {
       if (p.state.load(std::memory_order_acquire) != slot_ended) return false;
       p.state.store(slot_free, std::memory_order_relaxed);
-      free_.push_back(p.index);
+      free_.push_back(&p);
       return true;
     };
-    if (const auto hint = last_ended_.load(std::memory_order_relaxed); hint < slots_.size() && give_back(slots_[hint]))
-      return;
+    if (auto* hint = last_ended_.load(std::memory_order_relaxed); hint != nullptr && give_back(*hint)) return;
     for (auto& p : slots_) give_back(p);
   }
 
@@ -314,11 +307,15 @@ class Watchdog {
   // the rank active then (noticed_ends_held): idle times are a tick coarse.
   static void end(Pending* p) noexcept {
     ends_.store(ends_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);  // racing ends still move it
-    last_ended_.store(p->index, std::memory_order_relaxed);
+    last_ended_.store(p, std::memory_order_relaxed);
     p->state.store(slot_ended, std::memory_order_release);
   }
-  void noticed_ends_held(clock::time_point now) {
-    if (const auto e = ends_.load(std::memory_order_relaxed); e != ends_seen_) ends_seen_ = e, last_activity_ = now;
+  [[nodiscard]] bool active_since_tick_held() const noexcept {
+    return ends_.load(std::memory_order_relaxed) != ends_seen_ || started_count_ != starts_seen_;
+  }
+  void noticed_activity_held(clock::time_point now) {
+    if (active_since_tick_held())
+      ends_seen_ = ends_.load(std::memory_order_relaxed), starts_seen_ = started_count_, last_activity_ = now;
   }
 
   void start(std::unique_lock<LedgerLock>&) {
@@ -339,10 +336,16 @@ class Watchdog {
         std::unique_lock lock(mutex_);
         wake_.wait_for(lock, tick());
         const auto now = clock::now();
-        noticed_ends_held(now);
-        for (const auto& p : slots_)
-          if (p.pending() && now >= p.deadline && (!expired || p.order < expired->order))
+        noticed_activity_held(now);
+        for (auto& p : slots_) {
+          if (!p.pending()) continue;
+          if (!p.seen()) {
+            p.started = now;
+            continue;
+          }
+          if (now - p.started >= p.timeout && (!expired || p.order < expired->order))
             expired = static_cast<const Operation&>(p);
+        }
       }
       std::lock_guard serving(channel_mutex_);  // channel_ changes only under both locks
       if (expired) fire(*expired, channel_.get(), self);  // does not return
@@ -354,7 +357,7 @@ class Watchdog {
                          const std::function<RankStatus(std::int64_t)>& self) {
     const auto& ledger = *p.ledger;
     const int me = ledger.members()[static_cast<std::size_t>(ledger.rank())];
-    const auto timeout = ms(p.deadline - p.started);
+    const auto timeout = p.timeout.count();
     const std::string prefix = "paratrain: watchdog on rank " + std::to_string(me) + ": ";
     std::string what = describe_operation(p.operation);
     if (p.peer >= 0)
@@ -421,11 +424,12 @@ class Watchdog {
   std::mutex channel_mutex_;           // held while the channel is used; taken before mutex_
   std::condition_variable_any wake_;
   std::deque<Pending> slots_;        // a Watch points at its slot
-  std::vector<std::uint32_t> free_;  // the free slots, by index
-  static inline std::atomic<std::uint32_t> last_ended_{0};  // the slot that ended last
-  static inline std::atomic<std::uint64_t> ends_{0};        // operations ended, about
-  std::uint64_t ends_seen_ = 0;                             // at the last tick
+  std::vector<Pending*> free_;       // the free slots
+  static inline std::atomic<Pending*> last_ended_{nullptr};  // the slot that ended last
+  static inline std::atomic<std::uint64_t> ends_{0};         // operations ended, about
+  std::uint64_t ends_seen_ = 0;                              // at the last tick
   std::uint64_t started_count_ = 0;
+  std::uint64_t starts_seen_ = 0;  // started_count_ at the last tick
   std::map<std::int64_t, std::weak_ptr<Ledger>> ledgers_;
   clock::time_point last_activity_ = clock::now();
   std::chrono::milliseconds shortest_timeout_ = std::chrono::hours(24);

@@ -12,7 +12,6 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
-#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -56,8 +55,12 @@ concept native_handles = std::default_initializable<N> && std::movable<N> &&
 class KeptTensors {
  public:
   KeptTensors() = default;
-  KeptTensors(std::initializer_list<at::Tensor> tensors) {
-    for (const auto& t : tensors) push(t);
+  // Each tensor copied once (a list of tensors would be copied twice: one more pair of
+  // atomic reference-count operations a tensor, on every non-blocking operation).
+  template <class... T>
+    requires(sizeof...(T) > 0 && (std::same_as<T, at::Tensor> && ...))
+  KeptTensors(const T&... tensors) {  // NOLINT(google-explicit-constructor): request("op", {in, out})
+    (push(tensors), ...);
   }
   KeptTensors(std::vector<at::Tensor> tensors) {  // NOLINT(google-explicit-constructor): a request's keep_ = vector
     if (tensors.size() > few_.size()) {

@@ -88,6 +88,8 @@ inline void check_all_gather(int rank, int ranks, const at::Tensor& in, const at
 struct AllToAllLayout {
   std::span<const std::int64_t> in_counts, out_counts;
   std::int64_t part = 0;
+  void* in_data = nullptr;  // in's and out's first elements, read once (data_ptr() is two calls into c10 each)
+  void* out_data = nullptr;
   [[nodiscard]] bool equal() const noexcept { return in_counts.empty(); }
   [[nodiscard]] std::int64_t in_count(std::size_t i) const noexcept { return equal() ? part : in_counts[i]; }
   [[nodiscard]] std::int64_t out_count(std::size_t i) const noexcept { return equal() ? part : out_counts[i]; }
@@ -98,14 +100,20 @@ struct AllToAllLayout {
 /// checked across ranks under validation: Skeleton::begin_all_to_all), and their layout.
 /// No counts: `in` cut into `ranks` equal parts, `out` as large as `in`. Counts: one per
 /// rank, each side's summing to its tensor's elements.
-inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in, std::span<const std::int64_t> in_counts,
-                                       const at::Tensor& out, std::span<const std::int64_t> out_counts) {
+// The spans by reference: passed by value they went on the stack as two 8-byte stores and
+// came back as one 16-byte load, which waits for both (a store-forwarding stall, ~3 ns a
+// call, docs/benchmarks.md).
+inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in,
+                                       const std::span<const std::int64_t>& in_counts, const at::Tensor& out,
+                                       const std::span<const std::int64_t>& out_counts) {
   const char* op = "all_to_all";
   check_pair(op, rank, in, out, in.numel(), out.numel(), "");
   const auto in_numel = in.numel(), out_numel = out.numel();
   const auto bytes = static_cast<std::int64_t>(in.element_size());
-  const auto* a = static_cast<const char*>(in.data_ptr());
-  const auto* b = static_cast<const char*>(out.data_ptr());
+  auto* const in_data = in.data_ptr();
+  auto* const out_data = out.data_ptr();
+  const auto* a = static_cast<const char*>(in_data);
+  const auto* b = static_cast<const char*>(out_data);
   if (in_numel > 0 && out_numel > 0 && a < b + out_numel * bytes && b < a + in_numel * bytes)
     fail_with(op, rank, [] {
       return "in and out overlap; an all-to-all reads every part of in while it writes out: pass two separate tensors";
@@ -125,6 +133,7 @@ inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in
       });
     AllToAllLayout equal;
     equal.part = in_numel / ranks;
+    equal.in_data = in_data, equal.out_data = out_data;
     return equal;
   }
   const auto check_counts = [&](std::span<const std::int64_t> counts, std::int64_t numel, const char* name) {
@@ -152,6 +161,7 @@ inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in
   check_counts(out_counts, out_numel, "out");
   AllToAllLayout uneven;
   uneven.in_counts = in_counts, uneven.out_counts = out_counts;
+  uneven.in_data = in_data, uneven.out_data = out_data;
   return uneven;
 }
 

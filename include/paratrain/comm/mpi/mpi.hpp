@@ -233,13 +233,13 @@ class Mpi {
     const auto type = datatype(in);
     if (layout.equal()) {
       const int part = static_cast<int>(layout.part);
-      check(MPI_Alltoall(in.data_ptr(), part, type, out.data_ptr(), part, type, native()), "all_to_all");
+      check(MPI_Alltoall(layout.in_data, part, type, layout.out_data, part, type, native()), "all_to_all");
       return;
     }
     auto& l = state_->layout;  // no allocation a call: this rank's one blocking call at a time uses it
     int_layout(layout, l);
     const auto n = size();
-    check(MPI_Alltoallv(in.data_ptr(), l.data(), l.data() + n, type, out.data_ptr(), l.data() + 2 * n, l.data() + 3 * n,
+    check(MPI_Alltoallv(layout.in_data, l.data(), l.data() + n, type, layout.out_data, l.data() + 2 * n, l.data() + 3 * n,
                         type, native()),
           "all_to_all");
   }
@@ -252,15 +252,16 @@ class Mpi {
     const auto type = datatype(in);
     if (layout.equal()) {
       const int part = static_cast<int>(layout.part);
-      check(MPI_Ialltoall(in.data_ptr(), part, type, out.data_ptr(), part, type, native(), r.native_.add()),
+      check(MPI_Ialltoall(layout.in_data, part, type, layout.out_data, part, type, native(), r.native_.add()),
             "all_to_all");
       return r;
     }
     // MPI reads the counts and displacements until the operation completes: the request keeps them.
+    r.native_.counts = detail::take_int_vector();
     int_layout(layout, r.native_.counts);
     const auto* l = r.native_.counts.data();
     const auto n = size();
-    check(MPI_Ialltoallv(in.data_ptr(), l, l + n, type, out.data_ptr(), l + 2 * n, l + 3 * n, type, native(),
+    check(MPI_Ialltoallv(layout.in_data, l, l + n, type, layout.out_data, l + 2 * n, l + 3 * n, type, native(),
                          r.native_.add()),
           "all_to_all");
     return r;
@@ -324,7 +325,8 @@ class Mpi {
 
  private:
   struct State {
-    State(boost::mpi::communicator c, Options o, std::string name) : comm(std::move(c)), options(o) {
+    State(boost::mpi::communicator c, Options o, std::string name)
+        : comm(std::move(c)), comm_handle(static_cast<MPI_Comm>(comm)), options(o) {
       // Errors come back as codes that we turn into paratrain::error, rather than
       // aborting the job from inside MPI.
       MPI_Comm_set_errhandler(native(), MPI_ERRORS_RETURN);
@@ -332,9 +334,12 @@ class Mpi {
                                   detail::Watched(std::move(name), detail::world_ranks(native()), comm.rank(),
                                                   options.timeout));
     }
-    [[nodiscard]] MPI_Comm native() const noexcept { return static_cast<MPI_Comm>(comm); }
+    [[nodiscard]] MPI_Comm native() const noexcept { return comm_handle; }
 
     boost::mpi::communicator comm;
+    // comm's handle, read once: Boost's conversion is a call into libboost_mpi on every
+    // collective, where it was ~2% of a 4 KiB all-to-all's time (docs/benchmarks.md).
+    MPI_Comm comm_handle;
     detail::MpiOps ops;
     Options options;
     std::weak_ptr<Segments> pending;  // Note [Segment order]
@@ -481,9 +486,9 @@ class Mpi {
   }
 
   std::pair<detail::AllToAllLayout, detail::Watch> prepare_all_to_all(const at::Tensor& in,
-                                                                       std::span<const std::int64_t> in_counts,
+                                                                       const std::span<const std::int64_t>& in_counts,
                                                                        const at::Tensor& out,
-                                                                       std::span<const std::int64_t> out_counts) {
+                                                                       const std::span<const std::int64_t>& out_counts) {
     auto layout = detail::check_all_to_all(rank(), size(), in, in_counts, out, out_counts);
     check_on_host("all_to_all", in);
     check_on_host("all_to_all", out);

@@ -57,7 +57,7 @@ namespace paratrain::comm {
 /// stream (Note [Stream order]); the blocking forms wait for them, the `i` forms return a
 /// Request. Like comm::Mpi and comm::Gloo, every operation checks its arguments before any
 /// CUDA or NCCL call, is counted and watched (Note [Watchdog]), its collectives' fingerprint
-/// compared every 64 (Note [Collective fingerprint]), and checked in full across ranks when
+/// compared every 256 (Note [Collective fingerprint]), and checked in full across ranks when
 /// Options::validate is set (Note [Collective validation]).
 ///
 /// Choose it for: CUDA tensors. Choose comm::Mpi for CPU tensors.

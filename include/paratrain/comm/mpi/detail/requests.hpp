@@ -94,6 +94,30 @@ struct MpiSegments {
   }
 };
 
+// The int vectors that hold non-blocking all-to-alls' counts and displacements, kept by
+// each thread when their operations complete and taken by its next ones: a steady stream
+// of them allocates nothing, where a vector a call was a tenth of what paratrain added to
+// a 4 KiB iall_to_all (docs/benchmarks.md). At most eight are kept.
+inline std::vector<std::vector<int>>& spare_int_vectors() {
+  thread_local std::vector<std::vector<int>> spare;
+  return spare;
+}
+inline std::vector<int> take_int_vector() {
+  auto& spare = spare_int_vectors();
+  if (spare.empty()) return {};
+  auto v = std::move(spare.back());
+  spare.pop_back();
+  return v;
+}
+inline void give_back_int_vector(std::vector<int>& v) {
+  if (v.capacity() == 0) return;
+  auto& spare = spare_int_vectors();
+  if (spare.size() >= 8) return;
+  spare.reserve(8);  // allocates once a thread
+  v.clear();
+  spare.push_back(std::move(v));
+}
+
 // MPI's handles on one operation, for detail::BasicRequest (comm/detail/request.hpp):
 // its requests, or its segments.
 struct MpiHandles {
@@ -138,7 +162,7 @@ struct MpiHandles {
       mpi_check(MPI_Waitall(static_cast<int>(more.size()), more.data(), MPI_STATUSES_IGNORE), op, rank);
       more.clear();
     }
-    progress.reset();
+    completed();
   }
   // MPI progresses only inside its calls: this is one.
   [[nodiscard]] bool test(const char* op, int rank) {
@@ -160,8 +184,12 @@ struct MpiHandles {
       mpi_check(MPI_Testall(static_cast<int>(more.size()), more.data(), &done, MPI_STATUSES_IGNORE), op, rank);
       if (done) more.clear();
     }
-    if (done) progress.reset();
+    if (done) completed();
     return done != 0;
+  }
+  void completed() {
+    progress.reset();
+    give_back_int_vector(counts);
   }
   void abandon() noexcept {
     if (segments) new std::shared_ptr<MpiSegments>(std::move(segments));
