@@ -124,6 +124,23 @@ TEST_CASE("skeleton: without validation, the 256th collective compares fingerpri
   CHECK(errors[0].substr(errors[0].find(": the ranks")) == errors[1].substr(errors[1].find(": the ranks")));
 }
 
+// A barrier or a split carries no words and cannot compare: where one is the 256th
+// collective, the comparison is the next collective's (Note [Collective fingerprint]).
+TEST_CASE("skeleton: a barrier that falls on the 256th collective leaves the comparison to the next one") {
+  const auto errors = on_two_ranks(/*validate=*/false, [](int rank, const pd::Skeleton& s, Loopback& transport) {
+    const auto same = torch::zeros({8}, torch::kLong);
+    for (int i = 1; i < 256; ++i) (void)s.begin("all_gather", same, 0, transport);
+    (void)s.collective("barrier");  // #256
+    const auto differs = torch::zeros({rank == 0 ? 6 : 7});
+    (void)s.begin("all_reduce", differs, static_cast<int>(reduce_op::sum), transport);  // #257 compares
+  });
+  for (const auto& e : errors) {
+    CAPTURE(e);
+    CHECK(e.find("the first that differs is #257: all_reduce (Float, 6 elements, sum) on world rank 0; "
+                 "all_reduce (Float, 7 elements, sum) on world rank 1") != std::string::npos);
+  }
+}
+
 // What a rank tells the others' watchdogs (Note [Watchdog]): the oldest operation pending on
 // the communicator asked about, or else the oldest pending anywhere (pending 2), with the
 // communicator's count; a watch ended leaves the table, and the next takes its place.

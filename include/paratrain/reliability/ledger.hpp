@@ -33,7 +33,9 @@ namespace paratrain::detail {
 // all-reduce (the maximum of x and -x meets only where all agree: Note [Collective
 // validation]); on a mismatch they all-gather their histories, which cover every
 // collective since the last agreeing check, and every rank throws the same error naming
-// the first collective that differs and the ranks on each side. The cost is one tiny
+// the first collective that differs and the ranks on each side. A collective that cannot
+// compare (a barrier, a split: they carry no words) leaves the comparison due to the next
+// one that can. The cost is one tiny
 // all-reduce per 256 collectives: per 64, its ~0.5 us (a 4-word all-reduce and the
 // tensor it fills, 2 ranks) was ~8 ns a collective, a sixth of what paratrain added to a
 // 4 KiB all-to-all (docs/benchmarks.md). The full per-call check (PARATRAIN_VALIDATE=1)
@@ -171,6 +173,12 @@ class Ledger {
     std::lock_guard lock(ledger_lock());
     return fingerprint_.value();
   }
+  /// The fingerprint about to be compared; the comparison is no longer due.
+  [[nodiscard]] std::uint64_t fingerprint_to_compare() {
+    std::lock_guard lock(ledger_lock());
+    due_ = false;
+    return fingerprint_.value();
+  }
   [[nodiscard]] std::int64_t count() const {
     std::lock_guard lock(ledger_lock());
     return static_cast<std::int64_t>(count_);
@@ -185,16 +193,22 @@ class Ledger {
  private:
   friend class Watchdog;  // counts and reads under ledger_lock(), which it holds
 
-  // Counts `r` (its seq ignored): its seq, and whether the fingerprint is due.
+  // Counts `r` (its seq ignored): its seq, and whether the fingerprint is due (from every
+  // fingerprint_period-th collective until the comparison takes it: fingerprint_to_compare).
   struct Counted {
     std::int64_t seq;
     bool due;
   };
   Counted record_held(const OperationRecord& r) {
     const auto seq = static_cast<std::int64_t>(++count_);
-    for (std::int64_t v : {r.op, r.dtype, r.numel, r.detail}) fingerprint_.mix(static_cast<std::uint64_t>(v));
+    // two words, where four (one a field) made a chain of four multiplications a collective:
+    // the operation, dtype and detail packed (each within its byte or int), and the count
+    fingerprint_.mix(static_cast<std::uint64_t>(r.op & 0xff) | static_cast<std::uint64_t>((r.dtype + 1) & 0xff) << 8 |
+                     static_cast<std::uint64_t>(static_cast<std::uint32_t>(r.detail)) << 32);
+    fingerprint_.mix(static_cast<std::uint64_t>(r.numel));
     r.store_into(history_[(count_ - 1) % history_length], seq);
-    return {seq, count_ % fingerprint_period == 0};
+    if (count_ % fingerprint_period == 0) due_ = true;
+    return {seq, due_};
   }
   // The last N collectives, oldest first, padded with seq-0 records.
   template <std::size_t N>
@@ -211,6 +225,7 @@ class Ledger {
   int rank_;
   std::int64_t id_ = 0;
   std::uint64_t count_ = 0;
+  bool due_ = false;  // a comparison is due: Note [Collective fingerprint]
   Fnv1a fingerprint_;
   std::array<OperationRecord, history_length> history_{};
 };

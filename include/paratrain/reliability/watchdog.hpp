@@ -60,7 +60,8 @@ namespace paratrain::detail {
 // thread, which sleeps otherwise and wakes every tick (a tenth of the shortest timeout,
 // 20 ms to 1 s) to answer questions and look at the table, stamps an operation with the
 // time of the first tick that sees it pending. An operation is so timed from up to a
-// tick after it began, and is reported at most two ticks after its timeout, where
+// tick after it began, and is reported at most two ticks after its timeout (a tick that
+// serves a slow channel lasts longer: a stopped Gloo store's 5 s), where
 // reading the clock at every start (~5 ns even from the kernel's last tick) was a tenth
 // of what the preamble added to a 4 KiB all-to-all (docs/benchmarks.md).
 
@@ -258,11 +259,17 @@ class Watchdog {
   // writes its record before releasing the lock.
   Pending& take_held(std::unique_lock<LedgerLock>& lock, const std::shared_ptr<Ledger>& ledger,
                      std::chrono::milliseconds timeout, int peer) {
-    if (free_.empty()) [[unlikely]] grow_held(lock);
-    auto& p = *free_.back();
-    free_.pop_back();
-    // A free slot keeps its last ledger: the same communicator's next operation takes the
-    // same slot (free_ is a stack, and the slot ended last is reclaimed first) and copies no
+    // The slot that ended last, taken again where it has not been given back since (one
+    // operation after another: no free list, no call), else a free one.
+    auto* slot = last_ended_.load(std::memory_order_relaxed);
+    if (slot == nullptr || slot->state.load(std::memory_order_acquire) != slot_ended) [[unlikely]] {
+      if (free_.empty()) grow_held(lock);
+      slot = free_.back();
+      free_.pop_back();
+    }
+    auto& p = *slot;
+    // A slot keeps its last ledger: the same communicator's next operation takes the same
+    // slot (the one that ended last, or the top of free_, a stack) and copies no
     // shared_ptr, which costs two atomic operations a call. A ledger kept so is ~10 KB, at
     // most one a slot.
     if (p.ledger != ledger) [[unlikely]] p.ledger = ledger;
@@ -272,7 +279,8 @@ class Watchdog {
     return p;
   }
   // The rare parts of take_held, out of line: no free slot (reclaim the ended ones, or
-  // add one; the first operation also starts the thread), and a shorter timeout.
+  // add one; the first operation also starts the thread), and a shorter timeout. Rare:
+  // an operation that starts while none other is pending takes the slot that ended last.
   [[gnu::noinline]] void grow_held(std::unique_lock<LedgerLock>& lock) {
     if (!started_) start(lock);
     reclaim_held();
@@ -303,8 +311,9 @@ class Watchdog {
   static std::int64_t ms(clock::duration d) { return std::chrono::duration_cast<std::chrono::milliseconds>(d).count(); }
 
   // Without the lock or the clock: an operation's end is three stores (on x86, plain
-  // moves). The watchdog's tick notices that operations ended (ends_ moved) and counts
-  // the rank active then (noticed_ends_held): idle times are a tick coarse.
+  // moves). The watchdog's tick notices that operations started or ended (started_count_
+  // or ends_ moved) and counts the rank active then (noticed_activity_held): idle times
+  // are a tick coarse.
   static void end(Pending* p) noexcept {
     ends_.store(ends_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);  // racing ends still move it
     last_ended_.store(p, std::memory_order_relaxed);
@@ -479,7 +488,7 @@ class Watched {
   /// when the fingerprints differ.
   template <class ReduceMax, class AllGather>
   void compare_fingerprints(int rank, int size, ReduceMax&& reduce_max, AllGather&& all_gather) const {
-    const auto fingerprint = ledger_->fingerprint();
+    const auto fingerprint = ledger_->fingerprint_to_compare();
     const auto high = static_cast<std::int64_t>(fingerprint >> 32), low = static_cast<std::int64_t>(fingerprint & 0xffffffffu);
     auto packed = at::empty({4}, at::kLong);
     auto* p = packed.data_ptr<std::int64_t>();

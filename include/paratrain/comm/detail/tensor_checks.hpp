@@ -47,10 +47,8 @@ inline void check_reduction(const char* op, int rank, const at::Tensor& t, reduc
                     ") would truncate; reduce with reduce_op::sum and divide, or convert to float first");
 }
 
-/// `in` and `out` of a scatter or gather: same dtype, and `out` `factor` times larger
-/// (or smaller, for reduce_scatter) than `in`.
-inline void check_pair(const char* op, int rank, const at::Tensor& in, const at::Tensor& out, std::int64_t in_numel,
-                       std::int64_t out_numel, const char* rule) {
+/// `in` and `out` of an exchange: buffers of the same dtype.
+inline void check_in_out(const char* op, int rank, const at::Tensor& in, const at::Tensor& out) {
   check_buffer(op, rank, in, "in");
   check_buffer(op, rank, out, "out");
   if (in.scalar_type() != out.scalar_type())
@@ -58,6 +56,13 @@ inline void check_pair(const char* op, int rank, const at::Tensor& in, const at:
       return "in is " + std::string(c10::toString(in.scalar_type())) + " but out is " +
              std::string(c10::toString(out.scalar_type())) + "; give both the same dtype";
     });
+}
+
+/// `in` and `out` of a scatter or gather: same dtype, and `out` `factor` times larger
+/// (or smaller, for reduce_scatter) than `in`.
+inline void check_pair(const char* op, int rank, const at::Tensor& in, const at::Tensor& out, std::int64_t in_numel,
+                       std::int64_t out_numel, const char* rule) {
+  check_in_out(op, rank, in, out);
   if (in.numel() != in_numel || out.numel() != out_numel)
     fail_with(op, rank, [&] {
       return "in has " + std::to_string(in.numel()) + " elements and out " + std::to_string(out.numel()) + "; " + rule;
@@ -107,7 +112,7 @@ inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in
                                        const std::span<const std::int64_t>& in_counts, const at::Tensor& out,
                                        const std::span<const std::int64_t>& out_counts) {
   const char* op = "all_to_all";
-  check_pair(op, rank, in, out, in.numel(), out.numel(), "");
+  check_in_out(op, rank, in, out);  // its sizes are checked below, against each other and the counts
   const auto in_numel = in.numel(), out_numel = out.numel();
   const auto bytes = static_cast<std::int64_t>(in.element_size());
   auto* const in_data = in.data_ptr();

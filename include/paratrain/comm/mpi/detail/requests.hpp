@@ -97,25 +97,34 @@ struct MpiSegments {
 // The int vectors that hold non-blocking all-to-alls' counts and displacements, kept by
 // each thread when their operations complete and taken by its next ones: a steady stream
 // of them allocates nothing, where a vector a call was a tenth of what paratrain added to
-// a 4 KiB iall_to_all (docs/benchmarks.md). At most eight are kept.
-inline std::vector<std::vector<int>>& spare_int_vectors() {
-  thread_local std::vector<std::vector<int>> spare;
-  return spare;
+// a 4 KiB iall_to_all (docs/benchmarks.md). At most eight are kept. None once the thread's
+// list is gone (a request completed by a thread-local's or a static's destructor).
+inline thread_local bool spare_int_vectors_gone = false;  // trivially destructible: readable to the end
+struct SpareIntVectors {
+  std::vector<std::vector<int>> vectors;
+  SpareIntVectors() { vectors.reserve(8); }
+  SpareIntVectors(const SpareIntVectors&) = delete;
+  SpareIntVectors& operator=(const SpareIntVectors&) = delete;
+  ~SpareIntVectors() { spare_int_vectors_gone = true; }
+};
+inline std::vector<std::vector<int>>* spare_int_vectors() {
+  if (spare_int_vectors_gone) return nullptr;
+  thread_local SpareIntVectors spare;
+  return &spare.vectors;
 }
 inline std::vector<int> take_int_vector() {
-  auto& spare = spare_int_vectors();
-  if (spare.empty()) return {};
-  auto v = std::move(spare.back());
-  spare.pop_back();
+  auto* spare = spare_int_vectors();
+  if (spare == nullptr || spare->empty()) return {};
+  auto v = std::move(spare->back());
+  spare->pop_back();
   return v;
 }
-inline void give_back_int_vector(std::vector<int>& v) {
+inline void give_back_int_vector(std::vector<int>& v) noexcept {
   if (v.capacity() == 0) return;
-  auto& spare = spare_int_vectors();
-  if (spare.size() >= 8) return;
-  spare.reserve(8);  // allocates once a thread
+  auto* spare = spare_int_vectors();
+  if (spare == nullptr || spare->size() >= 8) return;  // reserved for 8: push_back does not allocate
   v.clear();
-  spare.push_back(std::move(v));
+  spare->push_back(std::move(v));
 }
 
 // MPI's handles on one operation, for detail::BasicRequest (comm/detail/request.hpp):
