@@ -27,22 +27,26 @@ inline double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-/// Seconds per call of each candidate, the median over trials of `iterations` calls each,
-/// started together on every rank, waited for (`ranks.sync`) and ended by the slowest.
+/// Seconds per call of `candidate` in one trial of `iterations` calls, started together on
+/// every rank, waited for (`ranks.sync`) and ended by the slowest.
+inline double time_trial(const Ranks& ranks, int iterations, const std::function<void()>& candidate) {
+  ranks.sync();
+  ranks.barrier();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < iterations; ++i) candidate();
+  ranks.sync();
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return ranks.max(elapsed) / iterations;
+}
+
+/// Seconds per call of each candidate, the median over trials (time_trial), the candidates
+/// in turn within each trial.
 inline std::vector<double> time_alternating(const Ranks& ranks, int trials, int iterations,
                                             const std::vector<std::function<void()>>& candidates) {
   std::vector<std::vector<double>> seconds(candidates.size());
   for (auto& f : candidates) f();  // warm-up: first-touch pages, connections
   for (int t = 0; t < trials; ++t)
-    for (std::size_t c = 0; c < candidates.size(); ++c) {
-      ranks.sync();
-      ranks.barrier();
-      const auto start = std::chrono::steady_clock::now();
-      for (int i = 0; i < iterations; ++i) candidates[c]();
-      ranks.sync();
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      seconds[c].push_back(ranks.max(elapsed) / iterations);
-    }
+    for (std::size_t c = 0; c < candidates.size(); ++c) seconds[c].push_back(time_trial(ranks, iterations, candidates[c]));
   std::vector<double> medians;
   for (auto& s : seconds) medians.push_back(median(std::move(s)));
   return medians;
@@ -73,13 +77,7 @@ inline PairedTimes time_paired(const Ranks& ranks, int trials, int iterations,
   for (int t = 0; t < trials; ++t)
     for (std::size_t k = 0; k < candidates.size(); ++k) {
       const auto c = t % 2 == 0 ? k : candidates.size() - 1 - k;
-      ranks.sync();
-      ranks.barrier();
-      const auto start = std::chrono::steady_clock::now();
-      for (int i = 0; i < iterations; ++i) candidates[c]();
-      ranks.sync();
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      times.trials[c].push_back(ranks.max(elapsed) / iterations);
+      times.trials[c].push_back(time_trial(ranks, iterations, candidates[c]));
     }
   return times;
 }
