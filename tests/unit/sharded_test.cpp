@@ -260,6 +260,36 @@ TEST_CASE("ZeRO stage 3: a step with an empty batch on some ranks takes part in 
   CHECK(max_relative_difference(dp.full_parameters(), model->parameters()) <= 1e-5);
 }
 
+// accumulate() has no forward without samples, and at stage 3 the others' forward gathers
+// each unit with every rank: an empty micro-batch on one rank is an error on every rank (it
+// hung them: the others waited in a gather), after which the ranks still train in step.
+TEST_CASE("ZeRO stage 3: accumulate() with an empty micro-batch on one rank is an error on every rank") {
+  comm::Mpi c;
+  const int world = c.size(), rank = c.rank();
+  const Data data;
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>> dp(make_model({}, rank), c, sgd);
+  const auto b = data.of(world, rank, 0, 4);
+  const auto empty = paratrain::Batch{b.input().narrow(0, 0, 0), b.target.narrow(0, 0, 0)};
+  const bool mine_empty = rank == world - 1;  // the last rank: rank 0 alone at np1
+  CHECK_THROWS_WITH_AS((void)dp.accumulate(mine_empty ? empty : b, loss_fn),
+                       doctest::Contains("an empty micro-batch: under ZeRO stage 3"), paratrain::error);
+  // The same step, whole: single-device LibTorch on every rank's samples.
+  dp.step(b, loss_fn);
+  auto model = make_model({}, 0);
+  torch::optim::SGD optim(model->parameters(), sgd);
+  std::vector<torch::Tensor> xs, ys;
+  for (int r = 0; r < world; ++r) {
+    const auto d = data.of(world, r, 0, 4);
+    xs.push_back(d.input());
+    ys.push_back(d.target);
+  }
+  optim.zero_grad();
+  loss_fn(model->forward(torch::cat(xs)), torch::cat(ys)).backward();
+  optim.step();
+  CHECK(max_relative_difference(dp.full_parameters(), model->parameters()) <= 1e-5);
+}
+
 namespace {
 
 // n units of width x width (and bias), and one parameter outside any unit.

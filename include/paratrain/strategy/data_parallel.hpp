@@ -226,12 +226,21 @@ class DataParallel {
   /// A batch it cannot use is left out and makes that next step an error on every rank.
   /// Where forward communicates (ZeRO stage 3's gathers, an expert or context group's
   /// exchanges) the ranks agree on each micro-batch before its forward instead, and such a
-  /// batch on any rank throws here on every rank (Note [Unusable batches]).
+  /// batch on any rank throws here on every rank (Note [Unusable batches]). At ZeRO stage 3
+  /// an empty micro-batch is such a batch: the rank would have no forward in which to take
+  /// part in the others' gathers (step() and join() take part without samples).
   template <loss_for<output_type> Loss>
   double accumulate(const Batch& batch, Loss&& loss) {
     if (deterministic()) refuse_in_deterministic_mode("DataParallel::accumulate", "accumulate()");
-    if (steps_->communicates_in_forward())
-      steps_->agree_before_forward(forward_problem(std::span<const Batch>(&batch, 1)), "DataParallel::accumulate");
+    if (steps_->communicates_in_forward()) {
+      auto problem = forward_problem(std::span<const Batch>(&batch, 1));
+      if (problem.empty() && Steps::gathers_in_forward && batch.size() == 0)
+        problem =
+            "an empty micro-batch: under ZeRO stage 3 accumulate() gathers each unit in forward with the other "
+            "ranks, and a rank without samples has no forward to take part in; give every rank samples in every "
+            "micro-batch, or this rank's samples in fewer micro-batches (step() and join() take part without any)";
+      steps_->agree_before_forward(problem, "DataParallel::accumulate");
+    }
     steps_->accumulate(0);  // a new step, unless accumulating already
     if (auto problem = detail::batch_problem(batch); !problem.empty()) {  // only where forward does not communicate
       steps_->fail_later(std::move(problem));

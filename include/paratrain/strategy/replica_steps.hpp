@@ -423,7 +423,9 @@ class ReplicaSteps {
   // with no samples (join(), an empty batch) is a problem of its own. Under context
   // parallelism attention exchanges positions over the context group in every forward: the
   // ranks agree alike, and a context group whose ranks have different batches is a problem.
-  // accumulate() agrees before each of its forwards where forward communicates.
+  // accumulate() agrees before each of its forwards where forward communicates; at stage 3
+  // an empty micro-batch is a problem there, as the rank has no forward in which to take part
+  // in the others' gathers (end_step's replay serves a whole step without samples only).
 
   /// Whether forward communicates: ZeRO-3's gathers, an expert or a context group's exchanges.
   [[nodiscard]] bool communicates_in_forward() const noexcept {
