@@ -230,6 +230,30 @@ TEST_CASE("ZeRO stage 3 under fit: ranks with fewer evaluation batches still eva
                            .epsilon(1e-5));
 }
 
+namespace {
+
+// Plain LibTorch, the independent reference: step k an SGD step on the 4 samples each of
+// ranks 0 .. ranks_in_step[k] - 1 (Data::of over `world` ranks); the trained parameters.
+std::vector<torch::Tensor> single_device(const Data& data, int world, const std::vector<int>& ranks_in_step,
+                                         const torch::optim::SGDOptions& sgd) {
+  auto model = make_model({}, 0);
+  torch::optim::SGD optim(model->parameters(), sgd);
+  for (std::size_t k = 0; k < ranks_in_step.size(); ++k) {
+    std::vector<torch::Tensor> xs, ys;
+    for (int r = 0; r < ranks_in_step[k]; ++r) {
+      const auto b = data.of(world, r, static_cast<int>(k), 4);
+      xs.push_back(b.input());
+      ys.push_back(b.target);
+    }
+    optim.zero_grad();
+    loss_fn(model->forward(torch::cat(xs)), torch::cat(ys)).backward();
+    optim.step();
+  }
+  return model->parameters();
+}
+
+}  // namespace
+
 TEST_CASE("ZeRO stage 3: a step with an empty batch on some ranks takes part in the others' gathers") {
   comm::Mpi c;
   const int world = c.size(), rank = c.rank();
@@ -243,21 +267,7 @@ TEST_CASE("ZeRO stage 3: a step with an empty batch on some ranks takes part in 
     return k == 1 && rank > 0 ? paratrain::Batch{b.input().narrow(0, 0, 0), b.target.narrow(0, 0, 0)} : b;
   };
   for (int k = 0; k < 2; ++k) dp.step(mine(k), loss_fn);
-  // Plain LibTorch on the same samples.
-  auto model = make_model({}, 0);
-  torch::optim::SGD optim(model->parameters(), sgd);
-  for (int k = 0; k < 2; ++k) {
-    std::vector<torch::Tensor> xs, ys;
-    for (int r = 0; r < (k == 1 ? 1 : world); ++r) {
-      const auto b = data.of(world, r, k, 4);
-      xs.push_back(b.input());
-      ys.push_back(b.target);
-    }
-    optim.zero_grad();
-    loss_fn(model->forward(torch::cat(xs)), torch::cat(ys)).backward();
-    optim.step();
-  }
-  CHECK(max_relative_difference(dp.full_parameters(), model->parameters()) <= 1e-5);
+  CHECK(max_relative_difference(dp.full_parameters(), single_device(data, world, {world, 1}, sgd)) <= 1e-5);
 }
 
 // accumulate() has no forward without samples, and at stage 3 the others' forward gathers
@@ -276,18 +286,7 @@ TEST_CASE("ZeRO stage 3: accumulate() with an empty micro-batch on one rank is a
                        doctest::Contains("an empty micro-batch: under ZeRO stage 3"), paratrain::error);
   // The same step, whole: single-device LibTorch on every rank's samples.
   dp.step(b, loss_fn);
-  auto model = make_model({}, 0);
-  torch::optim::SGD optim(model->parameters(), sgd);
-  std::vector<torch::Tensor> xs, ys;
-  for (int r = 0; r < world; ++r) {
-    const auto d = data.of(world, r, 0, 4);
-    xs.push_back(d.input());
-    ys.push_back(d.target);
-  }
-  optim.zero_grad();
-  loss_fn(model->forward(torch::cat(xs)), torch::cat(ys)).backward();
-  optim.step();
-  CHECK(max_relative_difference(dp.full_parameters(), model->parameters()) <= 1e-5);
+  CHECK(max_relative_difference(dp.full_parameters(), single_device(data, world, {world}, sgd)) <= 1e-5);
 }
 
 namespace {
