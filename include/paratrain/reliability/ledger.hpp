@@ -161,18 +161,6 @@ class Ledger {
   [[nodiscard]] const std::vector<int>& members() const noexcept { return members_; }
   [[nodiscard]] int rank() const noexcept { return rank_; }
 
-  /// Counts a collective; returns it with its seq, and whether the fingerprint is due.
-  std::pair<OperationRecord, bool> record(OperationRecord r) {
-    std::lock_guard lock(ledger_lock());
-    const auto [seq, due] = record_held(r);
-    r.seq = seq;
-    return {r, due};
-  }
-
-  [[nodiscard]] std::uint64_t fingerprint() const {
-    std::lock_guard lock(ledger_lock());
-    return fingerprint_.value();
-  }
   /// The fingerprint about to be compared; the comparison is no longer due.
   [[nodiscard]] std::uint64_t fingerprint_to_compare() {
     std::lock_guard lock(ledger_lock());
