@@ -484,6 +484,30 @@ void check_all_to_all(C& c, std::optional<at::Device> device = {}) {
       }
     }
   }
+  // Counts that change from call to call on one communicator, each call by the formula
+  // (comm::Mpi keeps its MPI counts from the last call and rewrites them when they
+  // change): only the last rank's sends change, so that every other rank keeps its
+  // in_counts and finds its out_counts changed.
+  for (int round = 0; round < 4; ++round) {
+    const auto count = [&](int from, int to) -> std::int64_t {
+      return (from + 2 * to + (from == n - 1 ? round : 0)) % 3 + 1;
+    };
+    std::vector<std::int64_t> in_counts, out_counts;
+    std::vector<torch::Tensor> in_parts, out_parts;
+    for (int j = 0; j < n; ++j) {
+      in_counts.push_back(count(me, j));
+      in_parts.push_back(routed(me, j, in_counts.back(), torch::kFloat));
+    }
+    for (int i = 0; i < n; ++i) {
+      out_counts.push_back(count(i, me));
+      out_parts.push_back(routed(i, me, out_counts.back(), torch::kFloat));
+    }
+    const auto in = torch::cat(in_parts).to(on.device()), want = torch::cat(out_parts);
+    CAPTURE(round);
+    auto out = torch::full({want.numel()}, 99, on.dtype(torch::kFloat));
+    c.all_to_all(in, in_counts, out, out_counts);
+    CHECK(same(out, want));
+  }
 }
 
 // What a rank can find wrong in its own arguments: the same error on every rank, each

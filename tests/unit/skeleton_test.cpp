@@ -183,6 +183,34 @@ TEST_CASE("watchdog: a rank's status names the oldest operation pending on the c
   CHECK(status(b).operation.op == pd::operation_code("barrier"));
 }
 
+// A record is kept as two words (Note [Stores in the preamble]) and its seq implied by its
+// place in the ledger's ring: what the history gives back is what was issued, numbered,
+// past the ring's wrap too; no dtype, an all-to-all's -1 elements and a negative detail kept.
+TEST_CASE("ledger: records kept in two words come back as issued, numbered, after the history wraps") {
+  using namespace std::chrono_literals;
+  CHECK(pd::PackedRecord::of(pd::operation_code("all_to_all"), -1, -1, -5).unpack(9) ==
+        pd::OperationRecord{9, pd::operation_code("all_to_all"), -1, -1, -5});
+  CHECK(pd::PackedRecord::of(pd::operation_code("broadcast"), static_cast<std::int64_t>(at::kHalf), std::int64_t{1} << 40,
+                             2147483647)
+            .unpack(1) == pd::OperationRecord{1, pd::operation_code("broadcast"), static_cast<std::int64_t>(at::kHalf),
+                                              std::int64_t{1} << 40, 2147483647});
+  const pd::Watched w("wraps", {0}, 0, 60s);
+  const int issued = static_cast<int>(pd::history_length) + 44;
+  const auto op_of = [](int k) { return k % 2 == 0 ? "broadcast" : "all_reduce"; };
+  for (int k = 1; k <= issued; ++k) {
+    auto [watch, due] = w.collective(op_of(k), k % 3 == 0 ? at::kLong : at::kFloat, 3 * k, k % 7 - 3);
+  }
+  const auto s = pd::Watchdog::instance().status(w.ledger().id());
+  CHECK(s.count == issued);
+  for (std::size_t i = 0; i < s.history.size(); ++i) {
+    const int k = issued - static_cast<int>(s.history.size()) + 1 + static_cast<int>(i);
+    CAPTURE(k);
+    CHECK(s.history[i] == pd::OperationRecord{k, pd::operation_code(op_of(k)),
+                                              static_cast<std::int64_t>(k % 3 == 0 ? at::kLong : at::kFloat), 3 * k,
+                                              k % 7 - 3});
+  }
+}
+
 TEST_CASE("skeleton: check_peer names the communicator's ranks") {
   const auto s = make_skeleton(0, false);
   CHECK_NOTHROW(s.check_peer("send", 1));

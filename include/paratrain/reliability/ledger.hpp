@@ -73,14 +73,42 @@ struct OperationRecord {
   std::int64_t detail = 0;  // root or reduction
 
   friend bool operator==(const OperationRecord&, const OperationRecord&) = default;
+};
 
-  /// `to = *this` with `seq`, field by field: a record just built field by field and
-  /// copied whole is read back in 16-byte loads, which GCC makes and which stall on the
-  /// 8-byte stores still in flight (a store-forwarding failure, ~5 ns of a collective's
-  /// preamble, docs/benchmarks.md).
-  void store_into(OperationRecord& to, std::int64_t with_seq) const noexcept {
-    to.seq = with_seq, to.op = op, to.dtype = dtype, to.numel = numel, to.detail = detail;
+// Note [Stores in the preamble]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A collective's copy (MPI's memcpy of a 4 KiB all-to-all, say) leaves the core's store
+// buffer full, and it drains for as long as the next call's preamble runs: there each store
+// waits its turn, about a cycle, while loads and arithmetic are nearly free. Counted with
+// callgrind (docs/benchmarks.md), what paratrain added to a 4 KiB all-to-all was ~95
+// stores a call and timed ~25 ns, about a quarter of a nanosecond a store; 20 extra stores
+// before a raw MPI_Alltoallv cost it ~5 ns. So the preamble is written for few stores: a
+// record is two words (PackedRecord), its seq implied by where it lies; a slot of the
+// watchdog's table is written only where it changes; the argument checks capture what their
+// messages need by value (a capture by reference puts the variable in memory on every call);
+// a layout is built where it is used, not copied.
+
+/// An operation's record as the ledger and the watchdog's table keep it: the operation,
+/// dtype and detail (root, reduction or tag) in one word, the element count in the other,
+/// each within its byte or int. These two words are also what the fingerprint mixes.
+struct PackedRecord {
+  std::uint64_t code = 0;
+  std::int64_t numel = 0;
+
+  [[nodiscard]] static constexpr PackedRecord of(std::int64_t op, std::int64_t dtype, std::int64_t numel,
+                                                 std::int64_t detail) noexcept {
+    return {static_cast<std::uint64_t>(op & 0xff) | static_cast<std::uint64_t>((dtype + 1) & 0xff) << 8 |
+                static_cast<std::uint64_t>(static_cast<std::uint32_t>(detail)) << 32,
+            numel};
   }
+  [[nodiscard]] constexpr OperationRecord unpack(std::int64_t seq) const noexcept {
+    return {seq, static_cast<std::int64_t>(code & 0xff), static_cast<std::int64_t>((code >> 8) & 0xff) - 1, numel,
+            static_cast<std::int32_t>(static_cast<std::uint32_t>(code >> 32))};
+  }
+  /// `to = *this`, word by word: copied whole, a record just built is read back in one
+  /// 16-byte load, which waits for the two 8-byte stores still in flight (a
+  /// store-forwarding stall, ~5 ns of a preamble).
+  void store_into(PackedRecord& to) const noexcept { to.code = code, to.numel = numel; }
 };
 
 /// "all_reduce #12 (Float, 676 elements)"; without the number when `numbered` is false.
@@ -104,13 +132,13 @@ inline std::string describe_operation(const OperationRecord& r, bool numbered = 
   return s;
 }
 
-/// A collective's record, with the seq still to be filled in; dtype -1 for none.
-inline OperationRecord record_of(std::string_view op, std::int64_t dtype, std::int64_t numel, int detail) {
+/// An operation's record; dtype -1 for none.
+inline PackedRecord record_of(std::string_view op, std::int64_t dtype, std::int64_t numel, int detail) {
   // iall_reduce and all_reduce match each other across ranks: one name for both.
   const auto code = operation_code(op == "iall_reduce" ? std::string_view("all_reduce") : op);
-  return {0, code, dtype, numel, detail};
+  return PackedRecord::of(code, dtype, numel, detail);
 }
-inline OperationRecord record_of(std::string_view op, const at::Tensor& t, int detail) {
+inline PackedRecord record_of(std::string_view op, const at::Tensor& t, int detail) {
   return record_of(op, t.defined() ? static_cast<std::int64_t>(t.scalar_type()) : -1, t.defined() ? t.numel() : 0,
                    detail);
 }
@@ -187,16 +215,14 @@ class Ledger {
     std::int64_t seq;
     bool due;
   };
-  Counted record_held(const OperationRecord& r) {
-    const auto seq = static_cast<std::int64_t>(++count_);
-    // two words, where four (one a field) made a chain of four multiplications a collective:
-    // the operation, dtype and detail packed (each within its byte or int), and the count
-    fingerprint_.mix(static_cast<std::uint64_t>(r.op & 0xff) | static_cast<std::uint64_t>((r.dtype + 1) & 0xff) << 8 |
-                     static_cast<std::uint64_t>(static_cast<std::uint32_t>(r.detail)) << 32);
+  Counted record_held(const PackedRecord& r) {
+    const auto count = ++count_;
+    // two words, where four (one a field) made a chain of four multiplications a collective
+    fingerprint_.mix(r.code);
     fingerprint_.mix(static_cast<std::uint64_t>(r.numel));
-    r.store_into(history_[(count_ - 1) % history_length], seq);
-    if (count_ % fingerprint_period == 0) due_ = true;
-    return {seq, due_};
+    r.store_into(history_[(count - 1) % history_length]);  // its seq is `count`: where it lies says so
+    if (count % fingerprint_period == 0) due_ = true;
+    return {static_cast<std::int64_t>(count), due_};
   }
   // The last N collectives, oldest first, padded with seq-0 records.
   template <std::size_t N>
@@ -204,7 +230,10 @@ class Ledger {
     static_assert(N <= history_length);
     std::array<OperationRecord, N> out{};
     const auto n = std::min<std::uint64_t>(count_, N);
-    for (std::uint64_t i = 0; i < n; ++i) out[i] = history_[(count_ - n + i) % history_length];
+    for (std::uint64_t i = 0; i < n; ++i) {
+      const auto seq = count_ - n + i + 1;
+      out[i] = history_[(seq - 1) % history_length].unpack(static_cast<std::int64_t>(seq));
+    }
     return out;
   }
 
@@ -215,7 +244,7 @@ class Ledger {
   std::uint64_t count_ = 0;
   bool due_ = false;  // a comparison is due: Note [Collective fingerprint]
   Fnv1a fingerprint_;
-  std::array<OperationRecord, history_length> history_{};
+  std::array<PackedRecord, history_length> history_{};  // collective k (from 1) at (k - 1) % history_length
 };
 
 /// The first collective that two histories (oldest first) record differently, as the pair.

@@ -146,21 +146,23 @@ class Watchdog {
   };
 
   /// Starts watching an operation of `ledger`'s communicator; `peer` >= 0 for a send or receive.
-  Watch begin(const std::shared_ptr<Ledger>& ledger, const OperationRecord& operation, std::chrono::milliseconds timeout,
+  Watch begin(const std::shared_ptr<Ledger>& ledger, const PackedRecord& operation, std::chrono::milliseconds timeout,
               int peer = -1) {
-    std::unique_lock lock(mutex_);
-    auto& p = take_held(lock, ledger, timeout, peer);
-    operation.store_into(p.operation, operation.seq);
+    std::lock_guard lock(mutex_);  // not a unique_lock: passed on, one was four stores a call
+    auto& p = take_held(ledger, timeout, peer);
+    operation.store_into(p.operation);
+    if (p.seq != 0) p.seq = 0;  // not counted
     return Watch(&p);
   }
   /// Counts a collective on `ledger` (Ledger::record) and starts watching it, under one
   /// acquisition of the lock; says whether the fingerprints are due for comparison.
-  std::pair<Watch, bool> begin_counted(const std::shared_ptr<Ledger>& ledger, const OperationRecord& operation,
+  std::pair<Watch, bool> begin_counted(const std::shared_ptr<Ledger>& ledger, const PackedRecord& operation,
                                        std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mutex_);
-    auto& p = take_held(lock, ledger, timeout, -1);
+    std::lock_guard lock(mutex_);
+    auto& p = take_held(ledger, timeout, -1);
     const auto [seq, due] = ledger->record_held(operation);
-    operation.store_into(p.operation, seq);
+    operation.store_into(p.operation);
+    p.seq = seq;
     return {Watch(&p), due};
   }
 
@@ -220,7 +222,7 @@ class Watchdog {
     }
     if (chosen != nullptr) {
       s.pending = chosen->ledger && chosen->ledger->id() == ledger_id ? 1 : 2;
-      s.operation = chosen->operation;
+      s.operation = chosen->record();
       s.peer = chosen->peer;
       s.age_ms = chosen->seen() ? ms(now - chosen->started) : 0;  // a tick short at most
     }
@@ -230,22 +232,25 @@ class Watchdog {
   }
 
  private:
-  // A slot of the table: written under the lock when its operation starts (take_held),
-  // read under it (status, run), and stamped under it by the watchdog's tick that first
-  // sees it pending (run); its state alone changes without the lock, when the operation
+  // A slot of the table: written under the lock when its operation starts (take_held, only
+  // what changed: Note [Stores in the preamble]), read under it (status, run), and stamped
+  // under it by the watchdog's tick that first sees it pending (run); its state alone
+  // changes without the lock, when the operation
   // ends (end: pending -> ended, a release store). The lock's holder gives an ended slot
   // back to the free ones (reclaim_held). Slots live in a deque: end() touches one while
   // take_held may append others, and a slot's address does not change.
   enum : std::uint8_t { slot_free, slot_pending, slot_ended };
   struct Operation {
     std::shared_ptr<Ledger> ledger;
-    OperationRecord operation;
+    PackedRecord operation;
+    std::int64_t seq = 0;  // on its communicator; 0 for one not counted (a send, a validation)
     int peer = -1;
     std::chrono::milliseconds timeout{};
     clock::time_point started{};  // the first tick that saw it pending; the epoch until then
     std::uint64_t order = 0;      // start order, from 1
 
     [[nodiscard]] bool seen() const noexcept { return started != clock::time_point{}; }
+    [[nodiscard]] OperationRecord record() const noexcept { return operation.unpack(seq); }
   };
   struct Pending : Operation {
     std::atomic<std::uint8_t> state{slot_free};
@@ -257,13 +262,12 @@ class Watchdog {
 
   // A free slot for an operation about to start, taken and marked pending; the caller
   // writes its record before releasing the lock.
-  Pending& take_held(std::unique_lock<LedgerLock>& lock, const std::shared_ptr<Ledger>& ledger,
-                     std::chrono::milliseconds timeout, int peer) {
+  Pending& take_held(const std::shared_ptr<Ledger>& ledger, std::chrono::milliseconds timeout, int peer) {
     // The slot that ended last, taken again where it has not been given back since (one
     // operation after another: no free list, no call), else a free one.
     auto* slot = last_ended_.load(std::memory_order_relaxed);
     if (slot == nullptr || slot->state.load(std::memory_order_acquire) != slot_ended) [[unlikely]] {
-      if (free_.empty()) grow_held(lock);
+      if (free_.empty()) grow_held();
       slot = free_.back();
       free_.pop_back();
     }
@@ -273,7 +277,12 @@ class Watchdog {
     // shared_ptr, which costs two atomic operations a call. A ledger kept so is ~10 KB, at
     // most one a slot.
     if (p.ledger != ledger) [[unlikely]] p.ledger = ledger;
-    p.peer = peer, p.timeout = timeout, p.started = {}, p.order = ++started_count_;
+    // each written only where it changed (Note [Stores in the preamble]): the same
+    // communicator's next operation mostly finds them as it would leave them
+    if (p.peer != peer) p.peer = peer;
+    if (p.timeout != timeout) p.timeout = timeout;
+    if (p.seen()) p.started = {};
+    p.order = ++started_count_;
     p.state.store(slot_pending, std::memory_order_relaxed);  // the lock's release publishes it
     if (timeout < shortest_timeout_) [[unlikely]] shorten_tick_held(timeout);
     return p;
@@ -281,8 +290,8 @@ class Watchdog {
   // The rare parts of take_held, out of line: no free slot (reclaim the ended ones, or
   // add one; the first operation also starts the thread), and a shorter timeout. Rare:
   // an operation that starts while none other is pending takes the slot that ended last.
-  [[gnu::noinline]] void grow_held(std::unique_lock<LedgerLock>& lock) {
-    if (!started_) start(lock);
+  [[gnu::noinline]] void grow_held() {
+    if (!started_) start_held();
     reclaim_held();
     if (!free_.empty()) return;
     // free_ keeps a place for every slot, so that reclaim_held() never allocates.
@@ -316,7 +325,7 @@ class Watchdog {
   // are a tick coarse.
   static void end(Pending* p) noexcept {
     ends_.store(ends_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);  // racing ends still move it
-    last_ended_.store(p, std::memory_order_relaxed);
+    if (last_ended_.load(std::memory_order_relaxed) != p) last_ended_.store(p, std::memory_order_relaxed);
     p->state.store(slot_ended, std::memory_order_release);
   }
   [[nodiscard]] bool active_since_tick_held() const noexcept {
@@ -327,7 +336,7 @@ class Watchdog {
       ends_seen_ = ends_.load(std::memory_order_relaxed), starts_seen_ = started_count_, last_activity_ = now;
   }
 
-  void start(std::unique_lock<LedgerLock>&) {
+  void start_held() {
     std::thread([this] { run(); }).detach();  // one for the process's lifetime
     started_ = true;
   }
@@ -368,11 +377,12 @@ class Watchdog {
     const int me = ledger.members()[static_cast<std::size_t>(ledger.rank())];
     const auto timeout = p.timeout.count();
     const std::string prefix = "paratrain: watchdog on rank " + std::to_string(me) + ": ";
-    std::string what = describe_operation(p.operation);
+    const auto record = p.record();
+    std::string what = describe_operation(record);
     if (p.peer >= 0)
-      what = std::string(operation_name(p.operation.op)) + (p.operation.op == operation_code("send") ? " to" : " from") +
+      what = std::string(operation_name(record.op)) + (record.op == operation_code("send") ? " to" : " from") +
              " rank " + std::to_string(ledger.members()[static_cast<std::size_t>(p.peer)]) + " (tag " +
-             std::to_string(p.operation.detail) + ")";
+             std::to_string(record.detail) + ")";
     std::fprintf(stderr, "%s%s on communicator %s (world ranks %s) did not complete within %.1f s; asking the other ranks\n",
                  prefix.c_str(), what.c_str(), ledger.name().c_str(), rank_list(ledger.members()).c_str(),
                  static_cast<double>(timeout) / 1000.0);
@@ -399,7 +409,7 @@ class Watchdog {
         const auto& s = it->second;
         if (auto d = first_divergence(mine.history, s.history); d && (!difference || d->first.seq < difference->first.seq))
           difference = d, differing_rank = r;
-        if (s.pending == 1 && p.peer < 0 && s.operation == p.operation) {
+        if (s.pending == 1 && p.peer < 0 && s.operation == record) {
           arrived.push_back(r);
           line += "waiting in the same " + describe_operation(s.operation) + " for " + seconds(s.age_ms);
         } else {
@@ -463,7 +473,7 @@ class Watched {
   [[nodiscard]] const Ledger& ledger() const noexcept { return *ledger_; }
 
   /// Watches an operation that is not counted (a validation, a fingerprint comparison).
-  [[nodiscard]] Watch operation(const OperationRecord& record) const {
+  [[nodiscard]] Watch operation(const PackedRecord& record) const {
     return Watchdog::instance().begin(ledger_, record, timeout_);
   }
   /// Counts a collective and watches it; says whether the fingerprints are due for comparison.
@@ -479,7 +489,7 @@ class Watched {
   /// Counts and watches a collective without a tensor (barrier, split).
   [[nodiscard]] Watch collective(std::string_view op) const { return collective(op, at::Tensor(), 0).first; }
   [[nodiscard]] Watch point_to_point(std::string_view op, int peer, int tag) const {
-    return Watchdog::instance().begin(ledger_, {0, operation_code(op), -1, 0, tag}, timeout_, peer);
+    return Watchdog::instance().begin(ledger_, PackedRecord::of(operation_code(op), -1, 0, tag), timeout_, peer);
   }
 
   /// Note [Collective fingerprint], over the communicator's own transport, uncounted:
@@ -490,7 +500,9 @@ class Watched {
   void compare_fingerprints(int rank, int size, ReduceMax&& reduce_max, AllGather&& all_gather) const {
     const auto fingerprint = ledger_->fingerprint_to_compare();
     const auto high = static_cast<std::int64_t>(fingerprint >> 32), low = static_cast<std::int64_t>(fingerprint & 0xffffffffu);
-    auto packed = at::empty({4}, at::kLong);
+    // the thread's own four words, made once: a tensor made every comparison was ~1,200
+    // stores, ~5 a collective at one comparison per 256 (Note [Stores in the preamble])
+    thread_local at::Tensor packed = at::empty({4}, at::kLong);
     auto* p = packed.data_ptr<std::int64_t>();
     p[0] = high, p[1] = low, p[2] = -high, p[3] = -low;
     {

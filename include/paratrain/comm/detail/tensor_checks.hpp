@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -88,33 +90,101 @@ inline void check_all_gather(int rank, int ranks, const at::Tensor& in, const at
 
 /// Where an all-to-all's parts lie: part i of `in` (in_count(i) elements, after those of
 /// ranks 0..i-1) goes to rank i, part i of `out` comes from rank i. A view of the caller's
-/// counts (empty in the equal form, where every part has `part` elements): made per call,
-/// so it allocates nothing.
+/// counts (empty in the equal form, where every part has `part` elements) and of what the
+/// call reads of its tensors, read once: made per call, in place, so that it allocates and
+/// copies nothing (Note [Stores in the preamble]).
 struct AllToAllLayout {
   std::span<const std::int64_t> in_counts, out_counts;
   std::int64_t part = 0;
-  void* in_data = nullptr;  // in's and out's first elements, read once (data_ptr() is two calls into c10 each)
+  void* in_data = nullptr;  // in's and out's first elements (data_ptr() is two calls into c10 each)
   void* out_data = nullptr;
+  at::ScalarType dtype = at::kFloat;
   [[nodiscard]] bool equal() const noexcept { return in_counts.empty(); }
   [[nodiscard]] std::int64_t in_count(std::size_t i) const noexcept { return equal() ? part : in_counts[i]; }
   [[nodiscard]] std::int64_t out_count(std::size_t i) const noexcept { return equal() ? part : out_counts[i]; }
 };
 
+// One side's counts, once the pass over both found something wrong: what, said.
+[[gnu::cold, gnu::noinline]] inline void check_counts(int rank, std::span<const std::int64_t> counts,
+                                                       std::int64_t numel, std::size_t ranks, const char* name) {
+  const char* op = "all_to_all";
+  if (counts.size() != ranks)
+    fail_with(op, rank, [&] {
+      return std::string(name) + "_counts has " + std::to_string(counts.size()) + " entries; give one per rank (" +
+             std::to_string(ranks) + ")";
+    });
+  std::int64_t sum = 0;
+  for (std::size_t i = 0; i < ranks; ++i) {
+    if (counts[i] < 0)
+      fail_with(op, rank, [&] {
+        return std::string(name) + "_counts[" + std::to_string(i) + "] is " + std::to_string(counts[i]) +
+               "; counts are elements, >= 0";
+      });
+    sum += counts[i];
+  }
+  if (sum != numel)
+    fail_with(op, rank, [&] {
+      return std::string(name) + "_counts sum to " + std::to_string(sum) + " elements but " + name + " has " +
+             std::to_string(numel) + "; the parts must cover the tensor exactly";
+    });
+}
+
 /// The arguments of an all-to-all over `ranks` ranks, checked where this rank can check
 /// them (what every rank must agree on, that rank i sends rank j what rank j expects, is
 /// checked across ranks under validation: Skeleton::begin_all_to_all), and their layout.
 /// No counts: `in` cut into `ranks` equal parts, `out` as large as `in`. Counts: one per
-/// rank, each side's summing to its tensor's elements.
+/// rank, each side's summing to its tensor's elements. Neither side may hold more than
+/// `max_elements` (a transport's limit, MPI's int counts).
+// Every fact of a tensor is read before the first call into c10 (data_ptr()), after which
+// it would be read again; the messages capture by value (Note [Stores in the preamble]).
 // The spans by reference: passed by value they went on the stack as two 8-byte stores and
 // came back as one 16-byte load, which waits for both (a store-forwarding stall, ~3 ns a
 // call, docs/benchmarks.md).
 inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in,
                                        const std::span<const std::int64_t>& in_counts, const at::Tensor& out,
-                                       const std::span<const std::int64_t>& out_counts) {
+                                       const std::span<const std::int64_t>& out_counts,
+                                       std::int64_t max_elements = INT64_MAX) {
   const char* op = "all_to_all";
   check_in_out(op, rank, in, out);  // its sizes are checked below, against each other and the counts
+  const auto dtype = in.scalar_type();
   const auto in_numel = in.numel(), out_numel = out.numel();
   const auto bytes = static_cast<std::int64_t>(in.element_size());
+  if (std::max(in_numel, out_numel) > max_elements) [[unlikely]]
+    fail_with(op, rank, [=] {
+      const bool in_too = in_numel > max_elements;
+      return std::string(in_too ? "in" : "out") + " has " + std::to_string(in_too ? in_numel : out_numel) +
+             " elements; this communicator's counts and displacements stop at " + std::to_string(max_elements) +
+             ", so split it";
+    });
+  const auto n = static_cast<std::size_t>(ranks);
+  std::int64_t part = 0;
+  const bool equal = in_counts.empty() && out_counts.empty();
+  if (equal) {
+    if (in_numel % ranks != 0)
+      fail_with(op, rank, [=] {
+        return "in has " + std::to_string(in_numel) + " elements, not a multiple of the " + std::to_string(ranks) +
+               " ranks; pad it, or pass each rank's count (the uneven form: all_to_all(in, in_counts, out, "
+               "out_counts))";
+      });
+    if (out_numel != in_numel)
+      fail_with(op, rank, [=] {
+        return "in has " + std::to_string(in_numel) + " elements and out " + std::to_string(out_numel) +
+               "; out must have as many as in (size() equal parts each)";
+      });
+    part = in_numel / ranks;
+  } else {
+    // one pass over both sides, loads only; what is wrong, found again by check_counts
+    bool ok = in_counts.size() == n && out_counts.size() == n;
+    std::int64_t sent = 0, received = 0;
+    for (std::size_t i = 0; ok && i < n; ++i) {
+      ok = (in_counts[i] | out_counts[i]) >= 0;
+      sent += in_counts[i], received += out_counts[i];
+    }
+    if (!ok || sent != in_numel || received != out_numel) [[unlikely]] {
+      check_counts(rank, in_counts, in_numel, n, "in");
+      check_counts(rank, out_counts, out_numel, n, "out");
+    }
+  }
   auto* const in_data = in.data_ptr();
   auto* const out_data = out.data_ptr();
   const auto* a = static_cast<const char*>(in_data);
@@ -123,51 +193,9 @@ inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in
     fail_with(op, rank, [] {
       return "in and out overlap; an all-to-all reads every part of in while it writes out: pass two separate tensors";
     });
-  const auto n = static_cast<std::size_t>(ranks);
-  if (in_counts.empty() && out_counts.empty()) {
-    if (in_numel % ranks != 0)
-      fail_with(op, rank, [&] {
-        return "in has " + std::to_string(in_numel) + " elements, not a multiple of the " + std::to_string(ranks) +
-               " ranks; pad it, or pass each rank's count (the uneven form: all_to_all(in, in_counts, out, "
-               "out_counts))";
-      });
-    if (out_numel != in_numel)
-      fail_with(op, rank, [&] {
-        return "in has " + std::to_string(in_numel) + " elements and out " + std::to_string(out_numel) +
-               "; out must have as many as in (size() equal parts each)";
-      });
-    AllToAllLayout equal;
-    equal.part = in_numel / ranks;
-    equal.in_data = in_data, equal.out_data = out_data;
-    return equal;
-  }
-  const auto check_counts = [&](std::span<const std::int64_t> counts, std::int64_t numel, const char* name) {
-    if (counts.size() != n)
-      fail_with(op, rank, [&] {
-        return std::string(name) + "_counts has " + std::to_string(counts.size()) + " entries; give one per rank (" +
-               std::to_string(ranks) + ")";
-      });
-    std::int64_t sum = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      if (counts[i] < 0)
-        fail_with(op, rank, [&] {
-          return std::string(name) + "_counts[" + std::to_string(i) + "] is " + std::to_string(counts[i]) +
-                 "; counts are elements, >= 0";
-        });
-      sum += counts[i];
-    }
-    if (sum != numel)
-      fail_with(op, rank, [&] {
-        return std::string(name) + "_counts sum to " + std::to_string(sum) + " elements but " + name + " has " +
-               std::to_string(numel) + "; the parts must cover the tensor exactly";
-      });
-  };
-  check_counts(in_counts, in_numel, "in");
-  check_counts(out_counts, out_numel, "out");
-  AllToAllLayout uneven;
-  uneven.in_counts = in_counts, uneven.out_counts = out_counts;
-  uneven.in_data = in_data, uneven.out_data = out_data;
-  return uneven;
+  // each field written once, in the caller's frame
+  if (equal) return {{}, {}, part, in_data, out_data, dtype};
+  return {in_counts, out_counts, 0, in_data, out_data, dtype};
 }
 
 }  // namespace paratrain::detail

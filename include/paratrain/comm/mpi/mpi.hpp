@@ -229,15 +229,18 @@ class Mpi {
   /// validation (Note [All-to-all across ranks]). One MPI_Alltoallv.
   void all_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
                   std::span<const std::int64_t> out_counts) {
-    const auto [layout, watch] = prepare_all_to_all(in, in_counts, out, out_counts);
-    const auto type = datatype(in);
+    const auto layout = all_to_all_layout(in, in_counts, out, out_counts);
+    const auto watch = begin_all_to_all(layout);
+    const auto type = detail::MpiOps::datatype(layout.dtype);
     if (layout.equal()) {
       const int part = static_cast<int>(layout.part);
       check(MPI_Alltoall(layout.in_data, part, type, layout.out_data, part, type, native()), "all_to_all");
       return;
     }
-    auto& l = state_->layout;  // no allocation a call: this rank's one blocking call at a time uses it
-    int_layout(layout, l);
+    // no allocation a call: this rank's one blocking call at a time uses it; rewritten only
+    // where the counts changed since the last call (Note [Stores in the preamble])
+    auto& l = state_->layout;
+    if (!same_counts(layout, l)) int_layout(layout, l);
     const auto n = size();
     check(MPI_Alltoallv(layout.in_data, l.data(), l.data() + n, type, layout.out_data, l.data() + 2 * n, l.data() + 3 * n,
                         type, native()),
@@ -246,10 +249,10 @@ class Mpi {
   [[nodiscard]] Request iall_to_all(const at::Tensor& in, at::Tensor& out) { return iall_to_all(in, {}, out, {}); }
   [[nodiscard]] Request iall_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
                                     std::span<const std::int64_t> out_counts) {
-    auto [layout, watch] = prepare_all_to_all(in, in_counts, out, out_counts);
+    const auto layout = all_to_all_layout(in, in_counts, out, out_counts);
     auto r = request("all_to_all", {in, out});
-    r.watch_ = std::move(watch);
-    const auto type = datatype(in);
+    r.watch_ = begin_all_to_all(layout);
+    const auto type = detail::MpiOps::datatype(layout.dtype);
     if (layout.equal()) {
       const int part = static_cast<int>(layout.part);
       check(MPI_Ialltoall(layout.in_data, part, type, layout.out_data, part, type, native(), r.native_.add()),
@@ -383,7 +386,11 @@ class Mpi {
   // collectives. Said so, with this rank's side from the ledger (Note [Collective
   // fingerprint]), rather than as MPI's error code alone.
   void check(int rc, const char* op) const {
-    if (rc == MPI_SUCCESS) return;
+    if (rc != MPI_SUCCESS) [[unlikely]] fail_check(rc, op);
+  }
+  // check()'s rare part, out of line: its frame (a ledger's history) cost every call
+  // seven stores when it was inline (Note [Stores in the preamble]).
+  [[gnu::cold, gnu::noinline]] void fail_check(int rc, const char* op) const {
     int cls = MPI_SUCCESS;
     MPI_Error_class(rc, &cls);
     const std::string_view name(op);
@@ -446,6 +453,7 @@ class Mpi {
 
   // Starts the segments an earlier request left pending: Note [Segment order].
   void start_pending_segments() const {
+    if (state_->pending.expired()) return;  // most calls: no store, no atomic operation
     if (auto segments = std::exchange(state_->pending, {}).lock()) segments->start_all("segments", rank());
   }
 
@@ -485,25 +493,31 @@ class Mpi {
     return {in_place, begin("all_gather", in, 0)};
   }
 
-  std::pair<detail::AllToAllLayout, detail::Watch> prepare_all_to_all(const at::Tensor& in,
-                                                                       const std::span<const std::int64_t>& in_counts,
-                                                                       const at::Tensor& out,
-                                                                       const std::span<const std::int64_t>& out_counts) {
-    auto layout = detail::check_all_to_all(rank(), size(), in, in_counts, out, out_counts);
-    check_on_host("all_to_all", in);
+  // An all-to-all's arguments checked (MPI's counts are ints), and their layout, made in
+  // place in the caller's frame: returned with the watch as a pair, it was copied, and read
+  // back in 16-byte loads that waited on the 8-byte stores that wrote it.
+  detail::AllToAllLayout all_to_all_layout(const at::Tensor& in, const std::span<const std::int64_t>& in_counts,
+                                           const at::Tensor& out, const std::span<const std::int64_t>& out_counts) const {
+    check_on_host("all_to_all", in);  // first: inline reads of what check_all_to_all reads, before its calls
     check_on_host("all_to_all", out);
-    for (const auto* side : {&in, &out})
-      if (side->numel() > INT_MAX)
-        detail::fail_with("all_to_all", rank(), [&] {
-          return std::string(side == &in ? "in" : "out") + " has " + std::to_string(side->numel()) +
-                 " elements; MPI's counts and displacements stop at 2^31-1, so split it";
-        });
+    return detail::check_all_to_all(rank(), size(), in, in_counts, out, out_counts, INT_MAX);
+  }
+  [[nodiscard]] detail::Watch begin_all_to_all(const detail::AllToAllLayout& layout) const {
     start_pending_segments();
-    return {layout, skeleton().begin_all_to_all("all_to_all", in.scalar_type(), layout, Words{*this})};
+    return skeleton().begin_all_to_all("all_to_all", layout.dtype, layout, Words{*this});
+  }
+
+  // Whether `ints` (int_layout's) already hold the layout's counts: then its offsets too.
+  bool same_counts(const detail::AllToAllLayout& l, const std::vector<int>& ints) const noexcept {
+    const auto n = static_cast<std::size_t>(size());
+    if (ints.size() != 4 * n) return false;
+    bool same = true;
+    for (std::size_t i = 0; i < n; ++i) same &= ints[i] == l.in_counts[i] && ints[2 * n + i] == l.out_counts[i];
+    return same;
   }
 
   // MPI's int counts and displacements of an all-to-all: in_counts, in_offsets, out_counts,
-  // out_offsets, size() each (fit in int: prepare_all_to_all checked the sizes), into `ints`.
+  // out_offsets, size() each (fit in int: all_to_all_layout checked the sizes), into `ints`.
   void int_layout(const detail::AllToAllLayout& l, std::vector<int>& ints) const {
     const auto n = static_cast<std::size_t>(size());
     ints.resize(4 * n);
