@@ -504,9 +504,11 @@ void check_all_to_all(C& c, std::optional<at::Device> device = {}) {
     }
     const auto in = torch::cat(in_parts).to(on.device()), want = torch::cat(out_parts);
     CAPTURE(round);
-    auto out = torch::full({want.numel()}, 99, on.dtype(torch::kFloat));
-    c.all_to_all(in, in_counts, out, out_counts);
-    CHECK(same(out, want));
+    for (int again = 0; again < 2; ++again) {  // the second call with the same counts
+      auto out = torch::full({want.numel()}, 99, on.dtype(torch::kFloat));
+      c.all_to_all(in, in_counts, out, out_counts);
+      CHECK(same(out, want));
+    }
   }
 }
 
@@ -526,13 +528,18 @@ void check_all_to_all_misuse(C& c, std::optional<at::Device> device = {}) {
   CHECK_THROWS_WITH_AS(c.all_to_all(in, bigger), doctest::Contains("out must have as many as in"), paratrain::error);
   CHECK_THROWS_WITH_AS(c.all_to_all(in, short_list, out, ones), doctest::Contains("give one per rank"),
                        paratrain::error);
-  auto two = ones;
-  two[0] = 2;
-  CHECK_THROWS_WITH_AS(c.all_to_all(in, ones, out, two), doctest::Contains("out_counts sum to"), paratrain::error);
+  auto short_by_one = ones;
+  short_by_one[0] = 0;  // each count within out (a larger one is named as such: `huge` below)
+  CHECK_THROWS_WITH_AS(c.all_to_all(in, ones, out, short_by_one), doctest::Contains("out_counts sum to"),
+                       paratrain::error);
   auto negative = ones;
   negative[0] = -1;  // found before the sum is
   CHECK_THROWS_WITH_AS(c.all_to_all(in, negative, out, ones), doctest::Contains("counts are elements, >= 0"),
                        paratrain::error);
+  auto huge = ones;
+  huge[0] = INT64_MAX;  // found before the sum, which it would overflow
+  CHECK_THROWS_WITH_AS(c.all_to_all(in, huge, out, ones), doctest::Contains("more than the"), paratrain::error);
+  CHECK_THROWS_WITH_AS(c.all_to_all(at::Tensor(), out), doctest::Contains("is undefined"), paratrain::error);
   auto doubles = torch::empty({n}, on.dtype(torch::kDouble));
   CHECK_THROWS_WITH_AS(c.all_to_all(in, doubles), doctest::Contains("give both the same dtype"), paratrain::error);
   auto whole = torch::ones({2 * n}, on);

@@ -500,14 +500,19 @@ class Watched {
   void compare_fingerprints(int rank, int size, ReduceMax&& reduce_max, AllGather&& all_gather) const {
     const auto fingerprint = ledger_->fingerprint_to_compare();
     const auto high = static_cast<std::int64_t>(fingerprint >> 32), low = static_cast<std::int64_t>(fingerprint & 0xffffffffu);
-    // the thread's own four words, made once: a tensor made every comparison was ~1,200
-    // stores, ~5 a collective at one comparison per 256 (Note [Stores in the preamble])
+    // The thread's own four words, made once: a tensor made every comparison was ~1,200
+    // stores, ~5 a collective at one comparison per 256 (Note [Stores in the preamble]).
+    // Replaced when the all-reduce throws: a recoverable Gloo group may leave it running
+    // on Gloo's threads, still writing them (Note [Recoverable groups]).
     thread_local at::Tensor packed = at::empty({4}, at::kLong);
     auto* p = packed.data_ptr<std::int64_t>();
     p[0] = high, p[1] = low, p[2] = -high, p[3] = -low;
-    {
+    try {
       const auto watch = operation(record_of("fingerprint", packed, 0));
       reduce_max(packed);
+    } catch (...) {
+      packed = at::empty({4}, at::kLong);
+      throw;
     }
     if (p[0] == -p[2] && p[1] == -p[3]) return;
     using History = std::array<OperationRecord, history_length>;

@@ -120,6 +120,11 @@ struct AllToAllLayout {
         return std::string(name) + "_counts[" + std::to_string(i) + "] is " + std::to_string(counts[i]) +
                "; counts are elements, >= 0";
       });
+    if (counts[i] > numel)  // before the sum, which it could overflow
+      fail_with(op, rank, [&] {
+        return std::string(name) + "_counts[" + std::to_string(i) + "] is " + std::to_string(counts[i]) +
+               ", more than the " + std::to_string(numel) + " elements of " + name;
+      });
     sum += counts[i];
   }
   if (sum != numel)
@@ -173,16 +178,21 @@ inline AllToAllLayout check_all_to_all(int rank, int ranks, const at::Tensor& in
       });
     part = in_numel / ranks;
   } else {
-    // one pass over both sides, loads only; what is wrong, found again by check_counts
+    // One pass over both sides, loads only; what is wrong, found again by check_counts.
+    // Each count within its tensor (unsigned: >= 0 too), so that the sums cannot overflow.
+    const auto within = [](std::int64_t count, std::int64_t numel) {
+      return static_cast<std::uint64_t>(count) <= static_cast<std::uint64_t>(numel);
+    };
     bool ok = in_counts.size() == n && out_counts.size() == n;
     std::int64_t sent = 0, received = 0;
     for (std::size_t i = 0; ok && i < n; ++i) {
-      ok = (in_counts[i] | out_counts[i]) >= 0;
-      sent += in_counts[i], received += out_counts[i];
+      ok = within(in_counts[i], in_numel) && within(out_counts[i], out_numel);
+      if (ok) sent += in_counts[i], received += out_counts[i];
     }
     if (!ok || sent != in_numel || received != out_numel) [[unlikely]] {
       check_counts(rank, in_counts, in_numel, n, "in");
       check_counts(rank, out_counts, out_numel, n, "out");
+      fail_with(op, rank, [] { return std::string("the counts do not cover the tensors"); });  // not reached
     }
   }
   auto* const in_data = in.data_ptr();

@@ -372,8 +372,9 @@ class Mpi {
 
   // MPI is given host pointers: a GPU tensor's would be read as host memory (a CUDA-aware
   // MPI could take it, but nothing tells which MPI this is).
+  // An undefined tensor passes, for check_buffer to name (it has no device to name here).
   void check_on_host(const char* op, const at::Tensor& t) const {
-    if (!t.is_cpu())
+    if (!t.is_cpu() && t.defined())
       detail::fail_with(op, rank(), [&] {
         return "comm::Mpi takes CPU tensors; this one is on " + t.device().str() +
                " (use comm::Nccl for GPU tensors, or comm::Gloo, which copies them through the host)";
