@@ -252,41 +252,45 @@ std::vector<torch::Tensor> single_device(const Data& data, int world, const std:
   return model->parameters();
 }
 
+// The two cases below: ZeRO stage 3 over comm::Mpi, SGD with momentum, the same data.
+struct Stage3 {
+  comm::Mpi c;
+  int world = c.size(), rank = c.rank();
+  Data data;
+  torch::optim::SGDOptions sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>> dp{make_model({}, rank), c, sgd};
+};
+
+paratrain::Batch without_samples(const paratrain::Batch& b) {
+  return {b.input().narrow(0, 0, 0), b.target.narrow(0, 0, 0)};
+}
+
 }  // namespace
 
 TEST_CASE("ZeRO stage 3: a step with an empty batch on some ranks takes part in the others' gathers") {
-  comm::Mpi c;
-  const int world = c.size(), rank = c.rank();
-  const Data data;
-  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
-  paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>> dp(make_model({}, rank), c, sgd);
+  Stage3 z;
   // Step 0: every rank has 4 samples; step 1: rank 0 alone has any (the others step()
   // with an empty batch, not join()).
   const auto mine = [&](int k) {
-    auto b = data.of(world, rank, k, 4);
-    return k == 1 && rank > 0 ? paratrain::Batch{b.input().narrow(0, 0, 0), b.target.narrow(0, 0, 0)} : b;
+    auto b = z.data.of(z.world, z.rank, k, 4);
+    return k == 1 && z.rank > 0 ? without_samples(b) : b;
   };
-  for (int k = 0; k < 2; ++k) dp.step(mine(k), loss_fn);
-  CHECK(max_relative_difference(dp.full_parameters(), single_device(data, world, {world, 1}, sgd)) <= 1e-5);
+  for (int k = 0; k < 2; ++k) z.dp.step(mine(k), loss_fn);
+  CHECK(max_relative_difference(z.dp.full_parameters(), single_device(z.data, z.world, {z.world, 1}, z.sgd)) <= 1e-5);
 }
 
 // accumulate() has no forward without samples, and at stage 3 the others' forward gathers
 // each unit with every rank: an empty micro-batch on one rank is an error on every rank (it
 // hung them: the others waited in a gather), after which the ranks still train in step.
 TEST_CASE("ZeRO stage 3: accumulate() with an empty micro-batch on one rank is an error on every rank") {
-  comm::Mpi c;
-  const int world = c.size(), rank = c.rank();
-  const Data data;
-  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
-  paratrain::DataParallel<Mlp, comm::Mpi, Sharded<torch::optim::SGD, zero::stage3>> dp(make_model({}, rank), c, sgd);
-  const auto b = data.of(world, rank, 0, 4);
-  const auto empty = paratrain::Batch{b.input().narrow(0, 0, 0), b.target.narrow(0, 0, 0)};
-  const bool mine_empty = rank == world - 1;  // the last rank: rank 0 alone at np1
-  CHECK_THROWS_WITH_AS((void)dp.accumulate(mine_empty ? empty : b, loss_fn),
+  Stage3 z;
+  const auto b = z.data.of(z.world, z.rank, 0, 4);
+  const bool mine_empty = z.rank == z.world - 1;  // the last rank: rank 0 alone at np1
+  CHECK_THROWS_WITH_AS((void)z.dp.accumulate(mine_empty ? without_samples(b) : b, loss_fn),
                        doctest::Contains("an empty micro-batch: under ZeRO stage 3"), paratrain::error);
   // The same step, whole: single-device LibTorch on every rank's samples.
-  dp.step(b, loss_fn);
-  CHECK(max_relative_difference(dp.full_parameters(), single_device(data, world, {world}, sgd)) <= 1e-5);
+  z.dp.step(b, loss_fn);
+  CHECK(max_relative_difference(z.dp.full_parameters(), single_device(z.data, z.world, {z.world}, z.sgd)) <= 1e-5);
 }
 
 namespace {
