@@ -30,8 +30,8 @@
 # Usage: scripts/gpu-check.sh [--quick]      (--quick: 1 epoch and fewer steps, for a smoke run)
 # Environment: PYTHON (python3), PARATRAIN_GPU_DEPS (.gpu-deps), PARATRAIN_GPU_BUILD (build-gpu),
 #   PARATRAIN_TORCH_PREFIX (another LibTorch than the one inside that PyTorch, which the
-#   benchmarks still need), PARATRAIN_GPU_MPI (ON or OFF: with or without MPI; default: ON
-#   where mpicxx is found), PARATRAIN_PEAK_TFLOPS (the GPU's dense
+#   benchmarks still need), PARATRAIN_GPU_MPI (ON, OFF or AUTO: with or without MPI; default:
+#   AUTO, where MPI and Boost.MPI are both found), PARATRAIN_PEAK_TFLOPS (the GPU's dense
 #   bf16 peak, where the table below does not know the GPU), PARATRAIN_FASHION_MNIST (the data).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -87,7 +87,7 @@ if [[ -f $torch_dir/include/gloo/context.h ]]; then
 elif [[ -f $deps/usr/include/gloo/context.h ]]; then
   cmake_args+=("-DPARATRAIN_GLOO_INCLUDE_DIR=$deps/usr/include")
 fi
-mpi=${PARATRAIN_GPU_MPI:-$(command -v mpicxx >/dev/null && echo ON || echo OFF)}
+mpi=${PARATRAIN_GPU_MPI:-AUTO}  # AUTO: where MPI and Boost.MPI are both found (an mpicxx alone is not enough)
 cmake_args+=("-DPARATRAIN_WITH_MPI=$mpi")
 export LD_LIBRARY_PATH=$torch_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
@@ -98,7 +98,9 @@ targets=(paratrain_gloo_tests fashion_mnist_single transformer_single bench_zero
 grep -q 'paratrain::nccl with' "$out/configure.log" && targets+=(fashion_mnist_ddp_nccl)
 grep -q 'paratrain::gloo with' "$out/configure.log" || { say "no paratrain::gloo (c10d Gloo or its headers missing): run scripts/gpu-deps.sh"; exit 1; }
 start=$(date +%s)
-cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$out/build.log" 2>&1 || { grep -E 'error|FAILED' "$out/build.log" | head -30 >&2; exit 1; }
+# -k 0: every target that can be built is, so that one run names every error (the generator is Ninja).
+cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" -- -k 0 >"$out/build.log" 2>&1 ||
+  { grep -E 'error|FAILED' "$out/build.log" | head -60 >&2; exit 1; }
 say "built ${targets[*]} in $(($(date +%s) - start)) s"
 
 # ---- 2. the equivalence suite on CUDA ---------------------------------------------------------
