@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -174,6 +175,44 @@ struct StridedImpl : torch::nn::Module {
   torch::Tensor w;
 };
 TORCH_MODULE(Strided);
+
+// Note [No recursive std::filesystem]: checkpoints remove and list directories with POSIX calls.
+// Against std::filesystem, which is safe here (Debian's LibTorch exports none of it); each rank
+// in a directory of its own.
+TEST_CASE("remove_tree removes a tree as std::filesystem::remove_all does, links not followed; entries lists") {
+  namespace fs = std::filesystem;
+  namespace ck = paratrain::checkpoint::detail;
+  const auto root = fs::temp_directory_path() / ("paratrain-tree-" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  const auto tree = root / "tree", outside = root / "outside";
+  fs::create_directories(tree / "a" / "b");
+  fs::create_directories(outside);
+  std::ofstream(tree / "f") << "x";
+  std::ofstream(tree / "a" / "g") << "y";
+  std::ofstream(tree / "a" / "b" / "h") << "z";
+  std::ofstream(outside / "kept") << "k";
+  fs::create_directory_symlink(outside, tree / "a" / "link");
+  std::set<std::string> names;
+  for (const auto& e : ck::entries(tree)) names.insert(e.lexically_relative(tree).string());
+  CHECK(names == std::set<std::string>{"a", "f"});
+  // What remove_all would count: the tree and every entry under it, the link as one.
+  std::uintmax_t want = 1;
+  for (auto it = fs::recursive_directory_iterator(tree); it != fs::recursive_directory_iterator(); ++it) ++want;
+  CHECK(want == 7);  // tree, f, a, a/g, a/b, a/b/h, a/link
+  std::error_code ec;
+  CHECK(ck::remove_tree(tree, ec) == want);
+  CHECK(!ec);
+  CHECK(!fs::exists(tree));
+  CHECK(fs::exists(outside / "kept"));  // the link went, not what it pointed to
+  CHECK(ck::remove_tree(tree, ec) == 0);  // nothing there: nothing to do, no error
+  CHECK(!ec);
+  CHECK(ck::remove_tree(outside / "kept") == 1);  // a file alone
+  CHECK(!fs::exists(outside / "kept"));
+  CHECK_THROWS_WITH_AS(ck::entries(root / "missing"), doctest::Contains("missing: cannot list"), std::runtime_error);
+  CHECK(ck::entries(root / "missing", ec).empty());
+  CHECK(ec == std::errc::no_such_file_or_directory);
+  fs::remove_all(root);
+}
 
 TEST_CASE("A checkpoint holds a strided parameter's values, not the memory under it") {
   comm::Mpi world;

@@ -63,9 +63,8 @@ inline std::vector<fs::path> list(const fs::path& directory) {
   std::vector<std::pair<std::int64_t, fs::path>> found;
   std::error_code ec;
   if (!fs::is_directory(directory, ec)) return {};
-  for (const auto& e : fs::directory_iterator(directory, ec))
-    if (const auto step = step_of(e.path()); step && fs::exists(e.path() / detail::index_name, ec))
-      found.emplace_back(*step, e.path());
+  for (const auto& e : detail::entries(directory, ec))  // Note [No recursive std::filesystem]
+    if (const auto step = step_of(e); step && fs::exists(e / detail::index_name, ec)) found.emplace_back(*step, e);
   std::sort(found.begin(), found.end());
   std::vector<fs::path> out;
   for (auto& [step, path] : found) out.push_back(std::move(path));
@@ -299,7 +298,7 @@ class Checkpointer {
     const auto partial = options_.directory / detail::partial_name(step);
     std::string err;
     if (rank == 0) try {
-        fs::remove_all(partial);
+        detail::remove_tree(partial);  // Note [No recursive std::filesystem]
         fs::create_directories(partial);
       } catch (const std::exception& e) {
         err = "cannot create the checkpoint directory: " + detail::message_of(e);
@@ -325,7 +324,7 @@ class Checkpointer {
       detail::agree(*s_, "checkpoint::save", err);
     } catch (...) {
       std::error_code ignored;  // the save's error is the one to report
-      if (rank == 0) fs::remove_all(partial, ignored);
+      if (rank == 0) detail::remove_tree(partial, ignored);
       throw;
     }
     job_ = std::move(job);
@@ -397,7 +396,7 @@ class Checkpointer {
     const auto cleanup = [&] {
       if (rank == 0) {
         std::error_code ec;
-        fs::remove_all(job.partial, ec);
+        detail::remove_tree(job.partial, ec);
       }
     };
     s_->all_reduce(table, reduce_op::sum);
@@ -419,13 +418,11 @@ class Checkpointer {
   void prune() {
     if (options_.keep > 0) {
       auto all = list(options_.directory);
-      for (std::size_t i = 0; i + static_cast<std::size_t>(options_.keep) < all.size(); ++i) fs::remove_all(all[i]);
+      for (std::size_t i = 0; i + static_cast<std::size_t>(options_.keep) < all.size(); ++i) detail::remove_tree(all[i]);
     }
     // What a writer killed mid-save left behind.
-    for (const auto& e : fs::directory_iterator(options_.directory)) {
-      const auto name = e.path().filename().string();
-      if (detail::is_leftover(name)) fs::remove_all(e.path());
-    }
+    for (const auto& e : detail::entries(options_.directory))
+      if (detail::is_leftover(e.filename().string())) detail::remove_tree(e);
   }
 
   S* s_;

@@ -3,7 +3,9 @@
 /// The file operations checkpoints are made of: whole writes, positioned reads, fsync,
 /// atomic replacement. Failures throw checkpoint::detail::file_error naming the path.
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -15,6 +17,7 @@
 #include <filesystem>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace paratrain::checkpoint::detail {
@@ -26,6 +29,82 @@ struct file_error : std::runtime_error {
   file_error(const fs::path& path, const std::string& what, int err)
       : std::runtime_error(path.string() + ": " + what + (err ? std::string(": ") + std::strerror(err) : "")) {}
 };
+
+// Note [No recursive std::filesystem]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// PyTorch's wheels since 2.5 export, from a libstdc++ linked into libtorch_cpu.so, symbols of
+// std::filesystem (pytorch/pytorch#133437), and the dynamic linker binds a program's calls to
+// them before the system's libstdc++. With the LibTorch of PyTorch 2.11's wheel,
+// std::filesystem::remove_all jumped to address 0 (the first GPU run, an H200: a segfault in
+// the first checkpoint test, at remove_all + 146). So what removes or lists a directory here is
+// POSIX: remove_tree (nftw, depth first, links not followed) and entries (readdir), which
+// nothing can interpose; tests/static/hosts.py's neighbour, tests/static/filesystem.py, keeps
+// std::filesystem's directory walks out of include/.
+
+/// Removes `path` and, if it is a directory, everything under it (symbolic links themselves,
+/// not what they point to), as std::filesystem::remove_all does: no error where nothing is
+/// there. Returns how many entries went; on failure sets `ec` and stops.
+inline std::uintmax_t remove_tree(const fs::path& path, std::error_code& ec) noexcept {
+  ec.clear();
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return 0;
+    ec.assign(errno, std::generic_category());
+    return static_cast<std::uintmax_t>(-1);
+  }
+  static thread_local std::uintmax_t removed;
+  static thread_local int failure;
+  removed = 0;
+  failure = 0;
+  const auto remove_one = [](const char* p, const struct stat*, int, struct FTW*) -> int {
+    if (::remove(p) != 0 && errno != ENOENT) {
+      failure = errno;
+      return 1;
+    }
+    ++removed;
+    return 0;
+  };
+  if (::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) != 0 || failure != 0) {
+    ec.assign(failure != 0 ? failure : errno, std::generic_category());
+    return static_cast<std::uintmax_t>(-1);
+  }
+  return removed;
+}
+/// remove_tree, throwing file_error.
+inline std::uintmax_t remove_tree(const fs::path& path) {
+  std::error_code ec;
+  const auto n = remove_tree(path, ec);
+  if (ec) throw file_error(path, "cannot remove", ec.value());
+  return n;
+}
+
+/// The entries of directory `dir` (not "." and ".."), as paths under it, in no particular
+/// order; none, with `ec` set, where it cannot be read.
+inline std::vector<fs::path> entries(const fs::path& dir, std::error_code& ec) {
+  ec.clear();
+  std::vector<fs::path> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) {
+    ec.assign(errno, std::generic_category());
+    return out;
+  }
+  errno = 0;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") out.push_back(dir / name);
+    errno = 0;
+  }
+  if (errno != 0) ec.assign(errno, std::generic_category());
+  ::closedir(d);
+  return out;
+}
+/// entries, throwing file_error.
+inline std::vector<fs::path> entries(const fs::path& dir) {
+  std::error_code ec;
+  auto out = entries(dir, ec);
+  if (ec) throw file_error(dir, "cannot list", ec.value());
+  return out;
+}
 
 /// An open file descriptor, closed on destruction.
 class File {
@@ -121,17 +200,17 @@ inline void publish_directory(const fs::path& from, const fs::path& to) {
   if (!fs::exists(to)) return rename_file(from, to);
 #ifdef RENAME_EXCHANGE
   if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) == 0) {
-    fs::remove_all(from);  // now the old one
+    remove_tree(from);  // now the old one
     return;
   }
 #endif
   // No exchange on this file system: move the old one aside first (a crash in between
   // leaves it under `from`.old, still whole).
   const auto old = fs::path(from.string() + ".old");
-  fs::remove_all(old);
+  remove_tree(old);
   rename_file(to, old);
   rename_file(from, to);
-  fs::remove_all(old);
+  remove_tree(old);
 }
 
 }  // namespace paratrain::checkpoint::detail

@@ -142,7 +142,7 @@ Saved save_survivors(S& old, comm::Gloo& group, const std::filesystem::path& dir
   const auto partial = directory / ck::detail::partial_name(m);
   std::string err;
   if (rank == 0) try {
-      std::filesystem::remove_all(partial);
+      ck::detail::remove_tree(partial);  // Note [No recursive std::filesystem]
       std::filesystem::create_directories(partial);
     } catch (const std::exception& e) {
       err = "cannot create " + partial.string() + ": " + paratrain::detail::message_of(e);
