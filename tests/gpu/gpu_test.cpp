@@ -211,12 +211,20 @@ TEST_CASE("[gpu] fit's loader copies batches to the GPU beside the step, and fit
 
 TEST_CASE("[gpu] fp16 autocast with loss scaling trains as a hand-written GradScaler loop on the GPU") {
   if (skipped(!gpu().is_cuda(), "fp16 autocast needs a GPU (LibTorch's CPU autocast is bf16 only)")) return;
-  // DDP over the ranks, fp16 autocast and a scale that grows every 3 clean steps, against one
-  // device on the union of the ranks' batches with GradScaler's steps written out: the loss
-  // times S, backward, the gradients divided by S, the step skipped on Inf or NaN, S halved
-  // then or doubled after 3 clean steps (torch.amp.GradScaler's update).
+  // DDP over the ranks, fp16 autocast and a scale that grows every 3 clean steps, against
+  // GradScaler's steps written out on one device, as PyTorch's DDP runs them on each rank:
+  // each rank's batch's mean loss times S, backward, the gradients averaged over every
+  // sample (each rank's weighted by its samples), divided by S, the step skipped on Inf or
+  // NaN, S halved then or doubled after 3 clean steps (torch.amp.GradScaler's update). Rank r
+  // has 32 samples, or 64 where r is odd (powers of two: paratrain's loss unit is then the
+  // batch itself, Note [Loss scaling], and its fp16 backward overflows exactly where
+  // GradScaler's does).
   const int world = gloo_world().size(), rank = gloo_world().rank();
-  const auto data = fit_reference::make_data(40 * world * 12, 5);
+  const auto samples_of = [](int r) -> std::int64_t { return r % 2 == 0 ? 32 : 64; };
+  std::int64_t global = 0, offset = 0;
+  for (int r = 0; r < world; ++r) global += samples_of(r);
+  for (int r = 0; r < rank; ++r) offset += samples_of(r);
+  const auto data = fit_reference::make_data(global * 12, 5);
   const auto sgd = torch::optim::SGDOptions(0.05).momentum(0.9);
   const paratrain::LossScaling scaling{.init_scale = 65536, .growth_interval = 3};
   auto model = fit_reference::make_net();
@@ -227,27 +235,37 @@ TEST_CASE("[gpu] fp16 autocast with loss scaling trains as a hand-written GradSc
   net->to(gpu());
   torch::optim::SGD optim(net->parameters(), sgd);
   double scale = scaling.init_scale;
-  int clean = 0;
+  int clean = 0, skips = 0;
   for (int t = 0; t < 12; ++t) {
-    const auto all = data.get(torch::arange(t * 40 * world, (t + 1) * 40 * world)).to(gpu());
-    const auto r = s.step(all.narrow(rank * 40, 40), paratrain::CrossEntropy{});
-    optim.zero_grad();
-    {
-      const paratrain::detail::AutocastScope autocast(torch::kHalf, gpu());
-      (torch::nn::functional::cross_entropy(net->forward(all.input()), all.target) * scale).backward();
+    const auto all = data.get(torch::arange(t * global, (t + 1) * global)).to(gpu());
+    const auto r = s.step(all.narrow(offset, samples_of(rank)), paratrain::CrossEntropy{});
+    std::vector<torch::Tensor> sum;
+    for (const auto& p : net->parameters()) sum.push_back(torch::zeros_like(p));
+    for (std::int64_t q = 0, begin = 0; q < world; begin += samples_of(static_cast<int>(q)), ++q) {
+      const auto mine = all.narrow(begin, samples_of(static_cast<int>(q)));
+      optim.zero_grad();
+      {
+        const paratrain::detail::AutocastScope autocast(torch::kHalf, gpu());
+        (torch::nn::functional::cross_entropy(net->forward(mine.input()), mine.target) * scale).backward();
+      }
+      const auto params = net->parameters();
+      for (std::size_t i = 0; i < params.size(); ++i)
+        sum[i] += params[i].grad() * static_cast<double>(mine.size());
     }
     bool finite = true;
-    for (auto& p : net->parameters()) {
-      p.mutable_grad().div_(scale);
-      finite = finite && torch::isfinite(p.grad()).all().item<bool>();
+    const auto params = net->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      params[i].mutable_grad() = sum[i] / (static_cast<double>(global) * scale);
+      finite = finite && torch::isfinite(params[i].grad()).all().item<bool>();
     }
     if (finite) optim.step();
-    if (!finite) scale *= 0.5, clean = 0;
+    if (!finite) scale *= 0.5, clean = 0, ++skips;
     else if (++clean == 3) scale *= 2, clean = 0;
     CAPTURE(t);
     CHECK(r.skipped == !finite);
     CHECK(s.loss_scaler().scale() == scale);
   }
+  MESSAGE("loss scaling on the GPU: " << skips << " of 12 steps skipped, the scale " << scale);
   CHECK(s.loss_scaler().scale() > scaling.init_scale);  // it grew
   CHECK(max_relative_difference(s.model()->parameters(), net->parameters()) <= 1e-3);  // fp16 forward
 }
@@ -282,11 +300,11 @@ TEST_CASE("[gpu] a checkpoint keeps the GPU's random stream") {
   model->to(gpu());
   paratrain::DataParallel<Mlp, comm::Gloo, torch::optim::SGD> s(model, gloo_world(), torch::optim::SGDOptions(0.1));
   const auto dir = scratch("checkpoint");
-  if (s.rank() == 0) std::filesystem::remove_all(dir);
+  if (s.rank() == 0) paratrain::checkpoint::detail::remove_tree(dir);  // Note [No recursive std::filesystem]
   gloo_world().barrier();
   check_generator_in_checkpoint(s, dir);
   gloo_world().barrier();
-  if (s.rank() == 0) std::filesystem::remove_all(dir);
+  if (s.rank() == 0) paratrain::checkpoint::detail::remove_tree(dir);  // Note [No recursive std::filesystem]
 }
 
 // Linear, dropout, tanh, Linear: dropout draws from the GPU's generator.
@@ -359,14 +377,28 @@ TEST_CASE("[gpu] comm::Nccl across the processes, one GPU each: every strategy a
       check_pipeline(nccl, schedule);
 }
 
-TEST_CASE("[gpu] a model on another device than comm::Nccl's is refused on every rank, naming both") {
+TEST_CASE("[gpu] comm::Nccl: a model on the CPU is moved to its GPU; one on another GPU is refused on every rank") {
   if (skipped(!gpu().is_cuda(), "NCCL needs a GPU")) return;
   auto nccl = gpu_suite::nccl_world();
-  auto model = make_model(Features{}, 0);  // on the CPU
   using Ddp = paratrain::DataParallel<Mlp, comm::Nccl, torch::optim::SGD>;
+  const torch::Device mine(torch::kCUDA, static_cast<c10::DeviceIndex>(nccl.device()));
+  {
+    auto model = make_model(Features{}, 0);  // on the CPU: the strategy moves it (as a build function's)
+    Ddp s(model, nccl, torch::optim::SGDOptions(0.1));
+    CHECK(s.model()->parameters().front().device() == mine);
+    CHECK(s.device() == mine);
+  }
+  const auto gpus = static_cast<int>(torch::cuda::device_count());
+  if (gpus < 2) {  // the move above was checked: the case is not a skip
+    MESSAGE("not checked here: a model on another GPU than the communicator's needs two GPUs");
+    return;
+  }
+  const torch::Device other(torch::kCUDA, static_cast<c10::DeviceIndex>((nccl.device() + 1) % gpus));
+  auto model = make_model(Features{}, 0);
+  model->to(other);
   CHECK_THROWS_WITH_AS(Ddp(model, nccl, torch::optim::SGDOptions(0.1)),
-                       doctest::Contains(("the model is on cpu but this rank's communicator works on cuda:" +
-                                          std::to_string(nccl.device()))
+                       doctest::Contains(("the model is on " + other.str() + " but this rank's communicator works on " +
+                                          mine.str())
                                              .c_str()),
                        paratrain::error);
 }

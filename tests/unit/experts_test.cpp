@@ -313,8 +313,11 @@ TORCH_MODULE(ExpertStage);
 // micro-batch one call (its capacity group, as on its rank), the loss the micro-batches'
 // sample-weighted mean of MSE plus both layers' auxiliary losses. Three steps of SGD with
 // momentum; the worst relative difference of this rank's stages' parameters.
+// `scaled`: with loss scaling on (a power of two, so exact): the replicas' first micro-batches
+// differ (2, 3, 4 samples), and an expert's gradient gathers every replica's tokens in backward
+// (Note [Loss scaling]: the unit is 1 under expert parallelism).
 template <class Update>
-double pipeline_both(int ep, int K, moe::Options o) {
+double pipeline_both(int ep, int K, moe::Options o, bool scaled = false) {
   const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
   torch::manual_seed(7);
   ExpertStage ref0(o, 0.0);
@@ -330,7 +333,9 @@ double pipeline_both(int ep, int K, moe::Options o) {
       comm::Mpi(), sgd,
       {.schedule = K == 1 ? paratrain::pipeline::Kind::interleaved_1f1b : paratrain::pipeline::Kind::one_f_one_b,
        .virtual_stages = 2 / K,
-       .data_parallel = {.expert_parallel = ep}});
+       .data_parallel = {.precision = {.loss_scale = scaled ? std::optional(paratrain::LossScaling{.init_scale = 1024})
+                                                           : std::nullopt},
+                         .expert_parallel = ep}});
   REQUIRE(s.pipeline_size() == K);
   REQUIRE(s.expert_group().size() == ep);
   const auto sizes = [](int r) { return std::array<std::int64_t, 2>{2 + r % 3, 3}; };
@@ -577,6 +582,7 @@ TEST_CASE("a pipeline over data x expert ranks equals the single-device model: i
   for (const int ep : paratrain_test::group_degrees(world)) {
     CAPTURE(ep);
     CHECK(pipeline_both<SGD>(ep, 1, {.top_k = 2, .capacity_factor = 1.0}) <= 1e-5);
+    CHECK(pipeline_both<SGD>(ep, 1, {.top_k = 2, .capacity_factor = 1.0}, /*scaled=*/true) <= 1e-5);
   }
   if (world % 2 == 0) {
     // Two pipeline ranks: activations and the auxiliary losses' gradients cross ranks.

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -959,8 +960,11 @@ TEST_CASE("a scaled step equals the unscaled one bit for bit (DDP, ZeRO-3, a pip
   const int world = c.size(), rank = c.rank();
   const paratrain::Precision scaled{.loss_scale = paratrain::LossScaling{.init_scale = 1024, .growth_interval = 2}};
   constexpr int micro = 2, steps = 5;
-  // The gradient each loss receives in backward, recorded: n x the scale of its step. The
-  // bits alone would not show scaling (scaling by a power of 2 and back is exact).
+  // The gradient each loss receives in backward, recorded: n x the scale of its step over the
+  // step's loss unit (GradScaler's scale of the mean loss; the unit: the largest power of two
+  // <= the step's first micro-batch, 3 + q samples, so 2 on replica 0 and 4 on the others:
+  // units that differ by rank). The bits alone would not show scaling (scaling by a power of
+  // 2 and back is exact).
   std::vector<double> seen;
   const auto recorded = [&seen](const Pair& out, const Batch& b) {
     auto l = weighted_with_aux(out, b);
@@ -977,16 +981,18 @@ TEST_CASE("a scaled step equals the unscaled one bit for bit (DDP, ZeRO-3, a pip
     }
     return s.full_parameters();
   };
-  // The scaled run's losses received 1024 x the plain run's in steps 0 and 1, 2048 in 2 and 3,
-  // 4096 in 4 (a growth after every 2 clean steps); the plain run's, n (the micro-batch's samples).
+  // The scaled run's losses received 1024 / unit x the plain run's in steps 0 and 1, 2048 /
+  // unit in 2 and 3, 4096 / unit in 4 (a growth after every 2 clean steps); the plain run's,
+  // n (the micro-batch's samples).
   const auto scaled_by_the_scale = [&](auto& s, auto& plain, int q) {
     const auto got = train(s, q);
     const auto with_scale = seen;
     const auto want = train(plain, q);
     const auto without = seen;
+    const auto unit = static_cast<double>(std::bit_floor(static_cast<unsigned>(3 + q)));
     REQUIRE(with_scale.size() == without.size());
     for (std::size_t i = 0; i < with_scale.size(); ++i)
-      CHECK(with_scale[i] == without[i] * 1024.0 * std::exp2(static_cast<double>(i / micro / 2)));
+      CHECK(with_scale[i] == without[i] * 1024.0 * std::exp2(static_cast<double>(i / micro / 2)) / unit);
     return max_relative_difference(got, want);
   };
   using Zero3 = paratrain::Sharded<torch::optim::SGD, paratrain::zero::stage3>;

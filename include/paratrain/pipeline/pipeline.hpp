@@ -435,11 +435,12 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
     // Note [Mixed precision]: the stage's forward, and the loss, under autocast.
     std::optional<detail::AutocastScope> autocast(std::in_place, options_.data_parallel.precision.autocast, device_);
     // Note [Exact averaging]: the loss's gradient is the sum over the micro-batch's samples,
-    // times the loss scale (Note [Loss scaling]), which every stage's buckets divide out again;
-    // a layer that adds a loss of its own in backward, in any stage, scales it alike
+    // times the loss scale over the step's unit (Note [Loss scaling]: every stage has the
+    // same micro-batches, so the same unit), which every stage's buckets take out again; a
+    // layer that adds a loss of its own in backward, in any stage, scales it alike
     // (Note [Auxiliary loss in backward]).
     const auto n = static_cast<double>(batch.size());
-    const double scale = n * steps_->loss_scaler().scale();
+    const double scale = steps_->backward_factor(batch.size());
     std::optional<BackwardScale> backward_scale(std::in_place, scale);
     const auto outputs = forward(a.stage, inputs);
     Flags needs;

@@ -582,9 +582,9 @@ class DataParallel {
     PhaseTimer forward(timeline_, Phase::forward);
     const Batch batch = host.to(device_);  // Note [One move per batch]
     // Note [Exact averaging]: the gradient of the sum over this rank's samples; times the
-    // loss scale (Note [Loss scaling]), which the buckets' division takes out again. A layer
-    // that adds a loss of its own in backward scales it alike (BackwardScale).
-    const double scale = static_cast<double>(batch.size()) * steps_->loss_scaler().scale();
+    // loss scale over the step's unit (Note [Loss scaling]), which the buckets take out
+    // again. A layer that adds a loss of its own in backward scales it alike (BackwardScale).
+    const double scale = steps_->backward_factor(batch.size());
     const BackwardScale backward_scale(scale);
     at::Tensor l;
     {

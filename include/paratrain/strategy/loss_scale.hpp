@@ -12,21 +12,42 @@
 namespace paratrain {
 
 // Note [Loss scaling]
+// ~~~~~~~~~~~~~~~~~~~
 // fp16's smallest normal number is 6e-5: small gradients of an fp16 forward underflow to 0.
 // So the loss is multiplied by a scale S before backward (every gradient is then S times
-// larger), and the gradients divided by S again before anything reads them. Here both are
-// folded into what every strategy does anyway: each rank back-propagates loss × n × S
-// (Note [Exact averaging]), and the summed buckets are divided by (global samples) × S in
-// the one division they always get, before clipping and the NaN check. A scale too large
-// makes some gradient Inf or NaN: the step's existing check of the reduced gradients
-// (GradientBuckets::totals, summed over every rank, shard and pipeline stage) finds it on
-// every rank at once, every rank skips the optimizer step and halves S; after
+// larger), and the gradients divided by S again before anything reads them. What S
+// multiplies is GradScaler's: the mean loss of the samples a backward pass sees (under
+// PyTorch's DDP, the rank's own batch), so that the same S gives an fp16 backward the same
+// gradients, and overflows where GradScaler's would.
+// Each rank back-propagates its mean loss times n (its samples: Note [Exact averaging])
+// times S / u, where u, the step's loss unit, is the largest power of two <= the samples of
+// the rank's first backward pass in the step: per sample, S / u, which is GradScaler's S / n
+// where the pass has those samples and they are a power of two, and at most twice it where
+// they are not (one backoff more, at most; a later micro-batch larger than the first gets
+// proportionally more). Before its buckets are summed, each rank multiplies them by its u
+// (GradientBuckets::set_input_factor), so that the sums are S times the sums over the
+// samples, as if u were 1, and they are divided by (global samples) x S in the one division
+// they always get, before clipping and the NaN check. u is a power of two, so multiplying and
+// dividing by it rounds nothing in fp32: a scaled step equals the unscaled one bit for bit,
+// and ranks with different units (different batch sizes) give the sums the same bits, unless
+// some fp16 value underflows or overflows at one unit and not at another, which is what the
+// scale is there to prevent. Two exceptions: in deterministic mode each shard's pass takes the
+// unit of its own samples, so that a shard computes the same whichever rank runs it (Note
+// [Deterministic training]); under expert parallelism the unit is 1 (S scales the samples'
+// sum), since an expert's gradient gathers tokens of every rank of its group inside backward,
+// and their batches, so their units, may differ.
+// A scale too large makes some gradient Inf or NaN: the step's existing check of the reduced
+// gradients (GradientBuckets::totals, summed over every rank, shard and pipeline stage) finds
+// it on every rank at once, every rank skips the optimizer step and halves S; after
 // `growth_interval` clean steps in a row every rank doubles it. The decision depends only on
 // agreed numbers, so the ranks' scales never differ. PyTorch's GradScaler keeps one scale
 // per process and relies on DDP having averaged the gradients first; the result is the same.
 // The gradients the scaled backward produces are fp32 (the parameters are), and the buckets
 // are summed in fp32 or bf16 (Precision::reduce; fp16 is refused: its 65504 would overflow on
 // sums of scaled gradients long before the scale needs to back off).
+// Without the unit (n x S, the sum's scale), the first GPU run (an H200) found the fp16
+// backward of a batch of 40 at S = 2^16 overflowing where GradScaler's did not: the logits'
+// gradients reached (p - y) x 2^16 > 65504.
 
 /// GradScaler's parameters (torch.amp.GradScaler's defaults).
 struct LossScaling {
@@ -88,5 +109,13 @@ class LossScaler {
   float scale_ = 1.0F;
   std::int64_t tracker_ = 0;
 };
+
+namespace detail {
+/// The loss unit of a step whose first backward pass has `samples` samples: the largest power
+/// of two <= samples, at least 1 (Note [Loss scaling]).
+inline double loss_unit(std::int64_t samples) {
+  return samples < 1 ? 1.0 : std::ldexp(1.0, std::ilogb(static_cast<double>(samples)));
+}
+}  // namespace detail
 
 }  // namespace paratrain

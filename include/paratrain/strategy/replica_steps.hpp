@@ -181,6 +181,8 @@ class ReplicaSteps {
   /// A new step's gradients start (gradient accumulation: only before its first micro-batch).
   void new_step() {
     pending_problem_.clear();
+    loss_unit_ = 0;
+    grads_->set_input_factor(1.0);
     grads_->zero_grad();
     store_->begin_step();
   }
@@ -200,6 +202,24 @@ class ReplicaSteps {
   void fail_later(std::string problem) {
     if (pending_problem_.empty()) pending_problem_ = std::move(problem);
   }
+  /// What a backward pass over `samples` of this rank's samples multiplies their mean loss
+  /// by: `samples` (Note [Exact averaging]), and under loss scaling the scale over this
+  /// step's loss unit (Note [Loss scaling]), which the buckets multiply back before they are
+  /// summed. Before the pass, also for what a layer adds in backward (BackwardScale).
+  [[nodiscard]] double backward_factor(std::int64_t samples) {
+    const auto n = static_cast<double>(samples);
+    if (!scaler_.active()) return n;
+    // Deterministic mode: each shard's pass is a round of its own, launched alone, so each
+    // takes its own unit (a shard's computation must not depend on which rank runs it). An
+    // expert group: its ranks' token gradients meet inside backward, and their batches may
+    // differ, so the unit is 1 there (the samples' sum scaled: Note [Loss scaling]).
+    if (loss_unit_ == 0 || options_.deterministic.on()) {
+      loss_unit_ = experts_ != nullptr ? 1.0 : detail::loss_unit(samples);
+      grads_->set_input_factor(loss_unit_);
+    }
+    return n * scaler_.scale() / loss_unit_;
+  }
+
   /// Before each backward pass over the module's parameters: `last` for the pass whose
   /// gradients complete the buckets (they are summed as they fill), else they accumulate.
   void before_backward(bool last) { grads_->prepare(/*sync=*/last); }
@@ -563,6 +583,7 @@ class ReplicaSteps {
   std::unique_ptr<Grads> grads_;  // its hooks point at it: a stable address
   OrderedSum<Comm>* ordered_ = nullptr;  // deterministic mode's hook, inside grads_
   bool accumulating_ = false;
+  double loss_unit_ = 0;  // this step's, once its first backward_factor() set it: Note [Loss scaling]
   double pending_samples_ = 0;
   std::string pending_problem_;  // a batch accumulate() could not use: Note [Unusable batches]
   std::int64_t steps_ = 0;       // optimizer steps taken or skipped, for messages and shard seeds

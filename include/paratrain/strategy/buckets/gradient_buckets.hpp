@@ -132,6 +132,11 @@ class GradientBuckets {
     }
   }
 
+  /// What each bucket's gradients are multiplied by before they are summed across ranks, from
+  /// the next launch on: this rank's loss unit under loss scaling (Note [Loss scaling]), a
+  /// power of two, so the product is exact; 1 (the default) leaves them as they are.
+  void set_input_factor(double factor) noexcept { input_factor_ = factor; }
+
   /// Divides every sum by `divisor`: the global sample count (times the loss scale).
   void divide(double divisor) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) output(b).div_(divisor);
@@ -295,6 +300,10 @@ class GradientBuckets {
   }
 
   void launch(std::size_t b) {
+    if (input_factor_ != 1.0) {
+      c10::NoGradGuard no_grad;
+      storage_.input(b).mul_(input_factor_);
+    }
     GradientBucket<Comm> bucket{.index = b,
                                 .input = storage_.input(b),
                                 .output = storage_.output(b),
@@ -330,6 +339,7 @@ class GradientBuckets {
   std::vector<bool> used_anywhere_;
   std::size_t next_launch_ = 0;
   bool sync_ = true;
+  double input_factor_ = 1.0;
   double exposed_seconds_ = 0;
   std::int64_t sent_bytes_ = 0;
   StepTimeline* timeline_ = nullptr;
