@@ -89,7 +89,14 @@ bool same_reduction(const C&, reduce_op op, const torch::Tensor& got, const torc
     if (op == reduce_op::average) {
       const auto dtype = want.scalar_type();
       const double rtol = dtype == torch::kDouble ? 1e-14 : dtype == torch::kFloat ? 1e-6 : 2e-2;
-      return torch::allclose(got.cpu().to(torch::kDouble), want.to(torch::kDouble), rtol, /*atol=*/0);
+      const auto g = got.cpu().to(torch::kDouble), w = want.cpu().to(torch::kDouble);
+      if (torch::allclose(g, w, rtol, /*atol=*/0)) return true;
+      // Where and how far: the first element out of tolerance, and how many are.
+      const auto bad = ((g - w).abs() > w.abs() * rtol).logical_or(g.isnan()).nonzero().reshape({-1});
+      const auto i = bad.numel() > 0 ? bad[0].item<std::int64_t>() : 0;
+      MESSAGE(bad.numel() << " of " << w.numel() << " elements out of tolerance; the first, element " << i
+                          << ": got " << g[i].item<double>() << ", want " << w[i].item<double>());
+      return false;
     }
   }
   return same(got, want);

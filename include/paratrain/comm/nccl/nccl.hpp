@@ -493,10 +493,15 @@ class Nccl {
                                     "float16, int32 and int64");
     }
   }
-  static ncclRedOp_t nccl_op(reduce_op op) {
+  // Note [An average over one rank]
+  // Over one rank an average is the rank's own buffer, and
+  // NCCL 2.28's ncclAvg left the last element of an odd-sized buffer unwritten there (seen on
+  // an H200: a reduce-scatter of 2,359,297 floats, both forms; its sum and max wrote all of
+  // them, and PyTorch, which averages with a premultiplied sum, too). So it is summed.
+  ncclRedOp_t nccl_op(reduce_op op) const {
     switch (op) {
       case reduce_op::sum: return ncclSum;
-      case reduce_op::average: return ncclAvg;
+      case reduce_op::average: return size() == 1 ? ncclSum : ncclAvg;
       case reduce_op::max: return ncclMax;
       case reduce_op::min: return ncclMin;
     }
