@@ -13,6 +13,8 @@ import pathlib
 import re
 import sys
 
+import report
+
 CALLS = re.compile(r"\b(remove_all|recursive_directory_iterator|directory_iterator)\b")
 
 
@@ -27,10 +29,8 @@ def main():
             if m:
                 problems.append(f"{path.relative_to(root)}:{n}: calls std::filesystem's {m.group(1)}; use "
                                 "checkpoint::detail::remove_tree or entries (Note [No recursive std::filesystem])")
-    for p in problems:
-        print(p)
-    print(f"filesystem: {len(headers)} headers, {len(problems)} walking a directory with std::filesystem")
-    return 1 if problems else 0
+    return report.finish(problems, f"filesystem: {len(headers)} headers, {len(problems)} walking a directory with "
+                                   "std::filesystem")
 
 
 if __name__ == "__main__":

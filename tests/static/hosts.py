@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import report
+
 HOSTS = re.compile(r"(deb\.debian\.org|security\.debian\.org|ftp\.[a-z]+\.debian\.org|archive\.ubuntu\.com|"
                    r"pypi\.org|pypi\.python\.org|files\.pythonhosted\.org|registry\.npmjs\.org|center\.conan\.io|"
                    r"center2\.conan\.io)")
@@ -35,10 +37,7 @@ def main():
             m = HOSTS.search(line)
             if m:
                 problems.append(f"{name}:{n}: names the package registry {m.group(1)}; leave the tool its default")
-    for p in problems:
-        print(p)
-    print(f"hosts: {len(files)} files, {len(problems)} naming a registry host")
-    return 1 if problems else 0
+    return report.finish(problems, f"hosts: {len(files)} files, {len(problems)} naming a registry host")
 
 
 if __name__ == "__main__":
