@@ -38,8 +38,9 @@ struct file_error : std::runtime_error {
 // std::filesystem::remove_all jumped to address 0 (the first GPU run, an H200: a segfault in
 // the first checkpoint test, at remove_all + 146). So what removes or lists a directory here is
 // POSIX: remove_tree (nftw, depth first, links not followed) and entries (readdir), which
-// nothing can interpose; tests/static/hosts.py's neighbour, tests/static/filesystem.py, keeps
-// std::filesystem's directory walks out of include/.
+// libc alone provides; tests/static/filesystem.py keeps std::filesystem's directory walks
+// out of include/. (Its other calls here, create_directories, exists, rename, ran on that
+// machine; whether they are bound to LibTorch's copies was not looked at.)
 
 /// Removes `path` and, if it is a directory, everything under it (symbolic links themselves,
 /// not what they point to), as std::filesystem::remove_all does: no error where nothing is

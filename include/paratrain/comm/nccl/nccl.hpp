@@ -494,10 +494,12 @@ class Nccl {
     }
   }
   // Note [An average over one rank]
-  // Over one rank an average is the rank's own buffer, and
-  // NCCL 2.28's ncclAvg left the last element of an odd-sized buffer unwritten there (seen on
-  // an H200: a reduce-scatter of 2,359,297 floats, both forms; its sum and max wrote all of
-  // them, and PyTorch, which averages with a premultiplied sum, too). So it is summed.
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // Over one rank an average is the rank's own buffer, and NCCL 2.28's ncclAvg left the last
+  // element of an odd-sized buffer unwritten there (seen on an H200: a reduce-scatter of
+  // 2,359,297 floats, blocking and not; its sum and max wrote every element, and so did
+  // PyTorch's average, a premultiplied sum). So it is summed. Over more ranks ncclAvg stays:
+  // it has not been run on several GPUs here.
   ncclRedOp_t nccl_op(reduce_op op) const {
     switch (op) {
       case reduce_op::sum: return ncclSum;
