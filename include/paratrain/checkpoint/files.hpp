@@ -39,8 +39,9 @@ struct file_error : std::runtime_error {
 // the first checkpoint test, at remove_all + 146). So what removes or lists a directory here is
 // POSIX: remove_tree (nftw, depth first, links not followed) and entries (readdir), which
 // libc alone provides; tests/static/filesystem.py keeps std::filesystem's directory walks
-// out of include/. (Its other calls here, create_directories, exists, rename, ran on that
-// machine; whether they are bound to LibTorch's copies was not looked at.)
+// out of include/. (The std::filesystem calls left here, create_directories, exists and the
+// like, had not run on that machine when the crash came; whether they are bound to LibTorch's
+// copies, and work there, is not known yet.)
 
 /// Removes `path` and, if it is a directory, everything under it (symbolic links themselves,
 /// not what they point to), as std::filesystem::remove_all does: no error where nothing is
