@@ -159,10 +159,22 @@ else
   check_suite "equivalence, the suite's checks on the CPU" "no GPU: not on CUDA" 2 PARATRAIN_TEST_DEVICE=cpu
 fi
 
-# ---- 3, 4. the demo and the benchmarks, side by side --------------------------------------------
+# The table (step 5) and the check's status: at the end, or here with --suite.
+table_and_exit() {
+  {
+    echo "paratrain GPU check, $(date -u +%Y-%m-%dT%H:%MZ): ${gpu_name:-no GPU} x $gpus, PyTorch $torch_version, CUDA ${torch_cuda:-none}"
+    printf '%-44s %-22s %-16s %s\n' "" "paratrain" "PyTorch" ""
+    printf '%s\n' "${rows[@]}"
+    echo "host allocator: MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647 on both sides; CUDA caching allocator defaults"
+  } | tee "$out/summary.txt"
+  exit "$failed"
+}
 if ((suite_only)); then
   row "the demo and the benchmarks" "not run" "" "--suite: the equivalence suite alone"
-else
+  table_and_exit
+fi
+
+# ---- 3, 4. the demo and the benchmarks, side by side --------------------------------------------
 data=${PARATRAIN_FASHION_MNIST:-}
 for d in "$data" /usr/share/datasets/fashion-mnist "$deps/usr/share/datasets/fashion-mnist"; do
   [[ -n $d && -f $d/train-images-idx3-ubyte.gz ]] && { data=$d; break; }
@@ -279,13 +291,6 @@ else
   row "tensor parallel vs DTensor, t = 2" "not run" "" "$( ((gpus >= 2)) && echo "no paratrain::nccl" || echo "needs 2 GPUs (NCCL: one rank per GPU)")"
 fi
 
-fi  # --suite
 
 # ---- 5. the table -----------------------------------------------------------------------------
-{
-  echo "paratrain GPU check, $(date -u +%Y-%m-%dT%H:%MZ): ${gpu_name:-no GPU} x $gpus, PyTorch $torch_version, CUDA ${torch_cuda:-none}"
-  printf '%-44s %-22s %-16s %s\n' "" "paratrain" "PyTorch" ""
-  printf '%s\n' "${rows[@]}"
-  echo "host allocator: MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=2147483647 on both sides; CUDA caching allocator defaults"
-} | tee "$out/summary.txt"
-exit "$failed"
+table_and_exit
