@@ -100,7 +100,7 @@ class BasicRequest {
       finish_or_abandon();
       native_ = std::exchange(o.native_, Native{});
       keep_ = std::move(o.keep_);
-      then_ = std::move(o.then_);
+      then_ = std::exchange(o.then_, {});
       watch_ = std::move(o.watch_);
       op_ = o.op_;
       rank_ = o.rank_;
@@ -112,20 +112,20 @@ class BasicRequest {
   /// Blocks until the operation is complete; the buffer is then valid. Throws
   /// paratrain::error when the transport failed.
   void wait() {
-    if (!native_.pending()) return;
-    try {
-      native_.wait(op_, rank_);
-    } catch (...) {
-      watch_.release();
-      throw;
+    if (native_.pending()) {
+      try {
+        native_.wait(op_, rank_);
+      } catch (...) {
+        watch_.release();
+        throw;
+      }
     }
-    complete();
+    complete();  // also an operation that had nothing to wait for (an all-to-all over one rank)
   }
 
   /// Makes progress and says whether the operation is complete.
   [[nodiscard]] bool test() {
-    if (!native_.pending()) return true;
-    if (!native_.test(op_, rank_)) return false;
+    if (native_.pending() && !native_.test(op_, rank_)) return false;
     complete();
     return true;
   }

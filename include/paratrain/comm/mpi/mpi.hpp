@@ -13,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -247,26 +248,13 @@ class Mpi {
           "all_to_all");
   }
   [[nodiscard]] Request iall_to_all(const at::Tensor& in, at::Tensor& out) { return iall_to_all(in, {}, out, {}); }
+  /// Non-blocking: Note [Non-blocking all-to-all as messages].
   [[nodiscard]] Request iall_to_all(const at::Tensor& in, std::span<const std::int64_t> in_counts, at::Tensor& out,
                                     std::span<const std::int64_t> out_counts) {
     const auto layout = all_to_all_layout(in, in_counts, out, out_counts);
     auto r = request("all_to_all", {in, out});
     r.watch_ = begin_all_to_all(layout);
-    const auto type = detail::MpiOps::datatype(layout.dtype);
-    if (layout.equal()) {
-      const int part = static_cast<int>(layout.part);
-      check(MPI_Ialltoall(layout.in_data, part, type, layout.out_data, part, type, native(), r.native_.add()),
-            "all_to_all");
-      return r;
-    }
-    // MPI reads the counts and displacements until the operation completes: the request keeps them.
-    r.native_.counts = detail::take_int_vector();
-    int_layout(layout, r.native_.counts);
-    const auto* l = r.native_.counts.data();
-    const auto n = size();
-    check(MPI_Ialltoallv(layout.in_data, l, l + n, type, layout.out_data, l + 2 * n, l + 3 * n, type, native(),
-                         r.native_.add()),
-          "all_to_all");
+    post_all_to_all(layout, r.native_);
     return r;
   }
 
@@ -348,6 +336,9 @@ class Mpi {
     std::weak_ptr<Segments> pending;  // Note [Segment order]
     detail::Skeleton skeleton;        // rank, size; Note [Watchdog], Note [Collective fingerprint]
     std::vector<int> layout;          // a blocking all-to-all's counts and displacements, reused
+    // The non-blocking all-to-alls' messages: Note [Non-blocking all-to-all as messages].
+    std::optional<boost::mpi::communicator> exchange;
+    MPI_Comm exchange_handle = MPI_COMM_NULL;
   };
 
   explicit Mpi(std::shared_ptr<State> s) : state_(std::move(s)) {}
@@ -530,6 +521,74 @@ class Mpi {
       ints[3 * n + i] = received;
       sent += ints[i], received += ints[2 * n + i];
     }
+  }
+
+  // Note [Non-blocking all-to-all as messages]
+  // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+  // iall_to_all posts its exchange as point-to-point messages: this rank's own part copied,
+  // a receive from every other rank into its part of `out`, then a send of every other rank's
+  // part of `in`; the request waits for them in that order. Open MPI 4.1's MPI_Ialltoallv
+  // (libnbc) posts the same messages, through a schedule it allocates, fills and frees on
+  // every call, which made it slower than the blocking MPI_Alltoallv at small sizes (~0.83
+  // against ~0.6 us at 4 KiB on 2 ranks here) and made paratrain's own ~140 ns a call (checks,
+  // watch, request) show: 0.84x raw MPI_Ialltoallv at 4 KiB. Posted directly, the messages
+  // took 0.8x its time at 4 KiB and 0.97-1.0x from 1 MiB on 2, 3 and 4 ranks; iall_to_all now
+  // runs 1.2-1.3x faster than raw MPI_Ialltoallv at 4 KiB, 1.03-1.08x to 256 KiB and ~1.0x
+  // above (docs/benchmarks.md). The blocking forms stay one MPI_Alltoall(v): the same messages
+  // waited for at once were no faster than those.
+  // The messages go on a communicator of their own, a duplicate made by the first non-blocking
+  // all-to-all (collective like it: every rank makes it at the same point), with one tag: they
+  // never match the application's send/recv on this communicator, and MPI's non-overtaking
+  // rule matches successive all-to-alls' messages in order. Every message is posted, empty
+  // ones too: had a rank skipped an empty part that its peer expected not empty, the peer's
+  // receive would match the next all-to-all's message. A peer that sends more than this rank
+  // expects fails the wait, named (mpi_wait_failed); one that sends less is not seen (nor is it
+  // by MPI_Ialltoallv): PARATRAIN_VALIDATE=1 compares every pair's counts before anything is
+  // sent (Note [All-to-all across ranks]).
+  void post_all_to_all(const detail::AllToAllLayout& l, Handles& h) {
+    const MPI_Comm c = exchange();  // first: every rank makes it, even one that fails below
+    const auto n = static_cast<std::size_t>(size()), me = static_cast<std::size_t>(rank());
+    if (l.in_count(me) != l.out_count(me)) [[unlikely]]
+      skeleton().fail("all_to_all", "this rank sends itself " + std::to_string(l.in_count(me)) +
+                                        " elements (in_counts[" + std::to_string(me) + "]) but expects " +
+                                        std::to_string(l.out_count(me)) + " from itself (out_counts[" +
+                                        std::to_string(me) + "]); give both the same count");
+    const auto type = detail::MpiOps::datatype(l.dtype);
+    const auto bytes = static_cast<std::int64_t>(c10::elementSize(l.dtype));
+    auto* const out = static_cast<char*>(l.out_data);
+    const auto* const in = static_cast<const char*>(l.in_data);
+    // This rank's own part first, in pieces of 64 KiB: copied after the messages were posted,
+    // or in one memcpy (whose non-temporal stores glibc uses for large copies), a 128-256 MiB
+    // all-to-all took 3-7% longer than MPI_Ialltoallv, whose copy goes in pieces too.
+    std::int64_t own_in = 0, own_out = 0;
+    for (std::size_t i = 0; i < me; ++i) own_in += l.in_count(i), own_out += l.out_count(i);
+    const auto own = static_cast<std::size_t>(l.in_count(me) * bytes);
+    constexpr std::size_t piece = std::size_t{64} << 10;
+    for (std::size_t from = 0; from < own; from += piece)
+      std::memcpy(out + own_out * bytes + from, in + own_in * bytes + from, std::min(piece, own - from));
+    std::int64_t at = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto k = l.out_count(i);
+      if (i != me)
+        check(MPI_Irecv(out + at * bytes, static_cast<int>(k), type, static_cast<int>(i), 0, c, h.add()), "all_to_all");
+      at += k;
+    }
+    at = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto k = l.in_count(i);
+      if (i != me)
+        check(MPI_Isend(in + at * bytes, static_cast<int>(k), type, static_cast<int>(i), 0, c, h.add()), "all_to_all");
+      at += k;
+    }
+  }
+  // The communicator of the non-blocking all-to-alls' messages, duplicated at the first one.
+  MPI_Comm exchange() {
+    if (state_->exchange_handle != MPI_COMM_NULL) [[likely]]
+      return state_->exchange_handle;
+    state_->exchange.emplace(state_->comm, boost::mpi::comm_duplicate);
+    state_->exchange_handle = static_cast<MPI_Comm>(*state_->exchange);
+    MPI_Comm_set_errhandler(state_->exchange_handle, MPI_ERRORS_RETURN);
+    return state_->exchange_handle;
   }
 
   Request start_reduce_scatter(const at::Tensor& in, at::Tensor& out, reduce_op op, detail::Watch watch) {
