@@ -124,7 +124,7 @@ struct MpiHandles {
   MpiHandles() = default;
   MpiHandles(MpiHandles&& o) noexcept { *this = std::move(o); }
   MpiHandles& operator=(MpiHandles&& o) noexcept {
-    std::copy(o.few_, o.few_ + o.count_, few_);
+    std::copy(o.few_, o.few_ + std::min(o.count_, inline_requests), few_);
     count_ = std::exchange(o.count_, 0);
     more_ = std::move(o.more_);
     o.more_.clear();
