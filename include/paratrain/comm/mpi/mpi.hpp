@@ -532,10 +532,11 @@ class Mpi {
   // every call, which made it slower than the blocking MPI_Alltoallv at small sizes (~0.83
   // against ~0.6 us at 4 KiB on 2 ranks here) and made paratrain's own ~140 ns a call (checks,
   // watch, request) show: 0.84x raw MPI_Ialltoallv at 4 KiB. Posted directly, the messages
-  // took 0.8x its time at 4 KiB and 0.97-1.0x from 1 MiB on 2, 3 and 4 ranks; iall_to_all now
-  // runs 1.2-1.3x faster than raw MPI_Ialltoallv at 4 KiB, 1.03-1.08x to 256 KiB and ~1.0x
-  // above (docs/benchmarks.md). The blocking forms stay one MPI_Alltoall(v): the same messages
-  // waited for at once were no faster than those.
+  // took 0.8-0.9x its time at 4 KiB on 2, 3 and 4 ranks, and as long from 1 MiB; iall_to_all
+  // now runs 1.25x as fast as raw MPI_Ialltoallv at 4 KiB in this VM's fast state (as fast in
+  // its slow one), 1.02-1.06x to 512 KiB and 1.00-1.01x above (docs/benchmarks.md). The
+  // blocking forms stay one MPI_Alltoall(v): the same messages waited for at once were no
+  // faster than those.
   // The messages go on a communicator of their own, a duplicate made by the first non-blocking
   // all-to-all (collective like it: every rank makes it at the same point), with one tag: they
   // never match the application's send/recv on this communicator, and MPI's non-overtaking
@@ -559,7 +560,7 @@ class Mpi {
     const auto* const in = static_cast<const char*>(l.in_data);
     // This rank's own part first, in pieces of 64 KiB: copied after the messages were posted,
     // or in one memcpy (whose non-temporal stores glibc uses for large copies), a 128-256 MiB
-    // all-to-all took 3-7% longer than MPI_Ialltoallv, whose copy goes in pieces too.
+    // all-to-all took 5-9% longer than MPI_Ialltoallv, whose copy goes in pieces too.
     std::int64_t own_in = 0, own_out = 0;
     for (std::size_t i = 0; i < me; ++i) own_in += l.in_count(i), own_out += l.out_count(i);
     const auto own = static_cast<std::size_t>(l.in_count(me) * bytes);
