@@ -515,9 +515,40 @@ TEST_CASE("DataParallel under context parallelism refuses, on every rank and bef
       : std::vector{paratrain::Batch(x.narrow(0, 0, 2), y.narrow(0, 0, 2)), paratrain::Batch(x.narrow(0, 2, 2), y.narrow(0, 2, 2))};
   CHECK_THROWS_WITH_AS(s.step(std::span<const paratrain::Batch>(split), loss), doctest::Contains("as many, of different sizes"),
                        paratrain::error);
+  // The same samples, rank 1's sequences half as long again (36 positions, which every
+  // degree divides): cut alike, the shards would differ in attention's exchanges.
+  const auto longer = [&](const torch::Tensor& t) { return torch::cat({t, t.narrow(1, 0, sequence / 2)}, 1); };
+  const paratrain::Batch stretched = s.rank() == 1 ? paratrain::Batch(longer(x), longer(y)) : whole;
+  CHECK_THROWS_WITH_AS(s.step(stretched, loss), doctest::Contains("as many, of different sizes or shapes"),
+                       paratrain::error);
   // And then a good step, accumulated first.
   CHECK(s.accumulate(whole, loss) > 0);
   CHECK(s.step(whole, loss).global_samples > 0);
+}
+
+TEST_CASE("a pipeline under context parallelism refuses, on every rank and before any forward, a replica whose "
+          "ranks were given sequences of different lengths") {
+  using namespace context_test;
+  const int world = comm::Mpi().size();
+  if (world == 1) return;
+  using P = paratrain::Pipeline<AttentionNet, AttentionNet>;
+  const cp::AttentionOptions o{.causal = true};
+  paratrain::DataParallel<P, comm::Mpi, torch::optim::SGD> s(
+      P([&] { return AttentionNet(o, false); }, [&] { return AttentionNet(o, false, /*cut=*/false); }), comm::Mpi(),
+      torch::optim::SGDOptions(0.1),
+      {.schedule = paratrain::pipeline::Kind::interleaved_1f1b, .virtual_stages = 2,
+       .data_parallel = {.context_parallel = world}});
+  const auto loss = loss_on_positions(s.context_group(), o.layout);
+  const auto [x, y] = batch_of_step(0, 4);
+  // Rank 1's sequences half as long again (36 positions, which every degree divides).
+  const auto longer = [&](const torch::Tensor& t) { return torch::cat({t, t.narrow(1, 0, sequence / 2)}, 1); };
+  const std::vector<paratrain::Batch> mine{s.rank() == 1 ? paratrain::Batch(longer(x), longer(y))
+                                                         : paratrain::Batch(x, y)};
+  CHECK_THROWS_WITH_AS(s.step(std::span<const paratrain::Batch>(mine), loss),
+                       doctest::Contains("were given different micro-batches (as many, of different sizes or shapes)"),
+                       paratrain::error);
+  const std::vector<paratrain::Batch> same{paratrain::Batch(x, y)};
+  CHECK(s.step(std::span<const paratrain::Batch>(same), loss).global_samples == 4.0);
 }
 
 TEST_CASE("context-parallel attention refuses a padding mask that is not bool on every rank; tp::Embeddings refuses, "

@@ -13,6 +13,7 @@
 
 #include "paratrain/core/error.hpp"
 #include "paratrain/core/move_to.hpp"
+#include "paratrain/util/fnv1a.hpp"
 
 namespace paratrain {
 
@@ -114,6 +115,23 @@ inline std::string batch_problem(const Batch& b) {
       return "the batch's inputs hold " + std::to_string(n) + " samples and its extra tensor '" + name + "' " +
              (x.dim() == 0 ? std::string("is a scalar") : samples(x)) + " (dimension 0)";
   return {};
+}
+
+/// Mixes into `h` what the ranks given the same micro-batch `b` must agree on: its sample
+/// count and, where they cut its sequences over a context group (`shapes`), the whole shape
+/// of every input and of the targets. Context ranks given sequences of different lengths
+/// would exchange shards of different sizes in attention: a truncated message on one rank
+/// and a hang on another, where the step's agreement makes it an error on every rank.
+inline void mix_micro_batch(Fnv1a& h, const Batch& b, bool shapes) {
+  h.mix(static_cast<std::uint64_t>(b.size()));
+  if (!shapes) return;
+  const auto mix_shape = [&](const at::Tensor& t) {
+    h.mix(static_cast<std::uint64_t>(t.defined() ? t.dim() : -1));
+    if (t.defined())
+      for (const auto d : t.sizes()) h.mix(static_cast<std::uint64_t>(d));
+  };
+  for (const auto& x : b.inputs) mix_shape(x);
+  mix_shape(b.target);
 }
 
 /// A batch that every strategy refuses (batch_problem names it), for a rank that could not

@@ -25,7 +25,9 @@ namespace paratrain::pipeline::detail {
 // watchdog's timeout), and given different sizes the last stage's loss would fail on one
 // rank only. So each step begins with one MAX all-reduce over the world of 5 numbers per
 // replica: each rank fills its replica's (count, -count, h, -h, bad), h a hash of the
-// sizes and bad 1 when a micro-batch is malformed (detail::batch_problem), and the lowest
+// sizes (under context parallelism of every input's and the targets' whole shape too: the
+// replica's context ranks cut the same sequences; detail::mix_micro_batch) and bad 1 when a
+// micro-batch is malformed (detail::batch_problem), and the lowest
 // value elsewhere. A replica whose ranks disagree, or a malformed micro-batch anywhere,
 // makes every rank throw; replicas may differ from each other (the last, short batch; join),
 // except under expert parallelism: each stage's mixtures of experts exchange tokens with the
@@ -39,14 +41,14 @@ namespace paratrain::pipeline::detail {
 /// replica `replica` of `replicas`. Collective over `world`.
 template <class Comm>
 void check_same_micro_batches(Comm& world, std::span<const Batch> micro, int replica, int replicas,
-                              const at::Device& device, int expert = 1) {
+                              const at::Device& device, int expert = 1, bool context = false) {
   std::string problem;  // first: Batch::size() itself throws on a scalar input
   for (std::size_t i = 0; i < micro.size() && problem.empty(); ++i)
     if (auto p = paratrain::detail::batch_problem(micro[i]); !p.empty())
       problem = "micro-batch " + std::to_string(i) + ": " + p;
   paratrain::detail::Fnv1a sizes;
   if (problem.empty())
-    for (const auto& b : micro) sizes.mix(static_cast<std::uint64_t>(b.size()));
+    for (const auto& b : micro) paratrain::detail::mix_micro_batch(sizes, b, /*shapes=*/context);
   const auto m = static_cast<std::int64_t>(micro.size()), hash = sizes.value62();
   std::int64_t smallest = 0;  // an empty step counts as an empty micro-batch
   if (problem.empty() && m > 0) {
@@ -70,7 +72,8 @@ void check_same_micro_batches(Comm& world, std::span<const Batch> micro, int rep
                   "the ranks of pipeline replica " + std::to_string(r) + " were given different micro-batches (" +
                       (v[n * r] != -v[n * r + 1]
                            ? "from " + std::to_string(-v[n * r + 1]) + " to " + std::to_string(v[n * r]) + " of them"
-                           : std::string("as many, of different sizes")) +
+                           : std::string(context ? "as many, of different sizes or shapes"
+                                                 : "as many, of different sizes")) +
                       "): every stage of one replica runs on the same micro-batches (fit gives them so; Note "
                       "[Same micro-batches])");
   if (expert <= 1) return;

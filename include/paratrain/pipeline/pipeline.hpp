@@ -322,7 +322,7 @@ class DataParallel<Pipeline<Stage...>, Comm, Update> {
   /// different micro-batches, or one a micro-batch it cannot use.
   void check_same_micro_batches(std::span<const Batch> micro) {
     pipeline::detail::check_same_micro_batches(mesh_.world(), micro, replica_, replicas_, device_,
-                                               mesh_.size(Dim::expert));
+                                               mesh_.size(Dim::expert), mesh_.size(Dim::context) > 1);
   }
 
   /// `options` with the shard group the update's type names (Sharded<Optim, Stage, G>), as

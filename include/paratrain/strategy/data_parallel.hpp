@@ -453,7 +453,8 @@ class DataParallel {
   // with another number of micro-batches than the rest of its group, cannot take part. Under
   // context parallelism the ranks of a context group hold the positions of the same samples
   // and attend over each other's in every forward: they have the same micro-batches, of the
-  // same sizes (compared by a hash, as a pipeline replica's: check_same_micro_batches), or
+  // same sizes and shapes (compared by a hash, as a pipeline replica's:
+  // check_same_micro_batches, detail::mix_micro_batch), or
   // none alike (a data shard out of samples joins whole). The counts are compared (one
   // all-reduce over each such group) only where there is one, and whatever this rank found:
   // a context group with a problem still meets an expert group that spans others.
@@ -475,7 +476,7 @@ class DataParallel {
       for (const auto& b : micro_batches) {
         samples += b.size();
         an_empty_one = an_empty_one || b.size() == 0;
-        sizes.mix(static_cast<std::uint64_t>(b.size()));
+        detail::mix_micro_batch(sizes, b, /*shapes=*/context);
       }
     if (context) {
       const auto hash = sizes.value62();
@@ -485,7 +486,7 @@ class DataParallel {
       if (problem.empty() && (v[0] != -v[1] || v[2] != -v[3]))
         problem = "the ranks of a context group have different micro-batches this step (" +
                   (v[0] != -v[1] ? "from " + std::to_string(-v[1]) + " to " + std::to_string(v[0]) + " of them"
-                                 : std::string("as many, of different sizes")) +
+                                 : std::string("as many, of different sizes or shapes")) +
                   "; this rank " + std::to_string(n) + ", " + std::to_string(samples) +
                   " samples); they hold the positions of the same samples, and attention exchanges them in every "
                   "forward: give the ranks of a context group the same batches (DataParallel::data_shard() names "
