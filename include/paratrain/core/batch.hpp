@@ -13,7 +13,6 @@
 
 #include "paratrain/core/error.hpp"
 #include "paratrain/core/move_to.hpp"
-#include "paratrain/util/fnv1a.hpp"
 
 namespace paratrain {
 
@@ -122,7 +121,9 @@ inline std::string batch_problem(const Batch& b) {
 /// of every input and of the targets. Context ranks given sequences of different lengths
 /// would exchange shards of different sizes in attention: a truncated message on one rank
 /// and a hang on another, where the step's agreement makes it an error on every rank.
-inline void mix_micro_batch(Fnv1a& h, const Batch& b, bool shapes) {
+/// `Hash` mixes 64-bit values (`h.mix(v)`: detail::Fnv1a).
+template <class Hash>
+void mix_micro_batch(Hash& h, const Batch& b, bool shapes) {
   h.mix(static_cast<std::uint64_t>(b.size()));
   if (!shapes) return;
   const auto mix_shape = [&](const at::Tensor& t) {
